@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Set-up and tasks with nothing but Python 3.11: creates ./.venv with the pinned set.
+
+    python3 dev.py train   # train a small GPT with backend="ort"; parity and speed vs eager
+    python3 dev.py test    # the test suite (what CI runs)
+    python3 dev.py bench   # benchmarks (speed ratios), see docs/performance.md
+"""
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+VENV = os.path.join(ROOT, ".venv")
+PY = os.path.join(VENV, "bin", "python")
+REQS = os.path.join(ROOT, "requirements-dev.txt")
+STAMP = os.path.join(VENV, ".ort_dynamo_stamp")
+
+
+def _digest() -> str:
+    h = hashlib.sha256()
+    for name in (REQS, os.path.join(ROOT, "pyproject.toml")):
+        with open(name, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()
+
+
+def ensure_venv() -> None:
+    if sys.version_info < (3, 10):
+        sys.exit(f"ort_dynamo needs Python >= 3.10; this is {sys.version.split()[0]}")
+    if not os.path.exists(PY):
+        print(f"creating {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    if os.path.exists(STAMP) and open(STAMP).read() == _digest():
+        return
+    print("installing pinned dependencies (first run only)", flush=True)
+    pip = [PY, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.check_call(pip + ["-r", REQS])
+    subprocess.check_call(pip + ["--no-deps", "-e", ROOT])
+    with open(STAMP, "w") as fh:
+        fh.write(_digest())
+
+
+def main(argv: list[str]) -> int:
+    tasks = {
+        "train": [PY, os.path.join(ROOT, "examples", "train_gpt.py")],
+        "test": [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(ROOT, "tests")],
+        "bench": [PY, os.path.join(ROOT, "benchmarks", "train_step.py")],
+    }
+    if not argv or argv[0] not in tasks:
+        print(__doc__)
+        return 2
+    ensure_venv()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.call(tasks[argv[0]] + argv[1:], cwd=ROOT, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

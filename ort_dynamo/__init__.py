@@ -1,0 +1,37 @@
+"""ort_dynamo: ``torch.compile(model, backend="ort")`` trains on ONNX Runtime.
+
+The public API lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from .capture import ExportFailedError, OrtBackend, ort_backend
+from .options import FallbackPolicy, LogLevel, OrtOptions
+from .partition import UnsupportedOpError
+from .report import FallbackNode, GraphReport, Report
+from .run import OrtRuntimeError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ExportFailedError", "FallbackNode", "FallbackPolicy", "GraphReport", "LogLevel",
+    "OrtBackend", "OrtOptions", "OrtRuntimeError", "Report", "UnsupportedOpError",
+    "ort_backend", "report", "reset",
+]
+
+
+def report() -> Report:
+    """What the backend compiled since the last ``reset()``: graphs, ORT/PyTorch nodes, fallbacks."""
+    from .report import current_report
+
+    return current_report()
+
+
+def reset() -> None:
+    """Clear the report and every cache, and reset Dynamo so the next call recompiles."""
+    import torch._dynamo
+
+    from .report import clear_report
+
+    torch._dynamo.reset()
+    clear_report()

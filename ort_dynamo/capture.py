@@ -1,0 +1,127 @@
+"""Capture: the Dynamo backend. AOTAutograd splits forward/backward; each graph walks
+lower -> partition -> export -> rewrite -> run.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from typing import Any, Mapping
+
+import torch
+import torch.fx
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+
+from . import export as export_stage
+from . import lower as lower_stage
+from . import partition as partition_stage
+from . import rewrite as rewrite_stage
+from . import run as run_stage
+from .options import FallbackPolicy, OrtOptions, resolve_options
+from .report import FallbackNode, current_report
+
+__all__ = ["OrtBackend", "ort_backend", "ExportFailedError"]
+
+log = logging.getLogger("ort_dynamo")
+
+
+class ExportFailedError(RuntimeError):
+    """A partition could not be exported to ONNX and the fallback policy forbids PyTorch."""
+
+
+class OrtBackend:
+    """A ``torch.compile`` backend bound to one ``OrtOptions``.
+
+    ``torch.compile(model, backend=OrtBackend(OrtOptions(opset=18)))``
+    """
+
+    def __init__(self, options: OrtOptions | Mapping[str, Any] | None = None) -> None:
+        self.options = resolve_options(options)
+        logging.getLogger("ort_dynamo").setLevel(self.options.log_level.to_logging())
+
+    def __repr__(self) -> str:
+        return f"OrtBackend({self.options})"
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
+        if kwargs:
+            raise ValueError(f"OrtBackend takes its options at construction, got {sorted(kwargs)}")
+        lower_stage.lower_graph(gm)
+        compiler = functools.partial(compile_graph, options=self.options)
+        kwargs = {}
+        if self.options.memory_opt_level >= 1:
+            from torch._functorch.partitioners import min_cut_rematerialization_partition
+            kwargs["partition_fn"] = min_cut_rematerialization_partition
+        return aot_autograd(
+            fw_compiler=functools.partial(compiler, kind="forward"),
+            bw_compiler=functools.partial(compiler, kind="backward"),
+            inference_compiler=functools.partial(compiler, kind="inference"),
+            decompositions=lower_stage.decomposition_table(self.options.opset),
+            **kwargs,
+        )(gm, example_inputs)
+
+
+@functools.lru_cache(maxsize=64)
+def _backend_for(options: OrtOptions) -> OrtBackend:
+    # Dynamo guards on the backend object: the same options must give the same object.
+    return OrtBackend(options)
+
+
+def ort_backend(gm: torch.fx.GraphModule, example_inputs, options=None):
+    """The ``"ort"`` entry point: ``torch.compile(m, backend="ort", options={...})``."""
+    return _backend_for(resolve_options(options))(gm, example_inputs)
+
+
+def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptions, kind: str):
+    """Compile one AOTAutograd graph: returns a boxed callable."""
+    graph_report = current_report().new_graph(kind)
+    registry = export_stage.onnx_registry(options.opset)
+    with graph_report.stage("partition"):
+        parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report)
+    split = parts.module
+    for name in parts.ort_submodules:
+        sub = getattr(split, name)
+        runner = _compile_partition(sub, name, options, graph_report)
+        if runner is not None:
+            setattr(split, name, _RunnerModule(runner))
+    split.recompile()
+    log.info("compiled %s graph: %d node(s) on ORT, %d in PyTorch, %d partition(s)",
+             graph_report.name, graph_report.ort_nodes, graph_report.torch_nodes,
+             len(parts.ort_submodules))
+    return make_boxed_func(split)
+
+
+class _RunnerModule(torch.nn.Module):
+    """Holds an OrtRunner where the split graph calls a submodule."""
+
+    def __init__(self, runner) -> None:
+        super().__init__()
+        self.runner = runner
+
+    def forward(self, *args):
+        return self.runner(*args)
+
+
+def _compile_partition(sub: torch.fx.GraphModule, name: str, options: OrtOptions, graph_report):
+    stem = f"{graph_report.name}_{name}"
+    try:
+        with graph_report.stage("export"):
+            exported = export_stage.export_graph(sub, options.opset)
+        with graph_report.stage("rewrite"):
+            model_bytes = rewrite_stage.rewrite(exported, options)
+        graph_report.exports += 1
+    except Exception as exc:
+        nodes = sum(1 for n in sub.graph.nodes if partition_stage._is_compute(n))
+        reason = f"export failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        if not (options.fallback_policy & FallbackPolicy.EXPORT_FAILURE):
+            raise ExportFailedError(f"partition {stem} could not be exported to ONNX: {reason}") from exc
+        warnings.warn(f"ort_dynamo: {stem} runs in PyTorch: {reason}", stacklevel=2)
+        graph_report.fallbacks.append(FallbackNode(graph_report.name, name, "partition", reason))
+        graph_report.ort_nodes -= nodes
+        graph_report.torch_nodes += nodes
+        return None
+    if options.save_onnx:
+        path = run_stage.save_debug_files(exported, sub, model_bytes, options, stem)
+        graph_report.onnx_paths.append(path)
+    return run_stage.OrtRunner(exported, model_bytes, options, graph_report, sub, name)

@@ -1,0 +1,134 @@
+"""Export: one ORT-bound FX partition -> an ONNX model, translated node by node with torchlib.
+
+No re-trace through ``torch.export``: the partition's aten nodes already carry fake-tensor
+metadata, so each node is dispatched straight to its torchlib function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any
+
+import onnx_ir as ir
+import torch
+import torch.fx
+
+__all__ = ["export_graph", "onnx_registry", "ExportedGraph", "OutputSlot"]
+
+log = logging.getLogger("ort_dynamo")
+
+
+@functools.lru_cache(None)
+def onnx_registry(opset: int):
+    """torchlib's aten -> ONNX registry for ``opset`` (built once: it is slow)."""
+    from torch.onnx._internal.exporter import _registration
+
+    for name in ("_registration", "_core"):
+        logging.getLogger(f"torch.onnx._internal.exporter.{name}").setLevel(logging.ERROR)
+    return _registration.ONNXRegistry.from_torchlib(opset)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSlot:
+    """Where output ``i`` of the FX graph comes from at run time."""
+
+    kind: str  # "ort": ONNX output #index; "input": FX input #index; "const": value
+    index: int = 0
+    value: Any = None
+
+
+@dataclasses.dataclass
+class ExportedGraph:
+    model: "ir.Model"
+    input_names: list[str]
+    output_names: list[str]
+    #: Per FX output: how to produce it from the ORT outputs.
+    slots: list[OutputSlot]
+    #: Per ONNX output, the dtype PyTorch expects (ORT's may differ, e.g. bool vs uint8).
+    output_dtypes: list[torch.dtype]
+    #: Per input: "tensor", or "scalar" for SymInt/int/float inputs passed as 0-d tensors.
+    input_kinds: list[str]
+    returns_tuple: bool
+
+    def to_bytes(self) -> bytes:
+        return ir.serde.serialize_model(self.model).SerializeToString()
+
+
+def _output_nodes(gm: torch.fx.GraphModule):
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    args = out.args[0]
+    if isinstance(args, (tuple, list)):
+        return list(args), True
+    return [args], False
+
+
+_aten = torch.ops.aten
+#: Reductions torch defines on bool (summing to int64) whose torchlib lowering feeds the
+#: bool straight into ReduceSum, which ONNX rejects.
+_BOOL_REDUCTIONS = {_aten.sum.default, _aten.sum.dim_IntList, _aten.cumsum.default}
+
+
+def _fix_for_torchlib(gm: torch.fx.GraphModule) -> None:
+    """Insert the dtype casts torch does implicitly and torchlib omits."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _BOOL_REDUCTIONS:
+            continue
+        source = node.args[0]
+        val = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+        out = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dtype == torch.bool and isinstance(out, torch.Tensor):
+            with gm.graph.inserting_before(node):
+                cast = gm.graph.call_function(_aten._to_copy.default, (source,), {"dtype": out.dtype})
+            cast.meta["val"] = val.to(out.dtype)
+            node.replace_input_with(source, cast)
+    gm.recompile()
+
+
+def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
+    """Translate ``gm`` (aten ops with ``meta['val']``) into an ONNX model."""
+    from torch.onnx._internal.exporter import _core, _ir_passes
+
+    _fix_for_torchlib(gm)
+    registry = onnx_registry(opset)
+    model = ir.Model(ir.Graph([], [], nodes=[], name="ort_dynamo_graph"),
+                     ir_version=10, producer_name="ort_dynamo")
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in placeholders:
+        if "val" not in node.meta:
+            raise ValueError(f"input {node.name!r} has no shape/dtype metadata")
+    values = _core._translate_fx_graph(gm.graph, model, graph_like=model.graph, owned_graphs={},
+                                       lower="at_conversion", registry=registry)
+
+    # Outputs: ONNX wants each value once and never a graph input; the rest is rebuilt in Python.
+    model.graph.outputs.clear()
+    input_index = {n.name: i for i, n in enumerate(placeholders)}
+    fx_outputs, returns_tuple = _output_nodes(gm)
+    slots, ort_index, output_dtypes = [], {}, []
+    for out in fx_outputs:
+        if out is None or not isinstance(out, torch.fx.Node):
+            slots.append(OutputSlot("const", value=out))
+        elif out.name in input_index:
+            slots.append(OutputSlot("input", input_index[out.name]))
+        elif not isinstance(out.meta.get("val"), torch.Tensor):
+            raise TypeError(f"graph output {out.name!r} is not a tensor ({type(out.meta.get('val'))})")
+        else:
+            if out.name not in ort_index:
+                ort_index[out.name] = len(model.graph.outputs)
+                model.graph.outputs.append(values[out.name])
+                output_dtypes.append(out.meta["val"].dtype)
+            slots.append(OutputSlot("ort", ort_index[out.name]))
+
+    _ir_passes.add_opset_imports(model)
+    model.opset_imports[""] = opset
+    input_kinds = ["tensor" if isinstance(n.meta["val"], torch.Tensor) else "scalar" for n in placeholders]
+    return ExportedGraph(
+        model=model,
+        input_names=[v.name for v in model.graph.inputs],
+        output_names=[v.name for v in model.graph.outputs],
+        slots=slots,
+        output_dtypes=output_dtypes,
+        input_kinds=input_kinds,
+        returns_tuple=returns_tuple,
+    )

@@ -1,0 +1,170 @@
+"""Lower: rewrite the Dynamo graph and pick the decompositions AOTAutograd applies.
+
+Goal: every op that reaches the partitioner either has an ONNX lowering in torchlib
+or is decomposed into ops that do. Two mechanisms:
+
+* ``lower_graph`` rewrites the torch-level Dynamo graph before AOTAutograd. Needed for
+  ops whose backward autograd would record as a fused kernel with no ONNX lowering
+  (SDPA's flash/efficient attention backward): replaced by math, autograd derives a
+  backward made of matmul/softmax.
+* ``decomposition_table`` is handed to AOTAutograd: torch's decompositions for ops
+  torchlib lacks (most ``*_backward`` ops) plus our own for those torch has none of.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.fx
+from torch._decomp import core_aten_decompositions, decomposition_table as _torch_decompositions
+
+__all__ = ["lower_graph", "decomposition_table"]
+
+aten = torch.ops.aten
+
+
+def sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+    """``F.scaled_dot_product_attention`` in ops ONNX has, differentiable by autograd."""
+    q_len, kv_len = query.size(-2), key.size(-2)
+    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    if enable_gqa and key.size(-3) != query.size(-3):
+        repeat = query.size(-3) // key.size(-3)
+        key = key.repeat_interleave(repeat, dim=-3)
+        value = value.repeat_interleave(repeat, dim=-3)
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    if is_causal:
+        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        probs = torch.nn.functional.dropout(probs, p=dropout_p, training=True)
+    return torch.matmul(probs, value)
+
+
+_DYNAMO_REWRITES = {
+    torch._C._nn.scaled_dot_product_attention: sdpa_math,
+    torch.nn.functional.scaled_dot_product_attention: sdpa_math,
+}
+
+
+def lower_graph(gm: torch.fx.GraphModule) -> int:
+    """Replace torch-level calls that would leave ORT-less backward kernels. Returns the count."""
+    replaced = 0
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op == "call_function" and node.target in _DYNAMO_REWRITES:
+                node.target = _DYNAMO_REWRITES[node.target]
+                replaced += 1
+        if replaced:
+            module.recompile()
+    return replaced
+
+
+# ---- decompositions torch lacks -------------------------------------------------------------
+
+
+def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, groups):
+    """dL/dW of a (non-transposed) convolution, as one grouped convolution."""
+    n = inp.shape[0]
+    spatial = len(weight_shape) - 2
+    cin_g = inp.shape[1] // groups
+    # Input channels become the batch, batch x groups the channels.
+    x = inp.transpose(0, 1).reshape(groups, cin_g, n, *inp.shape[2:]).transpose(0, 1)
+    x = x.reshape(cin_g, groups * n, *inp.shape[2:])
+    gy = grad_out.transpose(0, 1)  # (groups * cout_g, n, ...)
+    grad = aten.convolution(x, gy, None, dilation, padding, stride, False, [0] * spatial, groups)
+    grad = grad.transpose(0, 1)  # (cout, cin_g, k...)
+    for dim, size in enumerate(weight_shape[2:]):
+        grad = grad.narrow(dim + 2, 0, size)
+    return grad
+
+
+@functools.lru_cache(None)
+def _own_decompositions() -> dict:
+    table = {}
+
+    def register(op):
+        def wrap(fn):
+            table[op] = fn
+            return fn
+        return wrap
+
+    @register(aten.convolution_backward.default)
+    def convolution_backward(grad_out, inp, weight, bias_sizes, stride, padding, dilation,
+                             transposed, output_padding, groups, output_mask):
+        spatial = weight.dim() - 2
+        grad_input = grad_weight = grad_bias = None
+        if output_mask[0]:
+            if transposed:
+                grad_input = aten.convolution(grad_out, weight, None, stride, padding, dilation,
+                                              False, [0] * spatial, groups)
+            else:
+                # output_padding makes the transposed conv land exactly on the input size.
+                extra = []
+                for i in range(spatial):
+                    full = ((grad_out.shape[i + 2] - 1) * stride[i] - 2 * padding[i]
+                            + dilation[i] * (weight.shape[i + 2] - 1) + 1)
+                    extra.append(inp.shape[i + 2] - full)
+                grad_input = aten.convolution(grad_out, weight, None, stride, padding, dilation,
+                                              True, extra, groups)
+        if output_mask[1]:
+            if transposed:
+                grad_weight = _conv_weight_grad(grad_out, inp, weight.shape, stride, padding,
+                                                dilation, groups)
+            else:
+                grad_weight = _conv_weight_grad(inp, grad_out, weight.shape, stride, padding,
+                                                dilation, groups)
+        if output_mask[2]:
+            grad_bias = grad_out.sum([0] + list(range(2, grad_out.dim())))
+        return grad_input, grad_weight, grad_bias
+
+    return table
+
+
+@functools.lru_cache(None)
+def _onnx_lowered_ops(opset: int) -> frozenset:
+    from .export import onnx_registry  # the registry belongs to the export stage
+
+    from torch.onnx._internal.exporter import _decomp
+
+    return frozenset(_decomp.get_onnx_implemented_overloads(onnx_registry(opset)))
+
+
+#: Ops whose torchlib lowering gives wrong results in training; always decomposed instead.
+#: torchlib's batch norm forces ``training=False`` (inference statistics); its nll_loss
+#: returns a fake ``total_weight`` (element count), which the backward divides by.
+TORCHLIB_WRONG = frozenset({
+    aten.nll_loss_forward.default,
+    aten.nll_loss2d_forward.default,
+    aten._native_batch_norm_legit_functional.default,
+    aten._native_batch_norm_legit.default,
+    aten._native_batch_norm_legit.no_stats,
+    aten.native_batch_norm.default,
+})
+
+
+@functools.lru_cache(None)
+def decomposition_table(opset: int = 18) -> dict:
+    """Decompositions for AOTAutograd: only ops that torchlib cannot lower (correctly)."""
+    lowered = _onnx_lowered_ops(opset) - TORCHLIB_WRONG
+    table = {op: fn for op, fn in core_aten_decompositions().items() if op not in lowered}
+    # Beyond the core set, only backward kernels: others (alias, lift_fresh...) break fake tracing.
+    for op, fn in _torch_decompositions.items():
+        if isinstance(op, torch._ops.OpOverload) and op not in lowered and (
+                "_backward" in op.name() or op in TORCHLIB_WRONG):
+            table.setdefault(op, fn)
+    missing = [op for op in TORCHLIB_WRONG if op not in table]
+    if missing:
+        raise RuntimeError(f"no decomposition for {missing}: their torchlib lowering is wrong")
+    table.update(_own_decompositions())
+    return table

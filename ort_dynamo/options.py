@@ -1,0 +1,252 @@
+"""Options: one frozen, validated dataclass, overridable by ``ORT_DYNAMO_<NAME>`` variables.
+
+Each field carries its documentation, its environment variable and its ORTModule
+counterpart, so docs/options.md and the migration table are generated from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import os
+from typing import Any, Mapping
+
+__all__ = ["FallbackPolicy", "LogLevel", "OrtOptions", "resolve_options"]
+
+ENV_PREFIX = "ORT_DYNAMO_"
+
+
+class FallbackPolicy(enum.Flag):
+    """What may run in PyTorch instead of ONNX Runtime. ``DISABLE`` raises instead.
+
+    Mirrors ORTModule's ``ORTMODULE_FALLBACK_POLICY``: flags combine with ``|``.
+    """
+
+    DISABLE = 0
+    #: An op with no ONNX lowering stays in PyTorch (graph partitioning).
+    UNSUPPORTED_OP = enum.auto()
+    #: A partition whose ONNX export fails runs in PyTorch.
+    EXPORT_FAILURE = enum.auto()
+    #: A partition whose session creation or run fails runs in PyTorch from then on.
+    RUNTIME_FAILURE = enum.auto()
+    DEFAULT = UNSUPPORTED_OP | EXPORT_FAILURE | RUNTIME_FAILURE
+
+    @classmethod
+    def parse(cls, text: str) -> "FallbackPolicy":
+        """Parse ``"UNSUPPORTED_OP|EXPORT_FAILURE"``; ORTModule's ``FALLBACK_`` prefix is accepted."""
+        policy = cls.DISABLE
+        for raw in text.replace(",", "|").split("|"):
+            name = raw.strip().upper()
+            if name.startswith("FALLBACK_"):
+                name = name[len("FALLBACK_") :]
+            name = _ORTMODULE_POLICY_ALIASES.get(name, name)
+            if not name:
+                continue
+            if name not in cls.__members__:
+                valid = ", ".join(cls.__members__)
+                raise ValueError(f"unknown fallback policy {raw.strip()!r}; valid: {valid}")
+            policy |= cls[name]
+        return policy
+
+
+# ORTModule flag names that have a meaning here.
+_ORTMODULE_POLICY_ALIASES = {
+    "UNSUPPORTED_TORCH_MODEL": "UNSUPPORTED_OP",
+    "UNSUPPORTED_ONNX_MODEL": "EXPORT_FAILURE",
+    "BAD_INITIALIZATION": "RUNTIME_FAILURE",
+    "FORCE_TORCH_RUN": "RUNTIME_FAILURE",
+}
+
+
+class LogLevel(str, enum.Enum):
+    """ORTModule's log levels, mapped onto python ``logging``."""
+
+    VERBOSE = "VERBOSE"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+    FATAL = "FATAL"
+
+    def to_logging(self) -> int:
+        return {
+            "VERBOSE": logging.DEBUG,
+            "INFO": logging.INFO,
+            "WARNING": logging.WARNING,
+            "ERROR": logging.ERROR,
+            "FATAL": logging.CRITICAL,
+        }[self.value]
+
+
+_GRAPH_OPT_LEVELS = ("disable", "basic", "extended", "all")
+_MIN_OPSET, _MAX_OPSET = 18, 23
+
+
+def _field(default: Any, doc: str, ortmodule: str = "", **kw: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"doc": doc, "ortmodule": ortmodule, **kw})
+
+
+@dataclasses.dataclass(frozen=True)
+class OrtOptions:
+    """Everything the ``ort`` backend can be told. Unknown keys raise ``ValueError``."""
+
+    opset: int = _field(18, f"ONNX opset of exported graphs ({_MIN_OPSET}..{_MAX_OPSET}).",
+                        "ORTMODULE_ONNX_OPSET_VERSION")
+    fallback_policy: FallbackPolicy = _field(
+        FallbackPolicy.DEFAULT,
+        "What may fall back to PyTorch (see docs/fallback.md); `DISABLE` raises instead.",
+        "ORTMODULE_FALLBACK_POLICY")
+    log_level: LogLevel = _field(LogLevel.WARNING, "Level of the `ort_dynamo` python logger.",
+                                 "ORTMODULE_LOG_LEVEL")
+    save_onnx: bool = _field(False, "Write each exported ONNX model and its FX graph as text.",
+                             "DebugOptions.save_onnx")
+    onnx_prefix: str = _field("ort_dynamo", "File name prefix of saved models.",
+                              "DebugOptions.onnx_prefix")
+    save_path: str = _field(".", "Folder for saved models (created if missing).",
+                            "ORTMODULE_SAVE_ONNX_PATH")
+    providers: tuple = _field(
+        (), "Execution providers to use; empty = inferred from the tensors' device "
+        "(CUDA EP for CUDA tensors, CPU EP otherwise).", "")
+    graph_optimization_level: str = _field(
+        "all", "ORT graph optimization level: " + ", ".join(_GRAPH_OPT_LEVELS) + ".", "")
+    intra_op_num_threads: int = _field(0, "ORT intra-op threads; 0 = ORT's default.", "")
+    enable_compute_optimizer: bool = _field(
+        True, "Apply ort_dynamo's ONNX rewrites to ORT fused kernels; 0 for exact-parity debugging.",
+        "ORTMODULE_ENABLE_COMPUTE_OPTIMIZER")
+    deterministic_compute: bool = _field(
+        False, "ORT `use_deterministic_compute`, rewrites and graph optimizations off.", "")
+    print_input_density: bool = _field(False, "Print padding density of embedding/label inputs per step.",
+                                       "ORTMODULE_PRINT_INPUT_DENSITY")
+    print_memory_stats: bool = _field(False, "Print memory statistics per step.",
+                                      "ORTMODULE_PRINT_MEMORY_STATS")
+    memory_opt_level: int = _field(
+        0, "0: keep activations; 1: recompute cheap ops in backward (min-cut rematerialization).",
+        "ORTMODULE_MEMORY_OPT_LEVEL")
+    cache_dir: str = _field("", "Folder of an on-disk cache of exported models; empty = off.",
+                            "ORTMODULE_CACHE_DIR")
+
+    def __post_init__(self) -> None:
+        _coerce_fields(self)
+        if not (_MIN_OPSET <= self.opset <= _MAX_OPSET):
+            raise ValueError(f"opset must be in {_MIN_OPSET}..{_MAX_OPSET}, got {self.opset}")
+        if self.graph_optimization_level not in _GRAPH_OPT_LEVELS:
+            raise ValueError(
+                f"graph_optimization_level must be one of {_GRAPH_OPT_LEVELS}, "
+                f"got {self.graph_optimization_level!r}")
+        if self.intra_op_num_threads < 0:
+            raise ValueError(f"intra_op_num_threads must be >= 0, got {self.intra_op_num_threads}")
+        if self.memory_opt_level not in (0, 1):
+            raise ValueError(f"memory_opt_level must be 0 or 1, got {self.memory_opt_level}")
+        known = {"CPUExecutionProvider", "CUDAExecutionProvider"}
+        for provider in self.providers:
+            if provider not in known:
+                raise ValueError(f"unsupported provider {provider!r}; valid: {sorted(known)}")
+        if not self.onnx_prefix:
+            raise ValueError("onnx_prefix must not be empty")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any] | None) -> "OrtOptions":
+        mapping = dict(mapping or {})
+        unknown = sorted(set(mapping) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"unknown ort_dynamo option(s) {unknown}; valid keys: {', '.join(cls.field_names())}")
+        return cls(**mapping)
+
+    def with_env(self, environ: Mapping[str, str] | None = None) -> "OrtOptions":
+        """Return a copy where each set ``ORT_DYNAMO_<NAME>`` variable overrides its field."""
+        environ = os.environ if environ is None else environ
+        overrides: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            for var in env_names(f.name):
+                if var in environ:
+                    try:
+                        overrides[f.name] = _parse_env(f.name, environ[var])
+                    except ValueError as exc:
+                        raise ValueError(f"environment variable {var}: {exc}") from None
+                    break
+        return dataclasses.replace(self, **overrides) if overrides else self
+
+
+def env_names(field_name: str) -> list[str]:
+    """Variables that set a field, strongest first: ours, then the ORTModule name it migrates."""
+    names = [ENV_PREFIX + field_name.upper()]
+    ortmodule = OrtOptions.__dataclass_fields__[field_name].metadata["ortmodule"]
+    if ortmodule.startswith("ORTMODULE_"):
+        names.append(ortmodule)
+    return names
+
+
+def _parse_env(name: str, text: str) -> Any:
+    kind = OrtOptions.__dataclass_fields__[name].type
+    if name == "save_path":
+        return text
+    if kind == "bool":
+        return _parse_bool(text)
+    if kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+    if kind == "tuple":
+        return tuple(p.strip() for p in text.split(",") if p.strip())
+    return text
+
+
+def _parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    lowered = str(text).strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (1/0/true/false), got {text!r}")
+
+
+def _coerce_fields(opts: OrtOptions) -> None:
+    """Accept friendly spellings (strings for enums, lists for tuples); reject wrong types."""
+
+    def put(name: str, value: Any) -> None:
+        object.__setattr__(opts, name, value)
+
+    if isinstance(opts.fallback_policy, str):
+        put("fallback_policy", FallbackPolicy.parse(opts.fallback_policy))
+    elif not isinstance(opts.fallback_policy, FallbackPolicy):
+        raise ValueError(f"fallback_policy must be a FallbackPolicy or str, got {opts.fallback_policy!r}")
+    if not isinstance(opts.log_level, LogLevel):
+        try:
+            put("log_level", LogLevel(str(opts.log_level).upper()))
+        except ValueError:
+            raise ValueError(
+                f"log_level must be one of {[m.value for m in LogLevel]}, got {opts.log_level!r}") from None
+    if isinstance(opts.providers, (list, str)):
+        put("providers", tuple([opts.providers] if isinstance(opts.providers, str) else opts.providers))
+    for f in dataclasses.fields(opts):
+        value = getattr(opts, f.name)
+        if f.type == "bool":
+            put(f.name, _parse_bool(value))
+        elif f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"{f.name} must be an int, got {value!r}")
+        elif f.type == "str" and not isinstance(value, str):
+            if isinstance(value, os.PathLike):
+                put(f.name, os.fspath(value))
+            else:
+                raise ValueError(f"{f.name} must be a str, got {value!r}")
+        elif f.type == "tuple" and not isinstance(getattr(opts, f.name), tuple):
+            raise ValueError(f"{f.name} must be a tuple of str, got {value!r}")
+
+
+def resolve_options(options: "OrtOptions | Mapping[str, Any] | None") -> OrtOptions:
+    """Options as given (a mapping or an OrtOptions), then environment overrides."""
+    if isinstance(options, OrtOptions):
+        base = options
+    elif options is None or isinstance(options, Mapping):
+        base = OrtOptions.from_mapping(options)
+    else:
+        raise ValueError(f"options must be a dict or OrtOptions, got {type(options).__name__}")
+    return base.with_env()

@@ -1,0 +1,151 @@
+"""What was compiled, what runs on ORT, what fell back to PyTorch and why."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+from typing import Iterator
+
+__all__ = ["FallbackNode", "GraphReport", "Report", "current_report", "clear_report"]
+
+
+@dataclasses.dataclass
+class FallbackNode:
+    """One FX node (or whole partition) that runs in PyTorch instead of ORT."""
+
+    graph: str
+    node: str
+    op: str
+    reason: str
+    source: str = ""
+
+    def __str__(self) -> str:
+        where = f" at {self.source}" if self.source else ""
+        return f"{self.op} ({self.node}){where}: {self.reason}"
+
+
+@dataclasses.dataclass
+class GraphReport:
+    """One graph handed to the backend: a forward, backward or inference graph."""
+
+    name: str
+    kind: str  # "forward" | "backward" | "inference"
+    ort_nodes: int = 0
+    torch_nodes: int = 0
+    partitions: int = 0
+    fallbacks: list[FallbackNode] = dataclasses.field(default_factory=list)
+    stage_seconds: dict[str, float] = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
+    sessions: int = 0
+    exports: int = 0
+    cache_hits: int = 0
+    runs: int = 0
+    onnx_paths: list[str] = dataclasses.field(default_factory=list)
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stage_seconds[name] += time.perf_counter() - start
+
+
+class Report:
+    """The backend's record since the last ``ort_dynamo.reset()``.
+
+    ``ort_nodes`` and ``fallback_nodes`` total the compute nodes over all graphs.
+    """
+
+    def __init__(self) -> None:
+        self.graphs: list[GraphReport] = []
+        self._lock = threading.Lock()
+        self._counter = collections.Counter()
+
+    def new_graph(self, kind: str) -> GraphReport:
+        with self._lock:
+            self._counter[kind] += 1
+            graph = GraphReport(name=f"{kind}_{self._counter[kind] - 1}", kind=kind)
+            self.graphs.append(graph)
+            return graph
+
+    @property
+    def ort_nodes(self) -> int:
+        return sum(g.ort_nodes for g in self.graphs)
+
+    @property
+    def fallback_nodes(self) -> int:
+        return sum(g.torch_nodes for g in self.graphs)
+
+    @property
+    def fallbacks(self) -> list[FallbackNode]:
+        return [f for g in self.graphs for f in g.fallbacks]
+
+    @property
+    def sessions(self) -> int:
+        return sum(g.sessions for g in self.graphs)
+
+    @property
+    def exports(self) -> int:
+        return sum(g.exports for g in self.graphs)
+
+    @property
+    def runs(self) -> int:
+        return sum(g.runs for g in self.graphs)
+
+    def stage_seconds(self) -> dict[str, float]:
+        total: dict[str, float] = collections.defaultdict(float)
+        for g in self.graphs:
+            for stage, seconds in g.stage_seconds.items():
+                total[stage] += seconds
+        return dict(total)
+
+    def to_dict(self) -> dict:
+        return {
+            "ort_nodes": self.ort_nodes,
+            "fallback_nodes": self.fallback_nodes,
+            "sessions": self.sessions,
+            "exports": self.exports,
+            "graphs": [
+                {**dataclasses.asdict(g), "stage_seconds": dict(g.stage_seconds)} for g in self.graphs
+            ],
+        }
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=2)
+
+    def __str__(self) -> str:
+        lines = [
+            f"ort_dynamo report: {len(self.graphs)} graph(s), {self.ort_nodes} node(s) on ORT, "
+            f"{self.fallback_nodes} in PyTorch, {self.sessions} session(s), {self.exports} export(s)",
+        ]
+        header = f"{'graph':<14}{'kind':<11}{'on ORT':>8}{'PyTorch':>9}{'parts':>7}{'sessions':>10}{'runs':>7}"
+        lines += [header, "-" * len(header)]
+        for g in self.graphs:
+            lines.append(f"{g.name:<14}{g.kind:<11}{g.ort_nodes:>8}{g.torch_nodes:>9}{g.partitions:>7}"
+                         f"{g.sessions:>10}{g.runs:>7}")
+        stages = self.stage_seconds()
+        if stages:
+            lines.append("time per stage: " + ", ".join(f"{k} {v:.3f}s" for k, v in stages.items()))
+        if self.fallbacks:
+            lines.append("fell back to PyTorch:")
+            lines += [f"  [{f.graph}] {f}" for f in self.fallbacks]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+_REPORT = Report()
+
+
+def current_report() -> Report:
+    return _REPORT
+
+
+def clear_report() -> None:
+    global _REPORT
+    _REPORT = Report()

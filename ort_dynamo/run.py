@@ -1,0 +1,211 @@
+"""Run: ORT sessions per partition and device, tensors handed over without copies.
+
+Inputs are wrapped in place as OrtValues (``OrtValueVector.push_back_batch`` or DLPack);
+ORT allocates outputs, which come back to PyTorch through DLPack. Nothing goes via numpy.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import warnings
+from typing import Callable, Sequence
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from onnxruntime.capi import _pybind_state as C
+
+from .export import ExportedGraph
+from .options import FallbackPolicy, OrtOptions
+from .report import FallbackNode, GraphReport
+
+__all__ = ["OrtRunner", "session_options", "providers_for", "OrtRuntimeError"]
+
+log = logging.getLogger("ort_dynamo")
+
+_NUMPY_DTYPES = {
+    torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+    torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+    torch.uint8: np.uint8, torch.bool: np.bool_,
+}
+_ONNX_TYPES = {
+    torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.int16: 5, torch.int32: 6, torch.int64: 7,
+    torch.bool: 9, torch.float16: 10, torch.float64: 11, torch.bfloat16: 16,
+}
+_OPT_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+class OrtRuntimeError(RuntimeError):
+    """ORT could not create a session for, or run, a partition."""
+
+
+def session_options(options: OrtOptions) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    # Spinning ORT threads would starve PyTorch's own threads between our runs.
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    level = "disable" if options.deterministic_compute else options.graph_optimization_level
+    so.graph_optimization_level = _OPT_LEVELS[level]
+    if options.deterministic_compute:
+        so.use_deterministic_compute = True
+    if options.intra_op_num_threads:
+        so.intra_op_num_threads = options.intra_op_num_threads
+    so.log_severity_level = 3
+    return so
+
+
+def providers_for(device: torch.device, options: OrtOptions) -> list:
+    """Execution providers for tensors on ``device``; CUDA needs onnxruntime-gpu."""
+    available = ort.get_available_providers()
+    if device.type == "cuda":
+        if "CUDAExecutionProvider" not in available:
+            raise OrtRuntimeError(
+                "CUDA tensors need the CUDA execution provider, which this onnxruntime lacks "
+                f"(providers: {available}). Install onnxruntime-gpu instead of onnxruntime "
+                "(see docs/gpu.md).")
+        cuda = {"device_id": str(device.index or 0)}
+        stream = torch.cuda.current_stream(device)
+        cuda.update(has_user_compute_stream="1", user_compute_stream=str(stream.cuda_stream))
+        return [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
+    if device.type != "cpu":
+        raise OrtRuntimeError(f"tensors on {device} are not supported by ort_dynamo (CPU and CUDA only)")
+    if options.providers and "CPUExecutionProvider" not in options.providers:
+        raise OrtRuntimeError(f"CPU tensors need CPUExecutionProvider; options.providers={options.providers}")
+    return ["CPUExecutionProvider"]
+
+
+def _ort_device(device: torch.device):
+    if device.type == "cuda":
+        return C.OrtDevice(C.OrtDevice.cuda(), C.OrtDevice.default_memory(), device.index or 0)
+    return C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
+
+
+class OrtRunner:
+    """Runs one exported partition; falls back to ``torch_fn`` where the policy allows."""
+
+    def __init__(self, exported: ExportedGraph, model_bytes: bytes, options: OrtOptions,
+                 graph_report: GraphReport, torch_fn: Callable, name: str) -> None:
+        self.exported = exported
+        self.model_bytes = model_bytes
+        self.options = options
+        self.report = graph_report
+        self.torch_fn = torch_fn
+        self.name = name
+        self._sessions: dict[torch.device, tuple] = {}
+        self._failed: str | None = None
+        self.compute_nodes = sum(1 for n in torch_fn.graph.nodes
+                                 if n.op == "call_function" and n.target is not operator.getitem)
+
+    # -- sessions ---------------------------------------------------------------------------------
+
+    def _session(self, device: torch.device):
+        entry = self._sessions.get(device)
+        if entry is None:
+            with self.report.stage("session"):
+                sess = ort.InferenceSession(self.model_bytes, session_options(self.options),
+                                            providers=providers_for(device, self.options))
+            if device.type == "cuda" and "CUDAExecutionProvider" not in sess.get_providers():
+                raise OrtRuntimeError(f"CUDA EP was not enabled for {self.name}: {sess.get_providers()}")
+            ort_device = _ort_device(device)
+            entry = (sess, ort_device, [ort_device] * len(self.exported.output_names), C.RunOptions())
+            self._sessions[device] = entry
+            self.report.sessions += 1
+        return entry
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def __call__(self, *args):
+        if self._failed is not None:
+            return self.torch_fn(*args)
+        try:
+            return self._run(args)
+        except OrtRuntimeError:
+            raise
+        except Exception as exc:
+            if not (self.options.fallback_policy & FallbackPolicy.RUNTIME_FAILURE):
+                raise OrtRuntimeError(f"ONNX Runtime failed on partition {self.name}: {exc}") from exc
+            self._failed = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"ort_dynamo: ONNX Runtime failed on {self.report.name}/{self.name}; "
+                          f"running it in PyTorch from now on ({self._failed[:200]})", stacklevel=2)
+            self.report.fallbacks.append(FallbackNode(self.report.name, self.name, "partition",
+                                                      "runtime failure: " + self._failed[:300]))
+            self.report.ort_nodes -= self.compute_nodes
+            self.report.torch_nodes += self.compute_nodes
+            return self.torch_fn(*args)
+
+    def _run(self, args: Sequence):
+        exported = self.exported
+        tensors = []
+        device = None
+        for arg, kind in zip(args, exported.input_kinds):
+            if kind == "tensor":
+                if device is None:
+                    device = arg.device
+                tensors.append(arg if arg.is_contiguous() else arg.contiguous())
+            else:
+                tensors.append(arg)
+        device = device or torch.device("cpu")
+        tensors = [t if isinstance(t, torch.Tensor) else _scalar_tensor(t, device) for t in tensors]
+        sess, ort_device, out_devices, run_options = self._session(device)
+        inputs = C.OrtValueVector()
+        inputs.reserve(len(tensors))
+        np_types = [_NUMPY_DTYPES.get(t.dtype) for t in tensors]
+        pointers = [t.data_ptr() for t in tensors]
+        if all(np_types) and all(pointers):
+            inputs.push_back_batch(tensors, pointers, np_types, [t.shape for t in tensors],
+                                   [ort_device] * len(tensors))
+        else:  # bfloat16 (no numpy type) or empty tensors (null data pointer)
+            for t, pointer in zip(tensors, pointers):
+                inputs.push_back(_wrap(t, pointer, ort_device))
+        outputs = C.OrtValueVector()
+        sess._sess.run_with_ortvaluevector(run_options, exported.input_names, inputs,
+                                           exported.output_names, outputs, out_devices)
+        self.report.runs += 1
+        results = outputs.to_dlpacks(torch._C._from_dlpack)
+        for i, want in enumerate(exported.output_dtypes):
+            if results[i].dtype != want:
+                results[i] = results[i].view(want) if results[i].element_size() == want.itemsize \
+                    else results[i].to(want)
+        out = []
+        for slot in exported.slots:
+            if slot.kind == "ort":
+                out.append(results[slot.index])
+            elif slot.kind == "input":
+                out.append(args[slot.index])
+            else:
+                out.append(slot.value)
+        return tuple(out) if exported.returns_tuple else out[0]
+
+
+def _wrap(t: torch.Tensor, pointer: int, ort_device):
+    if pointer:
+        return C.OrtValue.from_dlpack(t.detach().__dlpack__(), t.dtype == torch.bool)
+    onnx_type = _ONNX_TYPES[t.dtype]
+    return C.OrtValue.ortvalue_from_shape_and_onnx_type(list(t.shape), onnx_type, ort_device)
+
+
+def _scalar_tensor(value, device: torch.device) -> torch.Tensor:
+    if isinstance(value, (bool, torch.SymBool)):
+        return torch.tensor(bool(value), device=device)
+    if isinstance(value, (int, torch.SymInt)):
+        return torch.tensor(int(value), dtype=torch.int64, device=device)
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+def save_debug_files(exported: ExportedGraph, gm, model_bytes: bytes, options: OrtOptions,
+                     stem: str) -> str:
+    """Write ``<prefix>_<stem>.onnx`` and the FX graph it came from; returns the ONNX path."""
+    os.makedirs(options.save_path, exist_ok=True)
+    base = os.path.join(options.save_path, f"{options.onnx_prefix}_{stem}")
+    with open(base + ".onnx", "wb") as fh:
+        fh.write(model_bytes)
+    with open(base + ".fx.txt", "w") as fh:
+        fh.write(gm.print_readable(print_output=False))
+    return base + ".onnx"
