@@ -5,16 +5,15 @@ The public API lives here and nowhere else.
 
 from __future__ import annotations
 
-from .capture import ExportFailedError, OrtBackend, ort_backend
+from .capture import OrtBackend, ort_backend
+from .errors import ExportFailedError, OptionsError, OrtDynamoError, OrtRuntimeError, UnsupportedOpError
 from .options import FallbackPolicy, LogLevel, OrtOptions
-from .partition import UnsupportedOpError
 from .report import FallbackNode, GraphReport, Report
-from .run import OrtRuntimeError
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ExportFailedError", "FallbackNode", "FallbackPolicy", "GraphReport", "LogLevel",
+    "ExportFailedError", "FallbackNode", "OptionsError", "OrtDynamoError", "FallbackPolicy", "GraphReport", "LogLevel",
     "OrtBackend", "OrtOptions", "OrtRuntimeError", "Report", "UnsupportedOpError",
     "ort_backend", "report", "reset",
 ]

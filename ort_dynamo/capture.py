@@ -19,16 +19,13 @@ from . import lower as lower_stage
 from . import partition as partition_stage
 from . import rewrite as rewrite_stage
 from . import run as run_stage
+from .errors import ExportFailedError, OptionsError
 from .options import FallbackPolicy, OrtOptions, resolve_options
 from .report import FallbackNode, current_report
 
 __all__ = ["OrtBackend", "ort_backend", "ExportFailedError"]
 
 log = logging.getLogger("ort_dynamo")
-
-
-class ExportFailedError(RuntimeError):
-    """A partition could not be exported to ONNX and the fallback policy forbids PyTorch."""
 
 
 class OrtBackend:
@@ -46,7 +43,7 @@ class OrtBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
         if kwargs:
-            raise ValueError(f"OrtBackend takes its options at construction, got {sorted(kwargs)}")
+            raise OptionsError(f"OrtBackend takes its options at construction, got {sorted(kwargs)}")
         lower_stage.lower_graph(gm)
         compiler = functools.partial(compile_graph, options=self.options)
         kwargs = {}

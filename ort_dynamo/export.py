@@ -51,6 +51,8 @@ class ExportedGraph:
     #: Per input: "tensor", or "scalar" for SymInt/int/float inputs passed as 0-d tensors.
     input_kinds: list[str]
     returns_tuple: bool
+    #: "cpu" or "cuda": where the graph's tensors live (decides device-specific rewrites).
+    device: str = "cpu"
 
     def to_bytes(self) -> bytes:
         return ir.serde.serialize_model(self.model).SerializeToString()
@@ -70,8 +72,38 @@ _aten = torch.ops.aten
 _BOOL_REDUCTIONS = {_aten.sum.default, _aten.sum.dim_IntList, _aten.cumsum.default}
 
 
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _cast_symbolic_scalars(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """A SymInt/SymFloat in a Tensor slot (``mul.Tensor(x, s0)``) is promoted by torch as a
+    Python number; torchlib sees an int64 tensor. Make it a tensor of the promoted dtype."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return
+    tensors = [a.meta["val"] for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    if not tensors:
+        return
+    base = tensors[0].dtype
+    for arg_schema, arg in zip(schema.arguments, node.args):
+        if not (isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get("val"), _SYMBOLIC)):
+            continue
+        if not isinstance(arg_schema.type, torch.TensorType):
+            continue
+        sym = arg.meta["val"]
+        dtype = torch.get_default_dtype() if isinstance(sym, torch.SymFloat) and not base.is_floating_point \
+            else base
+        with gm.graph.inserting_before(node):
+            cast = gm.graph.call_function(_aten.scalar_tensor.default, (arg,), {"dtype": dtype})
+        cast.meta["val"] = torch.empty((), dtype=dtype, device=tensors[0].device)
+        node.replace_input_with(arg, cast)
+
+
 def _fix_for_torchlib(gm: torch.fx.GraphModule) -> None:
     """Insert the dtype casts torch does implicitly and torchlib omits."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function":
+            _cast_symbolic_scalars(gm, node)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _BOOL_REDUCTIONS:
             continue
@@ -123,6 +155,7 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
     _ir_passes.add_opset_imports(model)
     model.opset_imports[""] = opset
     input_kinds = ["tensor" if isinstance(n.meta["val"], torch.Tensor) else "scalar" for n in placeholders]
+    devices = {n.meta["val"].device.type for n in placeholders if isinstance(n.meta["val"], torch.Tensor)}
     return ExportedGraph(
         model=model,
         input_names=[v.name for v in model.graph.inputs],
@@ -131,4 +164,5 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
         output_dtypes=output_dtypes,
         input_kinds=input_kinds,
         returns_tuple=returns_tuple,
+        device="cuda" if "cuda" in devices else "cpu",
     )

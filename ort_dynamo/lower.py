@@ -153,15 +153,20 @@ TORCHLIB_WRONG = frozenset({
 })
 
 
+_NEVER_DECOMPOSE = {aten.lift, aten.lift_fresh, aten.sym_numel, aten.is_same_size}
+
+
 @functools.lru_cache(None)
 def decomposition_table(opset: int = 18) -> dict:
     """Decompositions for AOTAutograd: only ops that torchlib cannot lower (correctly)."""
     lowered = _onnx_lowered_ops(opset) - TORCHLIB_WRONG
     table = {op: fn for op, fn in core_aten_decompositions().items() if op not in lowered}
-    # Beyond the core set, only backward kernels: others (alias, lift_fresh...) break fake tracing.
+    # Beyond the core set: functional ops only (in-place/out variants are gone after
+    # functionalization) and never the tensor-lifting ones, which break fake tracing.
     for op, fn in _torch_decompositions.items():
-        if isinstance(op, torch._ops.OpOverload) and op not in lowered and (
-                "_backward" in op.name() or op in TORCHLIB_WRONG):
+        if (isinstance(op, torch._ops.OpOverload) and op not in lowered
+                and op.overloadpacket not in _NEVER_DECOMPOSE
+                and not op._schema.name.endswith("_") and "out" not in op._overloadname):
             table.setdefault(op, fn)
     missing = [op for op in TORCHLIB_WRONG if op not in table]
     if missing:

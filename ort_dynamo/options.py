@@ -12,6 +12,8 @@ import logging
 import os
 from typing import Any, Mapping
 
+from .errors import OptionsError
+
 __all__ = ["FallbackPolicy", "LogLevel", "OrtOptions", "resolve_options"]
 
 ENV_PREFIX = "ORT_DYNAMO_"
@@ -45,7 +47,7 @@ class FallbackPolicy(enum.Flag):
                 continue
             if name not in cls.__members__:
                 valid = ", ".join(cls.__members__)
-                raise ValueError(f"unknown fallback policy {raw.strip()!r}; valid: {valid}")
+                raise OptionsError(f"unknown fallback policy {raw.strip()!r}; valid: {valid}")
             policy |= cls[name]
         return policy
 
@@ -128,21 +130,21 @@ class OrtOptions:
     def __post_init__(self) -> None:
         _coerce_fields(self)
         if not (_MIN_OPSET <= self.opset <= _MAX_OPSET):
-            raise ValueError(f"opset must be in {_MIN_OPSET}..{_MAX_OPSET}, got {self.opset}")
+            raise OptionsError(f"opset must be in {_MIN_OPSET}..{_MAX_OPSET}, got {self.opset}")
         if self.graph_optimization_level not in _GRAPH_OPT_LEVELS:
-            raise ValueError(
+            raise OptionsError(
                 f"graph_optimization_level must be one of {_GRAPH_OPT_LEVELS}, "
                 f"got {self.graph_optimization_level!r}")
         if self.intra_op_num_threads < 0:
-            raise ValueError(f"intra_op_num_threads must be >= 0, got {self.intra_op_num_threads}")
+            raise OptionsError(f"intra_op_num_threads must be >= 0, got {self.intra_op_num_threads}")
         if self.memory_opt_level not in (0, 1):
-            raise ValueError(f"memory_opt_level must be 0 or 1, got {self.memory_opt_level}")
+            raise OptionsError(f"memory_opt_level must be 0 or 1, got {self.memory_opt_level}")
         known = {"CPUExecutionProvider", "CUDAExecutionProvider"}
         for provider in self.providers:
             if provider not in known:
-                raise ValueError(f"unsupported provider {provider!r}; valid: {sorted(known)}")
+                raise OptionsError(f"unsupported provider {provider!r}; valid: {sorted(known)}")
         if not self.onnx_prefix:
-            raise ValueError("onnx_prefix must not be empty")
+            raise OptionsError("onnx_prefix must not be empty")
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -153,7 +155,7 @@ class OrtOptions:
         mapping = dict(mapping or {})
         unknown = sorted(set(mapping) - set(cls.field_names()))
         if unknown:
-            raise ValueError(
+            raise OptionsError(
                 f"unknown ort_dynamo option(s) {unknown}; valid keys: {', '.join(cls.field_names())}")
         return cls(**mapping)
 
@@ -167,7 +169,7 @@ class OrtOptions:
                     try:
                         overrides[f.name] = _parse_env(f.name, environ[var])
                     except ValueError as exc:
-                        raise ValueError(f"environment variable {var}: {exc}") from None
+                        raise OptionsError(f"environment variable {var}: {exc}") from None
                     break
         return dataclasses.replace(self, **overrides) if overrides else self
 
@@ -191,7 +193,7 @@ def _parse_env(name: str, text: str) -> Any:
         try:
             return int(text)
         except ValueError:
-            raise ValueError(f"expected an integer, got {text!r}") from None
+            raise OptionsError(f"expected an integer, got {text!r}") from None
     if kind == "tuple":
         return tuple(p.strip() for p in text.split(",") if p.strip())
     return text
@@ -205,7 +207,7 @@ def _parse_bool(text: str | bool) -> bool:
         return True
     if lowered in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"expected a boolean (1/0/true/false), got {text!r}")
+    raise OptionsError(f"expected a boolean (1/0/true/false), got {text!r}")
 
 
 def _coerce_fields(opts: OrtOptions) -> None:
@@ -217,12 +219,12 @@ def _coerce_fields(opts: OrtOptions) -> None:
     if isinstance(opts.fallback_policy, str):
         put("fallback_policy", FallbackPolicy.parse(opts.fallback_policy))
     elif not isinstance(opts.fallback_policy, FallbackPolicy):
-        raise ValueError(f"fallback_policy must be a FallbackPolicy or str, got {opts.fallback_policy!r}")
+        raise OptionsError(f"fallback_policy must be a FallbackPolicy or str, got {opts.fallback_policy!r}")
     if not isinstance(opts.log_level, LogLevel):
         try:
             put("log_level", LogLevel(str(opts.log_level).upper()))
         except ValueError:
-            raise ValueError(
+            raise OptionsError(
                 f"log_level must be one of {[m.value for m in LogLevel]}, got {opts.log_level!r}") from None
     if isinstance(opts.providers, (list, str)):
         put("providers", tuple([opts.providers] if isinstance(opts.providers, str) else opts.providers))
@@ -231,14 +233,14 @@ def _coerce_fields(opts: OrtOptions) -> None:
         if f.type == "bool":
             put(f.name, _parse_bool(value))
         elif f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
-            raise ValueError(f"{f.name} must be an int, got {value!r}")
+            raise OptionsError(f"{f.name} must be an int, got {value!r}")
         elif f.type == "str" and not isinstance(value, str):
             if isinstance(value, os.PathLike):
                 put(f.name, os.fspath(value))
             else:
-                raise ValueError(f"{f.name} must be a str, got {value!r}")
+                raise OptionsError(f"{f.name} must be a str, got {value!r}")
         elif f.type == "tuple" and not isinstance(getattr(opts, f.name), tuple):
-            raise ValueError(f"{f.name} must be a tuple of str, got {value!r}")
+            raise OptionsError(f"{f.name} must be a tuple of str, got {value!r}")
 
 
 def resolve_options(options: "OrtOptions | Mapping[str, Any] | None") -> OrtOptions:
@@ -248,5 +250,5 @@ def resolve_options(options: "OrtOptions | Mapping[str, Any] | None") -> OrtOpti
     elif options is None or isinstance(options, Mapping):
         base = OrtOptions.from_mapping(options)
     else:
-        raise ValueError(f"options must be a dict or OrtOptions, got {type(options).__name__}")
+        raise OptionsError(f"options must be a dict or OrtOptions, got {type(options).__name__}")
     return base.with_env()

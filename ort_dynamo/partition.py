@@ -11,15 +11,12 @@ import torch.fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
+from .errors import UnsupportedOpError
 from .lower import TORCHLIB_WRONG
 from .options import FallbackPolicy
 from .report import FallbackNode, GraphReport
 
 __all__ = ["partition", "UnsupportedOpError", "Partitioned"]
-
-
-class UnsupportedOpError(RuntimeError):
-    """An op has no ONNX lowering and the fallback policy forbids running it in PyTorch."""
 
 
 @dataclasses.dataclass

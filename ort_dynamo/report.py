@@ -110,7 +110,9 @@ class Report:
             "sessions": self.sessions,
             "exports": self.exports,
             "graphs": [
-                {**dataclasses.asdict(g), "stage_seconds": dict(g.stage_seconds)} for g in self.graphs
+                {f.name: getattr(g, f.name) for f in dataclasses.fields(g) if f.name not in ("fallbacks", "stage_seconds")}
+                | {"stage_seconds": dict(g.stage_seconds), "fallbacks": [dataclasses.asdict(f) for f in g.fallbacks]}
+                for g in self.graphs
             ],
         }
 

@@ -1,4 +1,4 @@
-"""Rewrite: ONNX model -> what ORT runs best (cleanup now, fused kernels as they land)."""
+"""Rewrite: ONNX model -> what ORT runs best on the target device."""
 
 from __future__ import annotations
 
@@ -9,14 +9,54 @@ from .options import OrtOptions
 
 __all__ = ["rewrite"]
 
+#: Ops that only move or reinterpret data: ORT's CPU kernels take every type for these.
+_TYPE_GENERIC = {
+    "Cast", "CastLike", "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Concat",
+    "Slice", "Gather", "GatherElements", "GatherND", "Expand", "Flatten", "Shape", "Size",
+    "Split", "Tile", "Constant", "ConstantOfShape", "Where", "ScatterND", "ScatterElements",
+}
+
 
 def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
-    """Clean up ``exported.model`` in place and return the serialized model for ORT."""
+    """Rewrite ``exported.model`` in place for ``exported.device``; return serialized bytes."""
     model = exported.model
+    ir.passes.common.InlinePass()(model)
+    if exported.device == "cpu":
+        _compute_bfloat16_in_float32(model.graph)
     if options.enable_compute_optimizer and not options.deterministic_compute:
         import onnxscript.optimizer
 
-        # Constant folding and dead-code removal; keeps graph inputs/outputs as they are.
+        # Constant folding and dead-code removal; graph inputs/outputs stay as they are.
         onnxscript.optimizer.optimize(model, num_iterations=2)
     ir.passes.common.RemoveUnusedFunctionsPass()(model)
     return ir.serde.serialize_model(model).SerializeToString()
+
+
+def _compute_bfloat16_in_float32(graph: ir.Graph) -> None:
+    """ORT's CPU EP lacks bf16 kernels for most ops. Do as eager does on CPU: compute each op
+    in fp32 and round its result to bf16, so values match eager's op by op."""
+    bf16, fp32 = ir.DataType.BFLOAT16, ir.DataType.FLOAT
+    for node in list(graph):
+        if node.op_type in _TYPE_GENERIC or node.domain not in ("", "ai.onnx"):
+            continue
+        touches = [v for v in (*node.inputs, *node.outputs) if v is not None and v.dtype == bf16]
+        if not touches:
+            continue
+        for index, value in enumerate(node.inputs):
+            if value is not None and value.dtype == bf16:
+                up = ir.node("Cast", [value], attributes={"to": fp32})
+                up.outputs[0].dtype, up.outputs[0].shape = fp32, value.shape
+                graph.insert_before(node, up)
+                node.replace_input_with(index, up.outputs[0])
+        for value in node.outputs:
+            if value.dtype != bf16:
+                continue
+            name = value.name
+            value.name = name + "_fp32"
+            down = ir.node("Cast", [None], attributes={"to": bf16})
+            rounded = down.outputs[0]
+            rounded.name, rounded.dtype, rounded.shape = name, bf16, value.shape
+            value.replace_all_uses_with(rounded, replace_graph_outputs=True)
+            down.replace_input_with(0, value)
+            value.dtype = fp32
+            graph.insert_after(node, down)

@@ -17,6 +17,7 @@ import onnxruntime as ort
 import torch
 from onnxruntime.capi import _pybind_state as C
 
+from .errors import OrtRuntimeError
 from .export import ExportedGraph
 from .options import FallbackPolicy, OrtOptions
 from .report import FallbackNode, GraphReport
@@ -40,10 +41,6 @@ _OPT_LEVELS = {
     "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
-
-
-class OrtRuntimeError(RuntimeError):
-    """ORT could not create a session for, or run, a partition."""
 
 
 def session_options(options: OrtOptions) -> ort.SessionOptions:

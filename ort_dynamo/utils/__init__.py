@@ -1,0 +1,1 @@
+"""Utilities around the ort backend: convergence hooks (hooks/), data helpers (data/)."""

@@ -1,0 +1,49 @@
+"""Shared helpers: train a model eagerly and under backend="ort", compare step by step."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+
+import ort_dynamo
+
+
+def train_both(model: torch.nn.Module, batch: Callable[[], dict | tuple], loss_of: Callable,
+               steps: int = 3, options: dict | None = None, lr: float = 0.1, **compile_kw):
+    """Run ``steps`` SGD steps on a copy in eager and a copy under ort; return both losses.
+
+    SGD (not Adam): Adam divides by sqrt(v), which turns the rounding noise of parameters whose
+    true gradient is 0 (e.g. attention key biases) into lr-sized updates, hiding real parity.
+    """
+    eager, compiled_model = model, copy.deepcopy(model)
+    compiled = torch.compile(compiled_model, backend="ort", options=options or {}, **compile_kw)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=lr)
+    opt_o = torch.optim.SGD(compiled_model.parameters(), lr=lr)
+    losses_e, losses_o = [], []
+    for _ in range(steps):
+        args = batch()
+        for fn, opt, losses in ((eager, opt_e, losses_e), (compiled, opt_o, losses_o)):
+            out = fn(**args) if isinstance(args, dict) else fn(*args)
+            loss = loss_of(out)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return eager, compiled_model, losses_e, losses_o
+
+
+def assert_same_training(eager, compiled_model, losses_e, losses_o, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(torch.tensor(losses_o), torch.tensor(losses_e), rtol=rtol, atol=0)
+    for (name, p_e), p_o in zip(eager.named_parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(p_o, p_e, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    for (name, b_e), b_o in zip(eager.named_buffers(), compiled_model.buffers()):
+        torch.testing.assert_close(b_o, b_e, rtol=rtol, atol=atol, msg=lambda m: f"buffer {name}: {m}")
+
+
+def assert_all_on_ort():
+    report = ort_dynamo.report()
+    assert report.ort_nodes > 0, str(report)
+    assert report.fallback_nodes == 0, str(report)
+    assert report.runs > 0, str(report)

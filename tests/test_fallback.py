@@ -1,0 +1,129 @@
+"""Ops without an ONNX lowering: reported fallback by default, a named error with DISABLE."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ort_dynamo
+from ort_dynamo import FallbackPolicy, OrtOptions
+from parity import assert_same_training, train_both
+
+
+@torch.library.custom_op("ort_dynamo_tests::soft_clip", mutates_args=())
+def soft_clip(x: torch.Tensor) -> torch.Tensor:
+    """An op ONNX has never heard of (a custom op with its own autograd formula)."""
+    return x / (1 + x.abs())
+
+
+@soft_clip.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _soft_clip_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad / (1 + x.abs()) ** 2
+
+
+soft_clip.register_autograd(_soft_clip_backward,
+                            setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
+
+
+class WithCustomOp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.b(soft_clip(self.a(x)))
+
+
+def test_unsupported_op_falls_back_trains_correctly_and_is_reported():
+    x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+    result = train_both(WithCustomOp(), lambda: (x,), lambda out: F.cross_entropy(out, y))
+    assert_same_training(*result)
+    report = ort_dynamo.report()
+    assert report.fallback_nodes >= 1
+    assert report.ort_nodes > 0  # the linear layers still run on ORT
+    ops = {f.op for f in report.fallbacks}
+    assert "ort_dynamo_tests.soft_clip.default" in ops, report.fallbacks
+    fallback = next(f for f in report.fallbacks if f.op == "ort_dynamo_tests.soft_clip.default")
+    assert "no ONNX lowering" in fallback.reason
+    assert "test_fallback.py" in fallback.source and "soft_clip(self.a(x))" in fallback.source
+    assert "soft_clip" in str(report)  # the printed table names it too
+
+
+def test_disable_policy_raises_naming_op_and_source_line():
+    model = torch.compile(WithCustomOp(), backend="ort", options={"fallback_policy": "DISABLE"})
+    with pytest.raises(ort_dynamo.UnsupportedOpError) as info:
+        model(torch.randn(2, 8))
+    message = str(info.value)
+    assert "ort_dynamo_tests.soft_clip" in message
+    assert "test_fallback.py" in message and "soft_clip(self.a(x))" in message
+    assert "no ONNX lowering" in message
+
+
+def test_disable_policy_from_ortmodule_env_name(monkeypatch):
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    model = torch.compile(WithCustomOp(), backend="ort")
+    with pytest.raises(Exception, match="soft_clip"):
+        model(torch.randn(2, 8))
+
+
+def test_export_failure_falls_back_per_partition(monkeypatch):
+    """A partition that cannot be exported runs in PyTorch, reported, result still right."""
+    import ort_dynamo.export as export_stage
+
+    def broken_export(gm, opset=18):
+        raise RuntimeError("simulated exporter bug")
+
+    monkeypatch.setattr(export_stage, "export_graph", broken_export)
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match="simulated exporter bug"):
+        out = torch.compile(model, backend="ort")(x)
+    torch.testing.assert_close(out, model(x))
+    report = ort_dynamo.report()
+    assert report.ort_nodes == 0 and report.fallback_nodes > 0
+    assert any("simulated exporter bug" in f.reason for f in report.fallbacks)
+
+
+def test_export_failure_with_disable_raises(monkeypatch):
+    import ort_dynamo.export as export_stage
+
+    monkeypatch.setattr(export_stage, "export_graph", lambda gm, opset=18: 1 / 0)
+    model = torch.compile(nn.Linear(4, 2), backend="ort", options={"fallback_policy": "UNSUPPORTED_OP"})
+    with pytest.raises(ort_dynamo.ExportFailedError, match="could not be exported"):
+        model(torch.randn(3, 4))
+
+
+def test_runtime_failure_warns_once_and_stays_in_pytorch(monkeypatch):
+    import ort_dynamo.run as run_stage
+
+    calls = {"n": 0}
+
+    def failing_run(self, args):
+        calls["n"] += 1
+        raise RuntimeError("simulated ORT crash")
+
+    monkeypatch.setattr(run_stage.OrtRunner, "_run", failing_run)
+    model = nn.Linear(4, 2)
+    compiled = torch.compile(model, backend="ort")
+    x = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match="simulated ORT crash"):
+        torch.testing.assert_close(compiled(x), model(x))
+    torch.testing.assert_close(compiled(x), model(x))  # no second attempt, no second warning
+    assert calls["n"] == 1
+    assert ort_dynamo.report().fallback_nodes > 0
+
+
+def test_fallback_policy_parsing():
+    assert FallbackPolicy.parse("DISABLE") == FallbackPolicy.DISABLE
+    assert FallbackPolicy.parse("FALLBACK_DISABLE") == FallbackPolicy.DISABLE
+    assert FallbackPolicy.parse("UNSUPPORTED_OP|EXPORT_FAILURE") == (
+        FallbackPolicy.UNSUPPORTED_OP | FallbackPolicy.EXPORT_FAILURE)
+    assert OrtOptions(fallback_policy="DEFAULT").fallback_policy == FallbackPolicy.DEFAULT
+    with pytest.raises(ValueError, match="unknown fallback policy 'SOMETIMES'"):
+        FallbackPolicy.parse("SOMETIMES")

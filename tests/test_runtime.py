@@ -1,0 +1,204 @@
+"""The run stage: zero-copy hand-off, sessions per graph, shapes, odd inputs and outputs."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+from onnxruntime.capi import _pybind_state as C
+
+import ort_dynamo
+
+
+def test_cpu_path_never_goes_through_numpy(monkeypatch):
+    """Inputs are wrapped in place (their data pointers reach ORT); numpy is never touched."""
+
+    def numpy_path(*args, **kwargs):
+        raise AssertionError("ort_dynamo copied through numpy")
+
+    monkeypatch.setattr(C.InferenceSession, "run", numpy_path)
+    monkeypatch.setattr(C.OrtValue, "numpy", numpy_path)
+    monkeypatch.setattr(C.OrtValue, "ortvalue_from_numpy", numpy_path)
+    handed_over = []
+    original = C.OrtValueVector.push_back_batch
+
+    def spy(self, tensors, pointers, *rest):
+        handed_over.append((list(tensors), list(pointers)))
+        return original(self, tensors, pointers, *rest)
+
+    monkeypatch.setattr(C.OrtValueVector, "push_back_batch", spy)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    x = torch.randn(16, 32, requires_grad=True)
+    out = torch.compile(model, backend="ort")(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, model(x))
+    assert handed_over, "the OrtValueVector batch path was not taken"
+    for tensors, pointers in handed_over:
+        assert pointers == [t.data_ptr() for t in tensors]
+    assert any(x.data_ptr() in pointers for _, pointers in handed_over)
+
+
+def test_outputs_are_ort_buffers_handed_over_by_dlpack(monkeypatch):
+    """Outputs come from ORT's own allocation through DLPack: no copy back into PyTorch."""
+    seen = []
+    original = C.OrtValueVector.to_dlpacks
+
+    def spy(self, to_tensor):
+        capsules = original(self, None)
+        tensors = [torch._C._from_dlpack(c) for c in capsules]
+        seen.extend(t.data_ptr() for t in tensors)
+        return tensors
+
+    monkeypatch.setattr(C.OrtValueVector, "to_dlpacks", spy)
+    out = torch.compile(lambda a, b: (a @ b).relu(), backend="ort")(torch.randn(8, 8), torch.randn(8, 8))
+    assert out.data_ptr() in seen
+
+
+def test_inference_runs_one_graph_per_partition():
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2)).eval()
+    compiled = torch.compile(model, backend="ort")
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), model(x))
+    report = ort_dynamo.report()
+    assert [g.kind for g in report.graphs] == ["inference"]
+    graph = report.graphs[0]
+    assert graph.partitions == 1 and graph.sessions == 1 and graph.runs == 3
+    assert report.fallback_nodes == 0
+
+
+def test_changing_batch_size_gives_right_results():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    compiled = torch.compile(model, backend="ort")
+    for batch in (2, 5, 2, 9):
+        x = torch.randn(batch, 8)
+        torch.testing.assert_close(compiled(x), model(x))
+
+
+def test_dynamic_true_does_not_recompile_or_reexport_for_new_batch_or_length():
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 3))
+    compiled = torch.compile(model, backend="ort", dynamic=True)
+    # Sizes 0 and 1 are always specialized by Dynamo, so they would recompile: not used here.
+    for batch, length in ((2, 5), (3, 7), (6, 4), (4, 9)):
+        x = torch.randn(batch, length, 8, requires_grad=True)
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x))
+        out.sum().backward()
+    report = ort_dynamo.report()
+    assert sorted(g.kind for g in report.graphs) == ["backward", "forward"]
+    assert report.exports == 2 and report.sessions == 2
+    assert report.graphs[0].runs == 4
+
+
+def test_odd_inputs_and_outputs():
+    """None outputs, passthrough inputs, repeated outputs, scalars, int64 indices, bool masks,
+    0-d tensors, non-contiguous inputs."""
+
+    def fn(x, idx, mask, scale: float, zero_d):
+        picked = x[idx]  # int64 indices
+        masked = x.masked_fill(mask, 0.0)  # bool mask
+        y = (masked * scale + zero_d).sum(-1)
+        return y, y, picked, idx, None, mask.any()
+
+    x = torch.randn(6, 4).t()  # non-contiguous
+    idx = torch.tensor([0, 2, 2, 1])
+    mask = torch.rand(4, 6) > 0.5
+    zero_d = torch.tensor(0.5)
+    compiled = torch.compile(fn, backend="ort")
+    for scale in (2.0, 3.0):
+        got, want = compiled(x, idx, mask, scale, zero_d), fn(x, idx, mask, scale, zero_d)
+        assert got[4] is None and got[3] is idx
+        assert got[5].dtype == torch.bool
+        for g, w in zip(got, want):
+            if w is not None:
+                torch.testing.assert_close(g, w)
+    assert ort_dynamo.report().fallback_nodes == 0
+
+
+def test_dynamic_scalar_and_symint_inputs():
+    def fn(x, n: int):
+        return x.view(n, -1) * n
+
+    compiled = torch.compile(fn, backend="ort", dynamic=True)
+    for n in (2, 4, 3):
+        x = torch.randn(12)
+        torch.testing.assert_close(compiled(x, n), fn(x, n))
+    assert ort_dynamo.report().fallback_nodes == 0, ort_dynamo.report()
+
+
+def test_bfloat16_and_empty_tensors():
+    def fn(a, b, empty):
+        return (a * b).sum(), torch.cat([empty, a.float()]).sum()
+
+    a = torch.randn(5, dtype=torch.bfloat16)
+    b = torch.randn(5, dtype=torch.bfloat16)
+    empty = torch.zeros(0)
+    got = torch.compile(fn, backend="ort")(a, b, empty)
+    want = fn(a, b, empty)
+    assert got[0].dtype == torch.bfloat16
+    torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got[1], want[1])
+    assert ort_dynamo.report().fallback_nodes == 0, ort_dynamo.report()
+
+
+def test_cpu_sessions_do_not_spin():
+    from ort_dynamo.options import OrtOptions
+    from ort_dynamo.run import session_options
+
+    so = session_options(OrtOptions())
+    assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+def test_save_onnx_writes_models_and_fx_graphs(tmp_path):
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4, requires_grad=True)
+    opts = {"save_onnx": True, "save_path": str(tmp_path / "models"), "onnx_prefix": "mlp"}
+    torch.compile(model, backend="ort", options=opts)(x).sum().backward()
+    files = sorted(os.listdir(tmp_path / "models"))
+    assert "mlp_forward_0_fused_0.onnx" in files and "mlp_backward_0_fused_0.onnx" in files
+    assert "mlp_forward_0_fused_0.fx.txt" in files
+    fx_text = (tmp_path / "models" / "mlp_forward_0_fused_0.fx.txt").read_text()
+    assert "torch.ops.aten" in fx_text
+
+
+def test_backend_name_works_in_a_fresh_interpreter_without_importing_ort_dynamo():
+    code = textwrap.dedent("""
+        import sys, torch
+        f = torch.compile(lambda x: (x * 2).sin(), backend="ort")
+        x = torch.randn(4)
+        torch.testing.assert_close(f(x), (x * 2).sin())
+        assert "ort_dynamo" in sys.modules  # loaded through the entry point
+        import ort_dynamo
+        assert ort_dynamo.report().ort_nodes == 2, ort_dynamo.report()
+        print("OK")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("OK")
+
+
+def test_reset_clears_report_and_recompiles():
+    model = nn.Linear(2, 2)
+    compiled = torch.compile(model, backend="ort")
+    compiled(torch.randn(1, 2))
+    assert len(ort_dynamo.report().graphs) == 1
+    ort_dynamo.reset()
+    assert len(ort_dynamo.report().graphs) == 0
+    compiled(torch.randn(1, 2))
+    assert len(ort_dynamo.report().graphs) == 1
+
+
+def test_report_prints_a_table_and_saves_json(tmp_path):
+    torch.compile(nn.Linear(2, 2), backend="ort")(torch.randn(1, 2))
+    text = str(ort_dynamo.report())
+    assert "on ORT" in text and "inference_0" in text or "forward_0" in text
+    path = tmp_path / "report.json"
+    ort_dynamo.report().save(str(path))
+    import json
+
+    data = json.loads(path.read_text())
+    assert data["ort_nodes"] == ort_dynamo.report().ort_nodes and data["graphs"]

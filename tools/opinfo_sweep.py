@@ -1,0 +1,461 @@
+#!/usr/bin/env python3
+"""OpInfo sweep: every float32 CPU OpInfo of torch's ``op_db`` through ``backend="ort"``.
+
+For each op, its first ``--samples`` sample inputs run eagerly and through
+``torch.compile(fn, backend="ort", dynamic=False)``; forward outputs and input gradients
+(ops that support autograd) are compared. Per op we record pass / mismatch / error /
+timeout and the nodes that fell back to PyTorch (``ort_dynamo.report().fallbacks``).
+
+    .venv/bin/python tools/opinfo_sweep.py                       # all ops -> docs/ops.json + docs/ops.md
+    .venv/bin/python tools/opinfo_sweep.py --ops add,nn.functional.gelu --out /tmp/x.json
+    .venv/bin/python tools/opinfo_sweep.py --resume              # skip ops already in the JSON
+    .venv/bin/python tools/opinfo_sweep.py --report-only         # regenerate docs/ops.md
+
+Ops run in long-lived worker processes (``--jobs``); a worker stuck on one op for more than
+``--timeout`` seconds is killed, the op recorded as ``timeout`` and a new worker takes the
+rest. Results are written to the JSON after every op, so an interrupted sweep resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import queue
+import shlex
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_JSON = os.path.join(ROOT, "docs", "ops.json")
+DEFAULT_MD = os.path.join(ROOT, "docs", "ops.md")
+
+#: Ops whose values are random by design: only shapes and dtypes are compared
+#: (ORT draws its own random numbers, see docs/ops.md).
+RANDOM_OPS = {
+    "bernoulli", "normal", "normal.number_mean", "normal.in_place", "rand_like", "randn_like",
+    "randint_like", "randint", "randn", "rand", "multinomial", "uniform", "cauchy", "exponential",
+    "geometric", "log_normal", "nn.functional.dropout", "nn.functional.dropout2d",
+    "nn.functional.dropout3d", "nn.functional.alpha_dropout", "nn.functional.feature_alpha_dropout",
+    "nn.functional.feature_alpha_dropout.with_train", "nn.functional.feature_alpha_dropout.without_train",
+    "nn.functional.rrelu", "randint_like", "new_empty", "new_empty_strided", "empty_like", "empty",
+    "empty_strided", "empty_permuted", "nn.functional.multi_head_attention_forward",
+    "torch.empty", "bernoulli", "native_dropout_backward", "_refs.empty", "_refs.empty_like",
+}
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def op_key(op) -> str:
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+# ---- worker: runs ops in this process -------------------------------------------------------------
+
+
+def _float32_ops():
+    import torch
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return {op_key(op): op for op in op_db if torch.float32 in op.supported_dtypes("cpu")}
+
+
+def _close(expected, actual, what: str) -> str:
+    """'' if ``actual`` matches ``expected`` (tree of tensors/values), else the difference."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    exp_leaves, exp_spec = tree_flatten(expected)
+    act_leaves, act_spec = tree_flatten(actual)
+    if len(exp_leaves) != len(act_leaves):
+        return f"{what}: {len(act_leaves)} values, eager has {len(exp_leaves)}"
+    for i, (e, a) in enumerate(zip(exp_leaves, act_leaves)):
+        if isinstance(e, torch.Tensor) != isinstance(a, torch.Tensor):
+            return f"{what}[{i}]: {type(a).__name__}, eager {type(e).__name__}"
+        if not isinstance(e, torch.Tensor):
+            if e != a and not (isinstance(e, float) and e != e and a != a):
+                return f"{what}[{i}]: {a!r} != eager {e!r}"
+            continue
+        if e.dtype != a.dtype or e.shape != a.shape:
+            return f"{what}[{i}]: {a.dtype}{list(a.shape)} vs eager {e.dtype}{list(e.shape)}"
+        try:
+            torch.testing.assert_close(a.detach(), e.detach(), rtol=RTOL, atol=ATOL, equal_nan=True,
+                                       check_stride=False)
+        except AssertionError as exc:
+            lines = [ln.strip() for ln in str(exc).splitlines() if "Greatest" in ln or "Mismatched" in ln]
+            return f"{what}[{i}]: " + ("; ".join(lines) or str(exc).splitlines()[0])[:200]
+    return ""
+
+
+def _shape_check(expected, actual, what: str) -> str:
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    exp, act = tree_flatten(expected)[0], tree_flatten(actual)[0]
+    if len(exp) != len(act):
+        return f"{what}: {len(act)} values, eager has {len(exp)}"
+    for i, (e, a) in enumerate(zip(exp, act)):
+        if isinstance(e, torch.Tensor) and (not isinstance(a, torch.Tensor) or e.shape != a.shape
+                                            or e.dtype != a.dtype):
+            return f"{what}[{i}]: shape/dtype differ from eager"
+    return ""
+
+
+def _grads(fn, tensors, weights_seed: int):
+    """Forward outputs and d(sum(w * out))/d(inputs) for the float inputs that require grad."""
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    out = fn(*tensors)
+    leaves = [t for t in tree_flatten(out)[0]
+              if isinstance(t, torch.Tensor) and t.requires_grad and t.dtype.is_floating_point]
+    wrt = [t for t in tensors if t.requires_grad]
+    if not leaves or not wrt:
+        return out, None
+    gen = torch.Generator().manual_seed(weights_seed)
+    loss = sum((leaf * torch.rand(leaf.shape, generator=gen, dtype=leaf.dtype)).sum() for leaf in leaves)
+    grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+    return out, [g if g is not None else torch.zeros_like(w) for g, w in zip(grads, wrt)]
+
+
+def run_one_op(op, samples: int) -> dict:
+    """Compare eager and ``backend="ort"`` on ``op``'s first ``samples`` sample inputs."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    import ort_dynamo
+
+    key = op_key(op)
+    random_op = key in RANDOM_OPS or op.name in RANDOM_OPS
+    result = {"op": key, "status": "pass", "samples": 0, "detail": "", "fallbacks": [],
+              "fallback_nodes": 0, "ort_nodes": 0, "graph_breaks": 0, "random": random_op,
+              "grad_checked": False}
+    autograd = bool(op.supports_autograd)
+    try:
+        sample_iter = iter(op.sample_inputs("cpu", torch.float32, requires_grad=autograd))
+    except Exception as exc:
+        result.update(status="skipped", detail=f"sample_inputs failed: {type(exc).__name__}: {exc}"[:300])
+        return result
+    fallbacks: dict[str, str] = {}
+    problems: list[tuple[str, str]] = []
+    for index in range(samples):
+        try:
+            sample = next(sample_iter)
+        except StopIteration:
+            break
+        except Exception as exc:
+            problems.append(("skipped", f"sample {index}: {type(exc).__name__}: {exc}"[:300]))
+            break
+        leaves, spec = tree_flatten((sample.input, sample.args, sample.kwargs))
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+        def fn(*tensors, _leaves=leaves, _spec=spec, _positions=positions):
+            filled = list(_leaves)
+            for pos, t in zip(_positions, tensors):
+                filled[pos] = t
+            inp, args, kwargs = tree_unflatten(filled, _spec)
+            return op.op(inp, *args, **kwargs)
+
+        def fresh():
+            return [leaves[p].detach().clone().requires_grad_(leaves[p].requires_grad) for p in positions]
+
+        torch.manual_seed(0)
+        try:
+            expected, expected_grads = _grads(fn, fresh(), index)
+        except Exception:
+            continue  # eager rejects this sample: nothing to compare
+        result["samples"] += 1
+        ort_dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(fn, backend="ort", dynamic=False)
+        torch.manual_seed(0)
+        try:
+            actual, actual_grads = _grads(compiled, fresh(), index)
+        except Exception as exc:
+            problems.append(("error", f"sample {index}: {type(exc).__name__}: {' '.join(str(exc).split())}"[:400]))
+            continue
+        finally:
+            rep = ort_dynamo.report()
+            result["ort_nodes"] += rep.ort_nodes
+            result["fallback_nodes"] += rep.fallback_nodes
+            result["graph_breaks"] += sum(counters["graph_break"].values())
+            for fb in rep.fallbacks:
+                fallbacks.setdefault(fb.op, fb.reason[:200])
+        check = _shape_check if random_op else _close
+        diff = check(expected, actual, "output")
+        if not diff and expected_grads is not None:
+            result["grad_checked"] = True
+            diff = check(expected_grads, actual_grads, "grad")
+        if diff:
+            problems.append(("mismatch", f"sample {index}: {diff}"))
+    result["fallbacks"] = [{"op": k, "reason": v} for k, v in sorted(fallbacks.items())]
+    for status in ("error", "mismatch", "skipped"):
+        found = [d for s, d in problems if s == status]
+        if found:
+            result["status"], result["detail"] = status, found[0]
+            break
+    if result["samples"] == 0 and result["status"] == "pass":
+        result.update(status="skipped", detail="no sample input that eager accepts")
+    return result
+
+
+def worker_main(names: list[str], samples: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("ORT_DYNAMO_INTRA_OP_NUM_THREADS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
+    ops = _float32_ops()
+    for name in names:
+        print("START " + name, flush=True)
+        start = time.perf_counter()
+        try:
+            rec = run_one_op(ops[name], samples)
+        except Exception as exc:  # a bug in the harness, not in the backend
+            rec = {"op": name, "status": "error", "detail": f"harness: {type(exc).__name__}: {exc}"[:300],
+                   "fallbacks": [], "fallback_nodes": 0, "ort_nodes": 0, "graph_breaks": 0,
+                   "samples": 0, "random": False, "grad_checked": False}
+        rec["seconds"] = round(time.perf_counter() - start, 2)
+        print("RESULT " + json.dumps(rec), flush=True)
+
+
+# ---- supervisor: workers, timeouts, incremental JSON -----------------------------------------------
+
+
+class Results:
+    def __init__(self, path: str, meta: dict, keep: dict) -> None:
+        self.path, self.meta, self.ops = path, meta, dict(keep)
+        self.lock = threading.Lock()
+
+    def add(self, rec: dict) -> None:
+        with self.lock:
+            self.ops[rec["op"]] = rec
+            self._write()
+
+    def _write(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"meta": self.meta, "ops": dict(sorted(self.ops.items()))}, fh, indent=1)
+        os.replace(tmp, self.path)
+
+
+def _run_slot(names: list[str], args, results: Results, log) -> None:
+    pending = list(names)
+    while pending:
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--ops", ",".join(pending),
+               "--samples", str(args.samples)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+        lines: queue.Queue = queue.Queue()
+
+        def pump(stream=proc.stdout):
+            for line in stream:
+                lines.put(line.rstrip("\n"))
+            lines.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+        current, started = None, time.monotonic()
+        while True:
+            wait = (started + (args.timeout if current else 300)) - time.monotonic()
+            try:
+                line = lines.get(timeout=max(wait, 0.1))
+            except queue.Empty:
+                proc.kill()
+                proc.wait()
+                victim = current or pending[0]
+                results.add({"op": victim, "status": "timeout", "detail": f"over {args.timeout}s",
+                             "fallbacks": [], "fallback_nodes": 0, "ort_nodes": 0, "graph_breaks": 0,
+                             "samples": 0, "random": False, "grad_checked": False,
+                             "seconds": args.timeout})
+                log(f"TIMEOUT {victim}")
+                pending.remove(victim)
+                break
+            if line is None:
+                proc.wait()
+                if current:
+                    results.add({"op": current, "status": "error",
+                                 "detail": f"worker died (exit {proc.returncode})", "fallbacks": [],
+                                 "fallback_nodes": 0, "ort_nodes": 0, "graph_breaks": 0, "samples": 0,
+                                 "random": False, "grad_checked": False, "seconds": 0})
+                    log(f"CRASH {current}")
+                    pending.remove(current)
+                elif pending:
+                    log(f"worker exited (rc {proc.returncode}) before {pending[0]}")
+                    return
+                break
+            if line.startswith("START "):
+                current, started = line[6:], time.monotonic()
+            elif line.startswith("RESULT "):
+                rec = json.loads(line[7:])
+                results.add(rec)
+                log(f"{rec['status']:8s} {rec['op']} ({rec['seconds']}s, fallbacks={rec['fallback_nodes']})")
+                if rec["op"] in pending:
+                    pending.remove(rec["op"])
+                current = None
+
+
+def versions() -> dict:
+    import onnxruntime
+    import onnxscript
+    import torch
+
+    return {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
+            "onnxscript": onnxscript.__version__}
+
+
+def supervise(args) -> None:
+    names = sorted(_float32_ops())
+    if args.ops:
+        wanted = [n.strip() for n in args.ops.split(",") if n.strip()]
+        unknown = [n for n in wanted if n not in names]
+        if unknown:
+            sys.exit(f"unknown float32 OpInfo name(s): {unknown}")
+        names = wanted
+    keep = {}
+    if args.resume and os.path.exists(args.out):
+        with open(args.out) as fh:
+            keep = json.load(fh)["ops"]
+        redo = {"timeout", "error"} if args.retry_failed else set()
+        names = [n for n in names if n not in keep or keep[n]["status"] in redo]
+    if args.limit:
+        names = names[: args.limit]
+    command = "python tools/opinfo_sweep.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    meta = {"command": command.strip(), "date": datetime.date.today().isoformat(),
+            "samples_per_op": args.samples, "timeout_s": args.timeout, "rtol": RTOL, "atol": ATOL,
+            **versions()}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    results = Results(args.out, meta, keep)
+    print_lock = threading.Lock()
+
+    def log(msg: str) -> None:
+        with print_lock:
+            print(f"[{len(results.ops)}] {msg}", flush=True)
+
+    slots = [names[i:: args.jobs] for i in range(args.jobs)]
+    threads = [threading.Thread(target=_run_slot, args=(s, args, results, log)) for s in slots if s]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if args.md:
+        write_markdown(args.out, args.md)
+
+
+# ---- docs/ops.md ------------------------------------------------------------------------------
+
+
+def _pct(n: int, d: int) -> str:
+    return f"{100.0 * n / d:.1f}%" if d else "n/a"
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")[:220]
+
+
+def write_markdown(json_path: str, md_path: str) -> None:
+    with open(json_path) as fh:
+        data = json.load(fh)
+    meta, ops = data["meta"], data["ops"]
+    tested = {k: r for k, r in ops.items() if r["status"] != "skipped"}
+    n = len(tested)
+    passed = [k for k, r in tested.items() if r["status"] == "pass"]
+    no_fallback = [k for k, r in tested.items()
+                   if r["status"] in ("pass", "mismatch") and r["fallback_nodes"] == 0]
+    fully = sorted(k for k, r in tested.items() if r["status"] == "pass" and r["fallback_nodes"] == 0
+                   and r["graph_breaks"] == 0)
+    lines = [
+        "# Operator coverage (OpInfo sweep)",
+        "",
+        "Generated by `tools/opinfo_sweep.py`: every OpInfo of "
+        "`torch.testing._internal.common_methods_invocations.op_db` that supports float32 on CPU, "
+        f"its first {meta['samples_per_op']} sample inputs, eager vs "
+        "`torch.compile(fn, backend=\"ort\", dynamic=False)`: forward outputs and, for ops that "
+        f"support autograd, input gradients (rtol={meta['rtol']}, atol={meta['atol']}, NaNs equal).",
+        "",
+        f"* Command: `{meta['command']}`",
+        f"* Date: {meta['date']}; torch {meta['torch']}, onnxruntime {meta['onnxruntime']}, "
+        f"onnxscript {meta['onnxscript']}; per-op time cap {meta['timeout_s']} s",
+        "",
+        "## Headline",
+        "",
+        f"* **{_pct(len(passed), n)}** of {n} float32 OpInfo ops match eager ({len(passed)} ops).",
+        f"* **{_pct(len(no_fallback), n)}** run with no node falling back to PyTorch "
+        f"({len(no_fallback)} ops; compiled and ran, `report().fallback_nodes == 0`).",
+        f"* {len(fully)} ops match eager entirely on ORT with no Dynamo graph break.",
+        f"* {len(ops) - n} ops skipped (no sample input eager accepts) are not counted.",
+        "",
+        "Random ops (" + ", ".join(sorted(k for k, r in tested.items() if r.get("random"))) + ") are "
+        "compared on shapes and dtypes only: ORT draws its own random numbers, so dropout masks "
+        "and samples differ from eager's (statistics are tested in tests/test_random_ops.py).",
+        "",
+    ]
+    by_status = {}
+    for k, r in sorted(tested.items()):
+        by_status.setdefault(r["status"], []).append((k, r))
+
+    def table(title: str, rows, columns, render) -> None:
+        lines.extend([f"## {title} ({len(rows)})", ""])
+        if not rows:
+            lines.extend(["None.", ""])
+            return
+        lines.append("| " + " | ".join(columns) + " |")
+        lines.append("|" + "---|" * len(columns))
+        for row in rows:
+            lines.append("| " + " | ".join(_cell(c) for c in render(row)) + " |")
+        lines.append("")
+
+    lines.extend([f"## Ops that run fully on ORT and match eager ({len(fully)})", "",
+                  ", ".join(f"`{k}`" for k in fully) or "None.", ""])
+    falls = [(k, r) for k, r in sorted(tested.items()) if r["fallback_nodes"] or r["graph_breaks"]]
+    table("Ops with nodes in PyTorch", falls, ["op", "status", "fallback nodes", "graph breaks", "reason"],
+          lambda kr: [kr[0], kr[1]["status"], kr[1]["fallback_nodes"], kr[1]["graph_breaks"],
+                      "; ".join(f"{f['op']}: {f['reason']}" for f in kr[1]["fallbacks"][:2])
+                      or ("Dynamo graph break" if kr[1]["graph_breaks"] else "")])
+    table("Mismatches", by_status.get("mismatch", []), ["op", "detail"], lambda kr: [kr[0], kr[1]["detail"]])
+    errors = by_status.get("error", []) + by_status.get("timeout", [])
+    table("Errors and timeouts", errors, ["op", "status", "detail"],
+          lambda kr: [kr[0], kr[1]["status"], kr[1]["detail"]])
+    skipped = sorted(k for k, r in ops.items() if r["status"] == "skipped")
+    lines.extend([f"## Skipped ({len(skipped)})", "", ", ".join(f"`{k}`" for k in skipped) or "None.", ""])
+    with open(md_path, "w") as fh:
+        fh.write("\n".join(lines))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", default="", help="comma-separated OpInfo names (name.variant)")
+    parser.add_argument("--limit", type=int, default=0, help="at most N ops (after --ops/--resume)")
+    parser.add_argument("--samples", type=int, default=3, help="sample inputs per op")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds per op before it is killed")
+    parser.add_argument("--out", default=DEFAULT_JSON, help="per-op results JSON")
+    parser.add_argument("--md", default=DEFAULT_MD, help="markdown report ('' = none)")
+    parser.add_argument("--resume", action="store_true", help="skip ops already in --out")
+    parser.add_argument("--retry-failed", action="store_true", help="with --resume: redo errors/timeouts")
+    parser.add_argument("--report-only", action="store_true", help="only regenerate --md from --out")
+    parser.add_argument("--list", action="store_true", help="print the float32 OpInfo names")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
+    if args.worker:
+        worker_main([n for n in args.ops.split(",") if n], args.samples)
+    elif args.list:
+        print("\n".join(sorted(_float32_ops())))
+    elif args.report_only:
+        write_markdown(args.out, args.md)
+    else:
+        supervise(args)
+
+
+if __name__ == "__main__":
+    main()
