@@ -14,6 +14,7 @@ import torch.fx
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
+from . import cache as cache_stage
 from . import export as export_stage
 from . import lower as lower_stage
 from . import partition as partition_stage
@@ -103,11 +104,21 @@ class _RunnerModule(torch.nn.Module):
 def _compile_partition(sub: torch.fx.GraphModule, name: str, options: OrtOptions, graph_report):
     stem = f"{graph_report.name}_{name}"
     try:
-        with graph_report.stage("export"):
-            exported = export_stage.export_graph(sub, options.opset)
-        with graph_report.stage("rewrite"):
-            model_bytes = rewrite_stage.rewrite(exported, options)
-        graph_report.exports += 1
+        cached = key = None
+        if options.cache_dir:
+            key = cache_stage.cache_key(sub, options)
+            cached = cache_stage.load(options.cache_dir, key)
+        if cached is not None:
+            exported, model_bytes = cached
+            graph_report.cache_hits += 1
+        else:
+            with graph_report.stage("export"):
+                exported = export_stage.export_graph(sub, options.opset)
+            with graph_report.stage("rewrite"):
+                model_bytes = rewrite_stage.rewrite(exported, options)
+            graph_report.exports += 1
+            if key is not None:
+                cache_stage.store(options.cache_dir, key, exported, model_bytes)
     except Exception as exc:
         nodes = sum(1 for n in sub.graph.nodes if partition_stage._is_compute(n))
         reason = f"export failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"

@@ -77,7 +77,8 @@ class CompareResult:
     save_path: str = ""
 
     def __str__(self) -> str:
-        head = f"ort_dynamo compare: {self.steps} step(s); losses eager {_fmt_list(self.eager_losses)} " \
+        head = f"ort_dynamo compare: {len(self.eager_losses)} of {self.steps} step(s) run; " \
+               f"losses eager {_fmt_list(self.eager_losses)} " \
                f"ort {_fmt_list(self.ort_losses)}"
         if not self.diverged:
             return head + "\nno divergence: every activation and gradient matches within tolerance"

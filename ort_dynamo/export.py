@@ -27,7 +27,11 @@ def onnx_registry(opset: int):
 
     for name in ("_registration", "_core"):
         logging.getLogger(f"torch.onnx._internal.exporter.{name}").setLevel(logging.ERROR)
-    return _registration.ONNXRegistry.from_torchlib(opset)
+    from . import lowerings
+
+    registry = _registration.ONNXRegistry.from_torchlib(opset)
+    lowerings.register(registry)
+    return registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +104,21 @@ def _cast_symbolic_scalars(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Non
 
 
 def _fix_for_torchlib(gm: torch.fx.GraphModule) -> None:
-    """Insert the dtype casts torch does implicitly and torchlib omits."""
+    """Insert the dtype casts torch does implicitly and torchlib omits.
+
+    Mixed-dtype elementwise ops (``mul(float, int64)``, ``where(c, float, double)``) get
+    explicit casts from torch.onnx's own type-promotion pass; ONNX Mul/Add/... need one type.
+    Complex results are refused: torchlib represents them as (..., 2) real pairs, which
+    would come back to PyTorch with the wrong shape and dtype.
+    """
+    from torch.onnx._internal.fx import passes as onnx_fx_passes
+
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        if node.op == "call_function" and any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals):
+            raise TypeError(f"{node.target} returns a complex tensor; ORT partitions support real dtypes only")
+    onnx_fx_passes.InsertTypePromotion(gm).run()
     for node in list(gm.graph.nodes):
         if node.op == "call_function":
             _cast_symbolic_scalars(gm, node)

@@ -89,6 +89,118 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
     return grad
 
 
+def _pool_geometry(size: int, k: int, s: int, p: int, ceil_mode: bool) -> tuple[int, int]:
+    """PyTorch's pooling output length, and the zeros ceil mode adds past the right padding."""
+    out = (size + 2 * p - k + (s - 1 if ceil_mode else 0)) // s + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1
+    return out, max(0, (out - 1) * s + k - (size + 2 * p))
+
+
+def _avg_pool_parts(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    """Average pooling as a ones-kernel convolution over an explicitly padded input.
+
+    Returns ``(x_padded, kernel, stride, divisor, pads)`` with ``x`` reshaped to (N*C, 1, *S):
+    the pooled sum is ``conv(x_padded, kernel, stride)`` and the average that over ``divisor``
+    (a per-window count, or the override). Used where torchlib has nothing: the backward,
+    and ``divisor_override`` (which torchlib's lowering ignores).
+    """
+    spatial = len(kernel_size) if len(kernel_size) > 1 else x.dim() - 2
+    ks = list(kernel_size) * (spatial if len(kernel_size) == 1 else 1)
+    st = list(stride or ks)
+    st = st * (spatial if len(st) == 1 else 1)
+    pd = list(padding) * (spatial if len(padding) == 1 else 1)
+    sizes = list(x.shape[-spatial:])
+    extra = [_pool_geometry(n, k, s, p, ceil_mode)[1] for n, k, s, p in zip(sizes, ks, st, pd)]
+    flat = x.reshape(-1, 1, *sizes)
+    # constant_pad_nd takes (left, right) pairs from the last dim backwards.
+    pads = [v for i in reversed(range(spatial)) for v in (pd[i], pd[i] + extra[i])]
+    x_padded = aten.constant_pad_nd(flat, pads, 0.0)
+    kernel = torch.ones([1, 1, *ks], dtype=x.dtype, device=x.device)
+    if divisor_override:
+        divisor = float(divisor_override)
+    else:
+        ones = torch.ones([1, 1, *sizes], dtype=x.dtype, device=x.device)
+        if count_include_pad:  # padding counts, ceil mode's extra zeros do not
+            counted = aten.constant_pad_nd(ones, [v for i in reversed(range(spatial)) for v in (pd[i], pd[i])], 1.0)
+            counted = aten.constant_pad_nd(counted, [v for i in reversed(range(spatial)) for v in (0, extra[i])], 0.0)
+        else:
+            counted = aten.constant_pad_nd(ones, pads, 0.0)
+        divisor = aten.convolution(counted, kernel, None, st, [0] * spatial, [1] * spatial, False,
+                                   [0] * spatial, 1)
+    return x_padded, kernel, st, divisor, (pd, sizes, spatial)
+
+
+def _avg_pool_forward(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+                      divisor_override=None):
+    if divisor_override is None:
+        return NotImplemented  # torchlib's lowering is right without the override
+    padding = [padding] if isinstance(padding, int) else padding
+    x_padded, kernel, st, divisor, (pd, sizes, spatial) = _avg_pool_parts(
+        x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    summed = aten.convolution(x_padded, kernel, None, st, [0] * spatial, [1] * spatial, False,
+                              [0] * spatial, 1)
+    out = summed / divisor
+    return out.reshape(*x.shape[:-spatial], *out.shape[2:])
+
+
+def _avg_pool_backward(grad_out, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                       divisor_override):
+    x_padded, kernel, st, divisor, (pd, sizes, spatial) = _avg_pool_parts(
+        x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
+    g = grad_out.reshape(-1, 1, *grad_out.shape[-spatial:]) / divisor
+    # The transposed conv spreads each window's gradient back; output_padding covers the
+    # rows past the last window (always < stride).
+    out_pad = [x_padded.shape[2 + i] - ((g.shape[2 + i] - 1) * st[i] + kernel.shape[2 + i])
+               for i in range(spatial)]
+    grad_padded = aten.convolution(g, kernel, None, st, [0] * spatial, [1] * spatial, True, out_pad, 1)
+    grad = grad_padded
+    for i in range(spatial):
+        grad = grad.narrow(2 + i, pd[i], sizes[i])
+    return grad.reshape(x.shape)
+
+
+def _adaptive_matrix(in_size: int, out_size: int, like):
+    """(out, in) averaging matrix of adaptive pooling along one dim, built from traced ops."""
+    i = torch.arange(out_size, device=like.device)
+    start = (i * in_size) // out_size
+    end = ((i + 1) * in_size + out_size - 1) // out_size
+    j = torch.arange(in_size, device=like.device)
+    inside = (j[None, :] >= start[:, None]) & (j[None, :] < end[:, None])
+    return inside.to(like.dtype) / (end - start).to(like.dtype)[:, None]
+
+
+def _adaptive_avg_pool(x, output_size):
+    spatial = len(output_size)
+    out = x
+    for d in range(spatial):
+        axis = x.dim() - spatial + d
+        m = _adaptive_matrix(x.shape[axis], output_size[d], x)
+        out = torch.matmul(out.movedim(axis, -1), m.t()).movedim(-1, axis)
+    return out
+
+
+def _adaptive_avg_pool_backward(grad_out, x):
+    spatial = grad_out.dim() - 2 if grad_out.dim() > 3 else grad_out.dim() - 1
+    spatial = min(spatial, 3)
+    grad = grad_out
+    for d in range(spatial):
+        axis = grad_out.dim() - spatial + d
+        m = _adaptive_matrix(x.shape[axis], grad_out.shape[axis], x)
+        grad = torch.matmul(grad.movedim(axis, -1), m).movedim(-1, axis)
+    return grad
+
+
+def _strided_indices(size, stride, offset, device):
+    """Flat storage index of every element of ``as_strided(size, stride, offset)``."""
+    index = torch.full([1] * len(size), offset, dtype=torch.int64, device=device)
+    for d, (n, st) in enumerate(zip(size, stride)):
+        shape = [1] * len(size)
+        shape[d] = n
+        index = index + (torch.arange(n, device=device) * st).reshape(shape)
+    return index.expand(*size)
+
+
 @functools.lru_cache(None)
 def _own_decompositions() -> dict:
     table = {}
@@ -127,6 +239,54 @@ def _own_decompositions() -> dict:
         if output_mask[2]:
             grad_bias = grad_out.sum([0] + list(range(2, grad_out.dim())))
         return grad_input, grad_weight, grad_bias
+
+    @register(aten.avg_pool2d.default)
+    def avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+                   divisor_override=None):
+        return _avg_pool_forward(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                                 divisor_override)
+
+    @register(aten.avg_pool3d.default)
+    def avg_pool3d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+                   divisor_override=None):
+        return _avg_pool_forward(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                                 divisor_override)
+
+    table[aten.avg_pool2d_backward.default] = _avg_pool_backward
+    table[aten.avg_pool3d_backward.default] = _avg_pool_backward
+
+    @register(aten._adaptive_avg_pool2d_backward.default)
+    def adaptive_avg_pool2d_backward(grad_out, x):
+        return _adaptive_avg_pool_backward(grad_out, x)
+
+    @register(aten._adaptive_avg_pool3d_backward.default)
+    def adaptive_avg_pool3d_backward(grad_out, x):
+        return _adaptive_avg_pool_backward(grad_out, x)
+
+    @register(aten._adaptive_avg_pool3d.default)
+    def adaptive_avg_pool3d(x, output_size):
+        return _adaptive_avg_pool(x, output_size)
+
+    @register(aten.diagonal_scatter.default)
+    def diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
+        # torch's decomposition copies into a diagonal view (not functional): select by mask.
+        moved = x.movedim((dim1, dim2), (-2, -1))
+        rows, cols = moved.shape[-2], moved.shape[-1]
+        r = torch.arange(rows, device=x.device)[:, None]
+        c = torch.arange(cols, device=x.device)[None, :]
+        on_diagonal = (c - r) == offset
+        length = src.shape[-1]
+        # Element (r, c) of the diagonal is src[..., c - max(offset, 0)].
+        pick = (torch.arange(cols, device=x.device) - max(offset, 0)).clamp(0, max(length - 1, 0))
+        spread = src.index_select(-1, pick).unsqueeze(-2) if length else torch.zeros_like(moved)
+        return torch.where(on_diagonal, spread, moved).movedim((-2, -1), (dim1, dim2))
+
+    @register(aten.as_strided_scatter.default)
+    def as_strided_scatter(x, src, size, stride, storage_offset=None):
+        # Functional graphs scatter into a fresh, contiguous base: index its flat storage.
+        index = _strided_indices(size, stride, storage_offset or 0, x.device)
+        flat = x.contiguous().reshape(-1)
+        return flat.scatter(0, index.reshape(-1), src.expand(*size).reshape(-1)).reshape(x.shape)
 
     return table
 

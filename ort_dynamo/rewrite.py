@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
 import onnx_ir as ir
 
 from .export import ExportedGraph
 from .options import OrtOptions
 
 __all__ = ["rewrite"]
+
+# Constant folding turns values into initializers that are also graph outputs; the dedup
+# pass then logs a warning per value, which is noise for us.
+logging.getLogger("onnx_ir.passes.common.initializer_deduplication").setLevel(logging.ERROR)
 
 #: Ops that only move or reinterpret data: ORT's CPU kernels take every type for these.
 _TYPE_GENERIC = {

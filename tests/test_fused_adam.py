@@ -84,6 +84,8 @@ def test_100_steps_match_torch_reference(mode):
         ref.step()
         sched.step()
         ref_sched.step()
+        if step == 0:
+            state_ptrs = [opt.state[p][k].data_ptr() for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")]
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert rel_err(p, q) < 1e-6
         assert rel_err(opt.state[p]["exp_avg"], ref.state[q]["exp_avg"]) < 1e-6
@@ -93,6 +95,7 @@ def test_100_steps_match_torch_reference(mode):
     # and the lr schedule changed lr every step without building a new graph.
     assert rel_err(next(model.parameters()), next(mlp().parameters())) > 0.1
     assert [p.data_ptr() for p in model.parameters()] == ptrs
+    assert [opt.state[p][k].data_ptr() for p in model.parameters() for k in ("exp_avg", "exp_avg_sq")] == state_ptrs
     assert opt.ort_runs == 100
     assert opt.graphs_built == 1
 
@@ -240,6 +243,13 @@ def test_closure_zero_grad_and_errors():
         FusedAdam([torch.zeros(3, dtype=torch.int64)]).step()
     with pytest.raises(ValueError, match="amsgrad"):
         FusedAdam([p]).load_state_dict(torch.optim.Adam([p], amsgrad=True).state_dict())
+    moved = FusedAdam([p])
+    p.grad = torch.ones(4)
+    moved.step()
+    p.data = p.data.double()
+    p.grad = torch.ones(4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="create the optimizer after"):
+        moved.step()
 
 
 def test_non_contiguous_grad_and_channels_last_param():

@@ -63,17 +63,16 @@ def fused_adam(args: Any = None, **overrides: Any) -> tuple[type, dict[str, Any]
     """``(FusedAdam, kwargs)`` for ``Trainer(optimizer_cls_and_kwargs=...)``.
 
     The ORTModule/optimum ``optim="adamw_ort_fused"`` spelling cannot pass Trainer's ``optim``
-    enum check; this is its replacement. Learning rate, betas and eps are read from the
-    ``TrainingArguments`` as Trainer does for ``adamw_torch``; weight decay comes from
-    Trainer's parameter groups (no decay on biases and norms). ``overrides`` win.
+    enum check; this is its replacement. It updates like Trainer's default ``adamw_torch``
+    (``AdamWMode.ADAMW_TORCH``); learning rate, betas and eps are read from ``args``
+    (``TrainingArguments``); weight decay comes from Trainer's parameter groups (no decay on
+    biases and norms). ``overrides`` (e.g. ``adam_w_mode=AdamWMode.ADAMW_TRANSFORMERS``) win.
     """
-    try:
-        from ..optim import FusedAdam
-    except ImportError as exc:
-        raise ImportError(f"ort_dynamo.optim.FusedAdam is not available in this build: {exc}") from exc
-    kwargs: dict[str, Any] = {}
+    from ..optim import AdamWMode, FusedAdam
+
+    kwargs: dict[str, Any] = {"adam_w_mode": AdamWMode.ADAMW_TORCH}
     if args is not None:
-        kwargs = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
+        kwargs |= {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
                   "eps": args.adam_epsilon}
     kwargs.update(overrides)
     return FusedAdam, kwargs

@@ -35,9 +35,10 @@ def _ort_device(device: torch.device):
 class BoundSession:
     """An InferenceSession plus one IOBinding whose buffers are PyTorch tensors' storage.
 
-    ``bind(names, tensors, outputs=...)`` rebinds only the names whose pointer changed since
+    ``bind(names, tensors, output=...)`` rebinds only the names whose pointer changed since
     the last call, so steady-state steps (same params, same state, same grad buffers) bind
-    nothing. Tensors are bound as flat 1-D buffers; callers pass dense tensors.
+    nothing. Tensors are bound as flat 1-D buffers (0-d ones as scalars); callers pass dense
+    tensors, and always the same list of names for a given first name.
     """
 
     def __init__(self, model_bytes: bytes, device: torch.device) -> None:
@@ -54,17 +55,23 @@ class BoundSession:
         self.device = device
         self._ort_device = _ort_device(device)
         self._binding = C.SessionIOBinding(self.session._sess)
-        self._bound: dict[str, tuple] = {}
+        self._bound: dict[tuple, list[int]] = {}
         self._run_options = C.RunOptions()
 
     def bind(self, names: Sequence[str], tensors: Sequence[torch.Tensor], output: bool) -> None:
-        bound, binding, device = self._bound, self._binding, self._ort_device
-        fn = binding.bind_output if output else binding.bind_input
-        for name, t in zip(names, tensors):
-            key = (t.data_ptr(), t.dtype, t.numel())
-            if bound.get(name) != key:
-                fn(name, device, _ONNX_TYPES[t.dtype], [t.numel()] if t.dim() else [], key[0])
-                bound[name] = key
+        """Bind ``tensors`` to ``names``; dtypes and sizes are fixed by the graph, so only
+        pointers are compared (one list compare when nothing moved)."""
+        ptrs = [t.data_ptr() for t in tensors]
+        slot = (names[0], output)
+        last = self._bound.get(slot)
+        if last == ptrs:
+            return
+        fn = self._binding.bind_output if output else self._binding.bind_input
+        device = self._ort_device
+        for i, (name, t, ptr) in enumerate(zip(names, tensors, ptrs)):
+            if last is None or last[i] != ptr:
+                fn(name, device, _ONNX_TYPES[t.dtype], [t.numel()] if t.dim() else [], ptr)
+        self._bound[slot] = ptrs
 
     def run(self) -> None:
         self.session._sess.run_with_iobinding(self._binding, self._run_options)

@@ -11,6 +11,7 @@ import torch
 
 from ._graphs import unscale_clip_model
 from ._session import BoundSession, onnx_type
+from .fused_adam import _names
 
 __all__ = ["FP16_Optimizer"]
 
@@ -217,8 +218,8 @@ class FP16_Optimizer:  # noqa: N801 (the name users know from onnxruntime-traini
         scalars.copy_(torch.tensor([1.0 / self.loss_scale, self.max_grad_norm or 0.0]))
         n = len(grads)
         session.bind(("inv_scale", "max_norm"), (inv_scale, max_norm), output=False)
-        session.bind([f"g{i}" for i in range(n)], grads, output=False)
-        session.bind([f"g{i}_out" for i in range(n)], outs, output=True)
+        session.bind(_names("g", n), grads, output=False)
+        session.bind(_names("g", n, "_out"), outs, output=True)
         session.bind(("norm", "found_inf"), (norm, found_inf), output=True)
         session.run()
         self.ort_runs += 1

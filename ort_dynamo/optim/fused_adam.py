@@ -6,6 +6,7 @@ Drop-in for ``onnxruntime.training.optim.FusedAdam`` (same arguments and default
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Iterable
 
@@ -200,6 +201,12 @@ class FusedAdam(torch.optim.Optimizer):
             if g.dtype != p.dtype or g.shape != p.shape or g.device != p.device:
                 raise ValueError(f"gradient ({g.dtype}, {tuple(g.shape)}, {g.device}) does not match its "
                                  f"parameter ({p.dtype}, {tuple(p.shape)}, {p.device})")
+            if p.dtype != sub.dtype or p.device != sub.device:
+                raise RuntimeError(f"a parameter moved from ({sub.dtype}, {sub.device}) to ({p.dtype}, {p.device}) "
+                                   "after FusedAdam grouped it; create the optimizer after .to()/.half()")
+            if not p.is_contiguous() and not is_non_overlapping_and_dense(p):
+                raise ValueError(f"FusedAdam updates parameters in place and needs dense storage; "
+                                 f"a parameter of shape {tuple(p.shape)} has strides {p.stride()}")
             if g.stride() != p.stride():
                 g = torch.empty_like(p).copy_(g)  # same layout as the parameter, elementwise
             st = state[p]
@@ -251,8 +258,9 @@ class FusedAdam(torch.optim.Optimizer):
         return session
 
 
-def _names(prefix: str, n: int, suffix: str = "") -> list[str]:
-    return [f"{prefix}{i}{suffix}" for i in range(n)]
+@functools.lru_cache(maxsize=256)
+def _names(prefix: str, n: int, suffix: str = "") -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}{suffix}" for i in range(n))
 
 
 def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:

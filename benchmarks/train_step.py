@@ -1,0 +1,233 @@
+"""Training-step speed of eager, inductor and ort, interleaved in one process.
+
+    python3 dev.py bench                                   # all models, CPU sizes
+    .venv/bin/python benchmarks/train_step.py --models gpt2 --steps 20 --warmup 3
+    .venv/bin/python benchmarks/train_step.py --device cuda --models gpt2-124m   # GPU machine
+
+Per model: each backend trains its own copy of the same weights on the same batches; steps
+are interleaved (eager, inductor, ort, eager, ...) so machine noise hits all alike. Prints the
+median ms/step after warm-up, ort/eager and ort/inductor, first-step (compile) seconds with
+ort/aot_eager, and, with --memory, each backend's peak memory measured in a child process.
+--cache additionally measures ort's first step in a new process with a warm on-disk cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import ort_dynamo
+
+CPU_SIZE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=1024)
+
+
+def build(name: str, device: str):
+    import transformers as tf
+
+    s = CPU_SIZE
+    if name == "gpt2":
+        cfg = tf.GPT2Config(n_layer=s["layers"], n_embd=s["hidden"], n_head=s["heads"], vocab_size=s["vocab"],
+                            n_positions=s["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = tf.GPT2LMHeadModel(cfg)
+    elif name == "gpt2-124m":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    elif name == "bert":
+        cfg = tf.BertConfig(num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
+                            intermediate_size=4 * s["hidden"], vocab_size=s["vocab"], max_position_embeddings=s["seq"],
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = tf.BertForMaskedLM(cfg)
+    elif name == "llama":
+        cfg = tf.LlamaConfig(num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
+                             num_key_value_heads=s["heads"], intermediate_size=4 * s["hidden"],
+                             vocab_size=s["vocab"], max_position_embeddings=s["seq"])
+        model = tf.LlamaForCausalLM(cfg)
+    else:
+        raise SystemExit(f"unknown model {name!r}")
+    model.config.use_cache = False
+    seq, batch = (512, 8) if name == "gpt2-124m" else (s["seq"], s["batch"])
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (batch, seq), generator=gen)
+    return model.to(device).train(), {"input_ids": ids.to(device), "labels": ids.to(device)}
+
+
+def compiled_copy(model, backend: str, cache_dir: str = ""):
+    clone = copy.deepcopy(model)
+    if backend == "eager":
+        return clone, clone
+    options = {"cache_dir": cache_dir} if backend == "ort" and cache_dir else None
+    kwargs = {"options": options} if options else {}
+    return clone, torch.compile(clone, backend=backend, **kwargs)
+
+
+def train_step(fn, opt, batch, device, autocast):
+    start = time.perf_counter()
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        loss = fn(**batch).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_model(name, args) -> dict:
+    ort_dynamo.reset()
+    model, batch = build(name, args.device)
+    autocast = args.device == "cuda"
+    runners = {}
+    for backend in args.backends:
+        clone, fn = compiled_copy(model, backend)
+        runners[backend] = (fn, torch.optim.AdamW(clone.parameters(), lr=1e-4))
+    first, times = {}, {b: [] for b in runners}
+    for step in range(args.warmup + args.steps):
+        for backend, (fn, opt) in runners.items():
+            seconds = train_step(fn, opt, batch, args.device, autocast)
+            if step == 0:
+                first[backend] = seconds
+            elif step >= args.warmup:
+                times[backend].append(seconds)
+    result = {"model": name, "ms": {b: statistics.median(t) * 1e3 for b, t in times.items()},
+              "first_s": first, "fallback_nodes": ort_dynamo.report().fallback_nodes}
+    if args.memory:
+        result["peak_mb"] = {b: peak_memory_mb(name, b, args) for b in args.backends}
+    if args.cache:
+        result["warm_cache"] = warm_cache_first_step(name, args)
+    return result
+
+
+def peak_memory_mb(name, backend, args) -> float:
+    """Peak memory of a few training steps in a fresh child process (CUDA: allocator peak;
+    CPU: peak RSS minus the RSS before the first step, so imports and weights cancel out)."""
+    out = subprocess.run([sys.executable, __file__, "--child-memory", name, backend, "--device", args.device],
+                         capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _child_memory(name, backend, args) -> None:
+    model, batch = build(name, args.device)
+    clone, fn = compiled_copy(model, backend)
+    del model
+    opt = torch.optim.AdamW(clone.parameters(), lr=1e-4)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(3):
+            train_step(fn, opt, batch, "cuda", True)
+        print(torch.cuda.max_memory_allocated() / 2**20)
+        return
+    train_step(fn, opt, batch, "cpu", False)  # compile first: its memory is not the step's
+    base = _rss_mb()
+    _reset_peak_rss()
+    for _ in range(3):
+        train_step(fn, opt, batch, "cpu", False)
+    print(_peak_rss_mb() - base)
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as fh:  # resets VmHWM to the current RSS
+        fh.write("5")
+
+
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def warm_cache_first_step(name, args) -> dict:
+    """ort's first step in a new process whose cache a previous process filled, vs aot_eager's."""
+    with tempfile.TemporaryDirectory() as cache:
+        runs = []
+        for _ in range(2):
+            out = subprocess.run([sys.executable, __file__, "--child-first-step", name, cache, "--device", args.device],
+                                 capture_output=True, text=True, timeout=1800)
+            if out.returncode != 0:
+                raise RuntimeError(out.stderr[-2000:])
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {"cold": runs[0], "warm": runs[1]}
+
+
+def _child_first_step(name, cache_dir, args) -> None:
+    model, batch = build(name, args.device)
+    result = {}
+    for backend in ("aot_eager", "ort"):
+        clone, fn = compiled_copy(model, backend, cache_dir)
+        opt = torch.optim.AdamW(clone.parameters(), lr=1e-4)
+        result[backend] = train_step(fn, opt, batch, args.device, args.device == "cuda")
+    result["ort_exports"] = ort_dynamo.report().exports
+    print(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="gpt2,bert,llama")
+    parser.add_argument("--backends", default="eager,inductor,ort,aot_eager")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--cache", action="store_true")
+    parser.add_argument("--json", help="also write results here")
+    parser.add_argument("--child-memory", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--child-first-step", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.backends = args.backends.split(",")
+    if args.child_memory:
+        return _child_memory(*args.child_memory, args)
+    if args.child_first_step:
+        return _child_first_step(*args.child_first_step, args)
+
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    print(f"device: {args.device} ({device_name}), {os.cpu_count()} cores, torch {torch.__version__}")
+    print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
+    results = []
+    for name in args.models.split(","):
+        r = bench_model(name, args)
+        results.append(r)
+        ms = r["ms"]
+        line = f"{name:10s} " + " ".join(f"{b} {ms[b]:8.1f} ms" for b in args.backends)
+        if "eager" in ms and "ort" in ms:
+            line += f" | ort/eager {ms['ort'] / ms['eager']:.2f}"
+        if "inductor" in ms and "ort" in ms:
+            line += f" ort/inductor {ms['ort'] / ms['inductor']:.2f}"
+        print(line)
+        f = r["first_s"]
+        print(f"{'':10s} first step: " + " ".join(f"{b} {f[b]:.1f}s" for b in args.backends)
+              + (f" | ort/aot_eager {f['ort'] / f['aot_eager']:.2f}" if "aot_eager" in f and "ort" in f else "")
+              + f" | ort fallback nodes {r['fallback_nodes']}")
+        if "peak_mb" in r:
+            p = r["peak_mb"]
+            print(f"{'':10s} peak step memory MB: " + " ".join(f"{b} {p[b]:.0f}" for b in args.backends))
+        if "warm_cache" in r:
+            w = r["warm_cache"]["warm"]
+            print(f"{'':10s} new process, warm cache: ort first step {w['ort']:.1f}s, aot_eager {w['aot_eager']:.1f}s,"
+                  f" ort/aot_eager {w['ort'] / w['aot_eager']:.2f}, exports {w['ort_exports']}")
+        sys.stdout.flush()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

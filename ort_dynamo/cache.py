@@ -1,0 +1,108 @@
+"""On-disk cache of exported, rewritten models (ORTModule's ORTMODULE_CACHE_DIR).
+
+Key: the partition's FX code, its inputs' dtypes/shapes/devices, the options that change
+the model, and the versions of every package that shapes it. A restarted process with the
+same key skips export and rewrite. Entries are written atomically; a corrupt or foreign
+entry is ignored and rewritten, never trusted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import tempfile
+
+import torch
+import torch.fx
+
+from .export import ExportedGraph, OutputSlot
+from .options import OrtOptions
+
+__all__ = ["cache_key", "load", "store"]
+
+log = logging.getLogger("ort_dynamo")
+_FORMAT = 1
+
+
+def _versions() -> str:
+    import onnx
+    import onnx_ir
+    import onnxruntime
+    import onnxscript
+
+    from . import __version__
+
+    return "|".join([__version__, torch.__version__, onnxruntime.__version__, onnxscript.__version__,
+                     onnx.__version__, onnx_ir.__version__, str(_FORMAT)])
+
+
+def _describe(val) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"T({val.dtype},{tuple(str(d) for d in val.shape)},{val.device.type})"
+    return f"S({type(val).__name__})"
+
+
+def cache_key(gm: torch.fx.GraphModule, options: OrtOptions) -> str:
+    inputs = [_describe(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
+    relevant = (options.opset, options.enable_compute_optimizer, options.deterministic_compute)
+    text = "\n".join([_versions(), repr(relevant), ";".join(inputs), gm.code])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _paths(cache_dir: str, key: str) -> tuple[str, str]:
+    base = os.path.join(cache_dir, key[:2], key)
+    return base + ".onnx", base + ".json"
+
+
+def load(cache_dir: str, key: str) -> tuple[ExportedGraph, bytes] | None:
+    model_path, meta_path = _paths(cache_dir, key)
+    try:
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+        with open(model_path, "rb") as fh:
+            model_bytes = fh.read()
+        if meta.get("key") != key or hashlib.sha256(model_bytes).hexdigest() != meta.get("model_sha256"):
+            raise ValueError("key or checksum mismatch")
+        exported = ExportedGraph(
+            model=None,
+            input_names=meta["input_names"],
+            output_names=meta["output_names"],
+            slots=[OutputSlot(**slot) for slot in meta["slots"]],
+            output_dtypes=[getattr(torch, name) for name in meta["output_dtypes"]],
+            input_kinds=meta["input_kinds"],
+            returns_tuple=meta["returns_tuple"],
+            device=meta["device"],
+        )
+        return exported, model_bytes
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # a damaged entry is a miss, never a wrong model
+        log.warning("ignoring damaged cache entry %s: %s", meta_path, exc)
+        return None
+
+
+def store(cache_dir: str, key: str, exported: ExportedGraph, model_bytes: bytes) -> None:
+    if any(slot.kind == "const" and not isinstance(slot.value, (type(None), bool, int, float))
+           for slot in exported.slots):
+        return  # not representable in JSON; simply not cached
+    model_path, meta_path = _paths(cache_dir, key)
+    os.makedirs(os.path.dirname(model_path), exist_ok=True)
+    meta = {
+        "key": key,
+        "model_sha256": hashlib.sha256(model_bytes).hexdigest(),
+        "input_names": exported.input_names,
+        "output_names": exported.output_names,
+        "slots": [dataclasses.asdict(slot) for slot in exported.slots],
+        "output_dtypes": [str(d).removeprefix("torch.") for d in exported.output_dtypes],
+        "input_kinds": exported.input_kinds,
+        "returns_tuple": exported.returns_tuple,
+        "device": exported.device,
+    }
+    for path, data, mode in ((model_path, model_bytes, "wb"), (meta_path, json.dumps(meta), "w")):
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+        with os.fdopen(fd, mode) as fh:
+            fh.write(data)
+        os.replace(tmp, path)  # atomic: concurrent processes never see half a file

@@ -1,0 +1,75 @@
+"""Extra ONNX lowerings: ops torchlib lacks, and replacements for torchlib lowerings that are wrong.
+
+``register(registry)`` is called once by ``export.onnx_registry`` when the registry is built.
+Custom registrations go first in the registry, so they win over torchlib's own.
+
+Each function is traced (onnxscript trace-only): plain Python run at export time over the
+node's static attributes, emitting ONNX ops.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from onnxscript import INT64
+from onnxscript.function_libs.torch_lib.ops import core as torchlib_core
+from onnxscript.function_libs.torch_lib.tensor_typing import TReal
+from onnxscript.onnx_opset import opset18 as op
+from onnxscript.values import Opset, TracedOnnxFunction
+
+__all__ = ["register", "REMOVED_LOWERINGS"]
+
+log = logging.getLogger("ort_dynamo")
+aten = torch.ops.aten
+_OPSET = Opset("pkg.ort_dynamo", 1)
+
+#: torchlib lowerings that produce complex tensors as (..., 2) real pairs: the result
+#: PyTorch would get back has the wrong shape and dtype. Removed, so these ops stay in PyTorch.
+REMOVED_LOWERINGS = ("aten::complex", "aten::polar", "aten::view_as_complex",
+                     "aten::view_as_complex_copy", "aten::_fft_r2c")
+
+
+def _traced(fn) -> TracedOnnxFunction:
+    return TracedOnnxFunction(_OPSET, fn)
+
+
+def aten_mv(self: TReal, vec: TReal) -> TReal:
+    """mv(Tensor self, Tensor vec) -> Tensor, with ``vec`` as a column.
+
+    ORT 1.31's extended optimizer (MatMul+Transpose fusion) computes ``MatMul(Transpose(A), v)``
+    wrongly when ``v`` is 1-D, which is what every ``mv`` backward emits; a 2-D MatMul is safe.
+    """
+    column = op.Unsqueeze(vec, op.Constant(value_ints=[-1]))
+    return op.Squeeze(op.MatMul(self, column), op.Constant(value_ints=[-1]))
+
+
+def aten_dot(self: TReal, tensor: TReal) -> TReal:
+    """dot(Tensor self, Tensor tensor) -> Tensor, as a (1, n) x (n, 1) product (see aten_mv)."""
+    row = op.Unsqueeze(self, op.Constant(value_ints=[0]))
+    column = op.Unsqueeze(tensor, op.Constant(value_ints=[-1]))
+    return op.Squeeze(op.MatMul(row, column))
+
+
+def aten_sort_stable(self: TReal, stable: bool = False, dim: int = -1,
+                     descending: bool = False) -> tuple[TReal, INT64]:
+    """sort.stable(Tensor self, *, bool? stable, int dim=-1, bool descending=False).
+
+    ONNX TopK breaks ties by the lower index, so a full-length TopK is a stable sort.
+    """
+    return torchlib_core.aten_sort(self, dim=dim, descending=descending)
+
+
+_LOWERINGS = {
+    aten.mv.default: aten_mv,
+    aten.dot.default: aten_dot,
+    aten.sort.stable: aten_sort_stable,
+}
+
+
+def register(registry) -> None:
+    """Add our lowerings to ``registry`` and drop the wrong torchlib ones."""
+    for name in REMOVED_LOWERINGS:
+        registry.functions.pop(name, None)
+    for target, fn in _LOWERINGS.items():
+        registry.register_op(target, _traced(fn))

@@ -1,0 +1,61 @@
+"""The on-disk cache: a new process reuses exported models; damaged entries are rebuilt."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    import ort_dynamo
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8, requires_grad=True)
+    out = torch.compile(model, backend="ort", options={"cache_dir": sys.argv[1]})(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, model(x))
+    r = ort_dynamo.report()
+    print(json.dumps({"exports": r.exports, "hits": sum(g.cache_hits for g in r.graphs),
+                      "grad": x.grad.sum().item(), "fallbacks": r.fallback_nodes}))
+""")
+
+
+def _run(cache_dir):
+    result = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir)], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_restarted_process_reuses_cached_models_and_damage_is_not_trusted(tmp_path):
+    first = _run(tmp_path)
+    assert first["exports"] == 2 and first["hits"] == 0 and first["fallbacks"] == 0
+    second = _run(tmp_path)
+    assert second["exports"] == 0 and second["hits"] == 2
+    assert second["grad"] == first["grad"]
+
+    for folder, _, files in os.walk(tmp_path):  # damage every model file
+        for name in files:
+            if name.endswith(".onnx"):
+                with open(os.path.join(folder, name), "r+b") as fh:
+                    fh.write(b"garbage")
+    third = _run(tmp_path)
+    assert third["exports"] == 2 and third["hits"] == 0
+    assert third["grad"] == first["grad"]
+
+
+def test_cache_key_changes_with_options_and_shapes():
+    import torch
+
+    from ort_dynamo.cache import cache_key
+    from ort_dynamo.options import OrtOptions
+
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    placeholder = next(iter(gm.graph.nodes))
+    placeholder.meta["val"] = torch.empty(2, 3)
+    base = cache_key(gm, OrtOptions())
+    assert cache_key(gm, OrtOptions(opset=19)) != base
+    assert cache_key(gm, OrtOptions(log_level="INFO")) == base  # logging does not change the model
+    placeholder.meta["val"] = torch.empty(4, 3)
+    assert cache_key(gm, OrtOptions()) != base
