@@ -5,7 +5,10 @@ One process, the optimizers interleaved step by step (so machine noise hits all 
 on its own copy of a model with ~100 parameter tensors and fixed gradients; the median of
 ``--steps`` timed steps after ``--warmup``.
 
-    .venv/bin/python benchmarks/optimizer_step.py [--device cuda] [--width 256] [--blocks 24]
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/optimizer_step.py [--device cuda] [--width 256]
+
+OMP_WAIT_POLICY=PASSIVE keeps idle PyTorch OpenMP threads from spinning against ORT's threads
+(see docs/optimizers.md, Performance).
 """
 
 from __future__ import annotations

@@ -19,6 +19,18 @@ __all__ = [
 ]
 
 
+_SUBMODULES = ("debug", "inspectors", "integrations", "optim", "utils")
+
+
+def __getattr__(name: str):
+    """``ort_dynamo.optim`` etc. load on first use: ``import ort_dynamo`` stays light."""
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'ort_dynamo' has no attribute {name!r}")
+
+
 def report() -> Report:
     """What the backend compiled since the last ``reset()``: graphs, ORT/PyTorch nodes, fallbacks."""
     from .report import current_report

@@ -16,6 +16,7 @@ from torch._dynamo.backends.common import aot_autograd
 
 from . import cache as cache_stage
 from . import export as export_stage
+from . import inspectors
 from . import lower as lower_stage
 from . import partition as partition_stage
 from . import rewrite as rewrite_stage
@@ -75,6 +76,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptio
     """Compile one AOTAutograd graph: returns a boxed callable."""
     graph_report = current_report().new_graph(kind)
     registry = export_stage.onnx_registry(options.opset)
+    watch = inspectors.watch_graph(gm, options, graph_report.name) if kind != "backward" else (lambda f: f)
     with graph_report.stage("partition"):
         parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report)
     split = parts.module
@@ -87,7 +89,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptio
     log.info("compiled %s graph: %d node(s) on ORT, %d in PyTorch, %d partition(s)",
              graph_report.name, graph_report.ort_nodes, graph_report.torch_nodes,
              len(parts.ort_submodules))
-    return make_boxed_func(split)
+    return watch(make_boxed_func(split))
 
 
 class _RunnerModule(torch.nn.Module):

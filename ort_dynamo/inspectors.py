@@ -182,3 +182,70 @@ def attach(model: torch.nn.Module, options: OrtOptions | Mapping | None = None, 
     inspectors.handles.append(root.register_forward_hook(inspectors._root_post_hook, with_kwargs=True))
     torch._dynamo.reset()  # compiled code would not run hooks added after it was traced
     return inspectors
+
+
+# ---- backend side: the same printouts from options, without access to the user's module ----
+
+_aten = torch.ops.aten
+_PASS_THROUGH = {_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default, _aten.clone.default,
+                 _aten.slice.Tensor, _aten.unsqueeze.default, _aten.squeeze.dim, _aten.t.default,
+                 _aten.expand.default, _aten.alias.default}
+
+
+def _source_placeholder(node):
+    """The graph input a value is a view/reshape of, or None."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _PASS_THROUGH:
+        node = node.args[0]
+    return node if isinstance(node, torch.fx.Node) and node.op == "placeholder" else None
+
+
+def watch_graph(gm: torch.fx.GraphModule, options: OrtOptions, graph_name: str,
+                printer: Callable[[str], None] = print) -> Callable[[Callable], Callable]:
+    """Read ``gm`` (before partitioning) and return a wrapper for its compiled form (boxed
+    calling convention) that prints, per call, the input density of embedding ids
+    (``padding_idx``) and labels (``ignore_index`` -100) entering the graph, and memory
+    statistics: options ``print_input_density`` / ``print_memory_stats``."""
+    if not (options.print_input_density or options.print_memory_stats):
+        return lambda compiled: compiled
+    placeholders = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    watched: list[tuple[str, int, int]] = []  # (kind, input index, padding value)
+    if options.print_input_density:
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is _aten.embedding.default and len(node.args) > 2 and node.args[2] >= 0:
+                source = _source_placeholder(node.args[1])
+                if source is not None:
+                    watched.append(("embedding", placeholders[source], node.args[2]))
+            elif node.target is _aten.ne.Scalar and node.args[1] == IGNORE_INDEX:
+                source = _source_placeholder(node.args[0])
+                if source is not None and ("label", placeholders[source], IGNORE_INDEX) not in watched:
+                    watched.append(("label", placeholders[source], IGNORE_INDEX))
+    inspector, memory = InputDensityInspector(), MemoryInspector()
+    calls = 0
+
+    def wrap(compiled: Callable) -> Callable:
+        def run(args):
+            return _observed_call(compiled, args)
+
+        run._boxed_call = True
+        return run
+
+    def _observed_call(compiled, args):
+        nonlocal calls
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        for kind, index, pad in watched:
+            if kind == "embedding":
+                inspector.observe_embedding(f"input {index}", args[index], pad)
+            else:
+                inspector.observe_labels(f"input {index}", args[index])
+        out = compiled(args)
+        found = inspector.take()
+        if found:
+            printer(f"[ort_dynamo] {graph_name} step {calls} input density: " + "; ".join(map(str, found)))
+        if options.print_memory_stats:
+            printer(f"[ort_dynamo] {graph_name} step {calls} memory (MiB): {memory.line(device)}")
+        calls += 1
+        return out
+
+    return wrap

@@ -176,18 +176,18 @@ def _adaptive_avg_pool(x, output_size):
     for d in range(spatial):
         axis = x.dim() - spatial + d
         m = _adaptive_matrix(x.shape[axis], output_size[d], x)
-        out = torch.matmul(out.movedim(axis, -1), m.t()).movedim(-1, axis)
+        # (.., in) x (out, in) -> (.., out) as multiply + sum: ORT's MatMul+Transpose fusion
+        # mis-shapes some of these products (see docs/ops.md).
+        out = (out.movedim(axis, -1).unsqueeze(-2) * m).sum(-1).movedim(-1, axis)
     return out
 
 
-def _adaptive_avg_pool_backward(grad_out, x):
-    spatial = grad_out.dim() - 2 if grad_out.dim() > 3 else grad_out.dim() - 1
-    spatial = min(spatial, 3)
+def _adaptive_avg_pool_backward(grad_out, x, spatial: int):
     grad = grad_out
     for d in range(spatial):
         axis = grad_out.dim() - spatial + d
         m = _adaptive_matrix(x.shape[axis], grad_out.shape[axis], x)
-        grad = torch.matmul(grad.movedim(axis, -1), m).movedim(-1, axis)
+        grad = (grad.movedim(axis, -1).unsqueeze(-1) * m).sum(-2).movedim(-1, axis)
     return grad
 
 
@@ -198,7 +198,7 @@ def _strided_indices(size, stride, offset, device):
         shape = [1] * len(size)
         shape[d] = n
         index = index + (torch.arange(n, device=device) * st).reshape(shape)
-    return index.expand(*size)
+    return index.expand(list(size))
 
 
 @functools.lru_cache(None)
@@ -257,11 +257,11 @@ def _own_decompositions() -> dict:
 
     @register(aten._adaptive_avg_pool2d_backward.default)
     def adaptive_avg_pool2d_backward(grad_out, x):
-        return _adaptive_avg_pool_backward(grad_out, x)
+        return _adaptive_avg_pool_backward(grad_out, x, 2)
 
     @register(aten._adaptive_avg_pool3d_backward.default)
     def adaptive_avg_pool3d_backward(grad_out, x):
-        return _adaptive_avg_pool_backward(grad_out, x)
+        return _adaptive_avg_pool_backward(grad_out, x, 3)
 
     @register(aten._adaptive_avg_pool3d.default)
     def adaptive_avg_pool3d(x, output_size):
@@ -286,7 +286,7 @@ def _own_decompositions() -> dict:
         # Functional graphs scatter into a fresh, contiguous base: index its flat storage.
         index = _strided_indices(size, stride, storage_offset or 0, x.device)
         flat = x.contiguous().reshape(-1)
-        return flat.scatter(0, index.reshape(-1), src.expand(*size).reshape(-1)).reshape(x.shape)
+        return flat.scatter(0, index.reshape(-1), src.expand(list(size)).reshape(-1)).reshape(x.shape)
 
     return table
 

@@ -177,6 +177,15 @@ def test_state_dict_round_trip_fused_adamw_fused_is_bit_exact():
         set_same_grads(model, seed=step)
         opt.step()
     saved = opt.state_dict()
+    # Taking a checkpoint leaves training untouched: the live step counts keep advancing.
+    live = copy.deepcopy(model)
+    live_opt = FusedAdam(live.parameters(), adam_w_mode=AdamWMode.ADAMW_TORCH)
+    live_opt.load_state_dict(saved)
+    live_opt.state_dict()
+    set_same_grads(live, seed=99)
+    live_opt.step()
+    assert float(live_opt.state[next(live.parameters())]["step"]) == 6
+    assert float(live_opt.state_dict()["state"][0]["step"]) == 6
     assert set(saved["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
     assert saved["state"][0]["step"].dtype == torch.float32 and saved["state"][0]["step"].dim() == 0
 
@@ -283,3 +292,20 @@ def test_cuda_matches_torch_adamw():
     for p, q in zip(model.parameters(), ref_model.parameters()):
         assert rel_err(p, q) < 1e-6
     assert opt.ort_runs == 20 and opt.graphs_built == 1
+
+
+def test_large_tensors_update_in_place_with_multithreaded_kernels():
+    """Input and output share storage; ORT's parallel elementwise kernels must not mix them up."""
+    p = torch.nn.Parameter(torch.randn(1 << 20))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = FusedAdam([p], lr=1e-2, eps=1e-8, weight_decay=0.1, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    ref = torch.optim.AdamW([q], lr=1e-2, eps=1e-8, weight_decay=0.1)
+    ptr = p.data_ptr()
+    for _ in range(3):
+        g = torch.randn(1 << 20)
+        p.grad, q.grad = g, g.clone()
+        opt.step()
+        ref.step()
+    assert p.data_ptr() == ptr
+    torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], rtol=1e-6, atol=1e-12)

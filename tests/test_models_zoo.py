@@ -40,7 +40,9 @@ def train(model: torch.nn.Module, batches, loss_fn, compile_: bool):
     return losses, grads
 
 
-def assert_trains_like_eager(model: torch.nn.Module, batches, loss_fn) -> None:
+def assert_trains_like_eager(model: torch.nn.Module, batch, loss_fn) -> None:
+    """3 steps on one batch (so the loss must drop), eager vs ORT from the same weights."""
+    batches = [batch] * STEPS
     eager_model = copy.deepcopy(model)
     ort_model = copy.deepcopy(model)
     eager_losses, eager_grads = train(eager_model, batches, loss_fn, compile_=False)
@@ -62,12 +64,9 @@ def hf_loss(model, batch):
     return model(**batch).loss
 
 
-def lm_batches(vocab: int, batch: int = 2, seq: int = 8):
-    out = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, vocab, (batch, seq))
-        out.append({"input_ids": ids, "labels": ids.clone()})
-    return out
+def lm_batch(vocab: int, batch: int = 2, seq: int = 8):
+    ids = torch.randint(0, vocab, (batch, seq))
+    return {"input_ids": ids, "labels": ids.clone()}
 
 
 def test_whisper_encoder_decoder_conv1d():
@@ -78,9 +77,8 @@ def test_whisper_encoder_decoder_conv1d():
         activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
     model = transformers.WhisperForConditionalGeneration(config)
     # The encoder's two convs (the second strided) map 16 frames to max_source_positions = 8.
-    batches = [{"input_features": torch.randn(2, 8, 16), "labels": torch.randint(3, 64, (2, 6))}
-               for _ in range(STEPS)]
-    assert_trains_like_eager(model, batches, hf_loss)
+    batch = {"input_features": torch.randn(2, 8, 16), "labels": torch.randint(3, 64, (2, 6))}
+    assert_trains_like_eager(model, batch, hf_loss)
 
 
 def test_clip_contrastive_loss():
@@ -92,9 +90,9 @@ def test_clip_contrastive_loss():
                            image_size=16, patch_size=8, dropout=0.0, attention_dropout=0.0),
         projection_dim=16)
     model = transformers.CLIPModel(config)
-    batches = [{"input_ids": torch.randint(0, 64, (3, 7)), "pixel_values": torch.randn(3, 3, 16, 16),
-                "return_loss": True} for _ in range(STEPS)]
-    assert_trains_like_eager(model, batches, hf_loss)
+    batch = {"input_ids": torch.randint(0, 64, (3, 7)), "pixel_values": torch.randn(3, 3, 16, 16),
+               "return_loss": True}
+    assert_trains_like_eager(model, batch, hf_loss)
 
 
 def test_swin_windowed_attention_with_rolls():
@@ -104,16 +102,15 @@ def test_swin_windowed_attention_with_rolls():
         drop_path_rate=0.0, num_labels=5)
     model = transformers.SwinForImageClassification(config)
     # depth 2 in stage 1: the second block uses shifted windows (torch.roll).
-    batches = [{"pixel_values": torch.randn(2, 3, 16, 16), "labels": torch.randint(0, 5, (2,))}
-               for _ in range(STEPS)]
-    assert_trains_like_eager(model, batches, hf_loss)
+    batch = {"pixel_values": torch.randn(2, 3, 16, 16), "labels": torch.randint(0, 5, (2,))}
+    assert_trains_like_eager(model, batch, hf_loss)
 
 
 def test_gptj_rotary():
     config = transformers.GPTJConfig(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2,
                                      rotary_dim=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = transformers.GPTJForCausalLM(config)
-    assert_trains_like_eager(model, lm_batches(64), hf_loss)
+    assert_trains_like_eager(model, lm_batch(64), hf_loss)
 
 
 def test_mobilebert_masked_lm():
@@ -122,13 +119,11 @@ def test_mobilebert_masked_lm():
         num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, num_feedforward_networks=1,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=32)
     model = transformers.MobileBertForMaskedLM(config)
-    batches = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, 64, (2, 8))
-        labels = torch.full_like(ids, -100)
-        labels[:, ::3] = ids[:, ::3]  # only masked positions count (ignore_index -100 elsewhere)
-        batches.append({"input_ids": ids, "labels": labels})
-    assert_trains_like_eager(model, batches, hf_loss)
+    ids = torch.randint(0, 64, (2, 8))
+    labels = torch.full_like(ids, -100)
+    labels[:, ::3] = ids[:, ::3]  # only masked positions count (ignore_index -100 elsewhere)
+    batch = {"input_ids": ids, "labels": labels}
+    assert_trains_like_eager(model, batch, hf_loss)
 
 
 class MixtureOfExperts(torch.nn.Module):
@@ -162,10 +157,10 @@ class MixtureOfExperts(torch.nn.Module):
 
 def test_mixture_of_experts_topk_index_add():
     model = MixtureOfExperts()
-    batches = [(torch.randn(2, 5, 32), torch.randint(0, 8, (2, 5))) for _ in range(STEPS)]
+    batch = (torch.randn(2, 5, 32), torch.randint(0, 8, (2, 5)))
 
     def loss_fn(m, batch):
         x, y = batch
         return torch.nn.functional.cross_entropy(m(x).reshape(-1, 8), y.reshape(-1))
 
-    assert_trains_like_eager(model, batches, loss_fn)
+    assert_trains_like_eager(model, batch, loss_fn)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -130,9 +131,8 @@ class FusedAdam(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch.optim.Adam/AdamW's format. ``step`` entries are CPU float32 copies, not views."""
         sd = super().state_dict()
-        for entry in sd["state"].values():
-            if "step" in entry:
-                entry["step"] = entry["step"].detach().to("cpu", torch.float32, copy=True)
+        # torch packs our live per-param dicts: copy them before replacing the step views.
+        sd["state"] = {idx: _with_step_copy(entry) for idx, entry in sd["state"].items()}
         sd["param_groups"] = [dict(g, adam_w_mode=int(self.adam_w_mode)) for g in sd["param_groups"]]
         return sd
 
@@ -146,6 +146,11 @@ class FusedAdam(torch.optim.Optimizer):
             for flag in ("amsgrad", "maximize"):
                 if group.get(flag):
                     raise ValueError(f"FusedAdam cannot load a state_dict with {flag}=True (not supported)")
+        saved_modes = {g["adam_w_mode"] for g in state_dict["param_groups"] if "adam_w_mode" in g}
+        if saved_modes and saved_modes != {int(self.adam_w_mode)}:
+            warnings.warn(f"loading a FusedAdam state_dict saved with adam_w_mode={sorted(saved_modes)} into one "
+                          f"with {self.adam_w_mode.name}: the state loads, updates follow "
+                          f"{self.adam_w_mode.name}", stacklevel=2)
         saved_state = state_dict["state"]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         super().load_state_dict(state_dict)
@@ -272,6 +277,13 @@ def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def _with_step_copy(entry: dict[str, Any]) -> dict[str, Any]:
+    entry = dict(entry)
+    if "step" in entry:
+        entry["step"] = entry["step"].detach().to("cpu", torch.float32, copy=True)
+    return entry
 
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
