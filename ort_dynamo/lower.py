@@ -220,6 +220,9 @@ def _own_decompositions() -> dict:
             if transposed:
                 grad_input = aten.convolution(grad_out, weight, None, stride, padding, dilation,
                                               False, [0] * spatial, groups)
+                # output_padding rows of the forward get no window: crop to the input size.
+                for dim in range(spatial):
+                    grad_input = grad_input.narrow(dim + 2, 0, inp.shape[dim + 2])
             else:
                 # output_padding makes the transposed conv land exactly on the input size.
                 extra = []
@@ -287,6 +290,11 @@ def _own_decompositions() -> dict:
         index = _strided_indices(size, stride, storage_offset or 0, x.device)
         flat = x.contiguous().reshape(-1)
         return flat.scatter(0, index.reshape(-1), src.expand(list(size)).reshape(-1)).reshape(x.shape)
+
+    @register(torch.ops.prims.fma.default)
+    def fma(a, b, c):
+        # addcmul's decomposition emits prims.fma (compiled Adam/AdamW); ONNX has no FMA.
+        return a * b + c
 
     return table
 

@@ -24,10 +24,11 @@ log = logging.getLogger("ort_dynamo")
 aten = torch.ops.aten
 _OPSET = Opset("pkg.ort_dynamo", 1)
 
-#: torchlib lowerings that produce complex tensors as (..., 2) real pairs: the result
-#: PyTorch would get back has the wrong shape and dtype. Removed, so these ops stay in PyTorch.
-REMOVED_LOWERINGS = ("aten::complex", "aten::polar", "aten::view_as_complex",
-                     "aten::view_as_complex_copy", "aten::_fft_r2c")
+#: torchlib lowerings that give wrong values; without them the op is decomposed by torch or
+#: stays in PyTorch. (Complex results are refused by export's ``_fix_for_torchlib``.)
+REMOVED_LOWERINGS = (
+    "aten::special_erfcx",  # off by up to 0.13 for x < 0 (ORT 1.31, onnxscript 0.7.2)
+)
 
 
 def _traced(fn) -> TracedOnnxFunction:
@@ -60,7 +61,19 @@ def aten_sort_stable(self: TReal, stable: bool = False, dim: int = -1,
     return torchlib_core.aten_sort(self, dim=dim, descending=descending)
 
 
+def aten_bernoulli(self: TReal) -> TReal:
+    """bernoulli(Tensor self, *, Generator? generator=None): 1 with probability ``self``.
+
+    ORT 1.31's Bernoulli kernel returns 1 with probability ``1 - p`` (the inverse of the
+    ONNX spec), so sample by comparing a uniform draw instead. ORT's RNG, not PyTorch's:
+    values differ from eager, the distribution does not.
+    """
+    uniform = op.RandomUniformLike(op.Cast(self, to=1), low=0.0, high=1.0)
+    return op.CastLike(op.Less(uniform, op.Cast(self, to=1)), self)
+
+
 _LOWERINGS = {
+    aten.bernoulli.default: aten_bernoulli,
     aten.mv.default: aten_mv,
     aten.dot.default: aten_dot,
     aten.sort.stable: aten_sort_stable,

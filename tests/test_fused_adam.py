@@ -309,3 +309,9 @@ def test_large_tensors_update_in_place_with_multithreaded_kernels():
     assert p.data_ptr() == ptr
     torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], rtol=1e-6, atol=1e-12)
+
+
+def test_public_path():
+    import ort_dynamo
+
+    assert ort_dynamo.optim.FusedAdam is FusedAdam and ort_dynamo.optim.AdamWMode is AdamWMode

@@ -117,3 +117,10 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="drop_last of sampler"):
         LoadBalancingDistributedBatchSampler(LoadBalancingDistributedSampler(data, len, 2, 0, drop_last=True), list)
     assert LoadBalancingDistributedSampler(data, len, world_size=2, rank=1).num_replicas == 2
+
+
+def test_public_path():
+    import ort_dynamo
+
+    assert ort_dynamo.utils.data.LoadBalancingDistributedSampler is LoadBalancingDistributedSampler
+    assert ort_dynamo.utils.data.LoadBalancingDistributedBatchSampler is LoadBalancingDistributedBatchSampler

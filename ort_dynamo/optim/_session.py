@@ -2,21 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import onnxruntime as ort
 import torch
 from onnxruntime.capi import _pybind_state as C
 
+from ..errors import OrtRuntimeError
 from ..options import resolve_options
-from ..run import OrtRuntimeError, providers_for, session_options
+from ..run import providers_for, session_options
 
-__all__ = ["BoundSession", "onnx_type"]
+__all__ = ["BoundSession", "input_names", "onnx_type"]
 
 _ONNX_TYPES = {
     torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.int16: 5, torch.int32: 6, torch.int64: 7,
     torch.bool: 9, torch.float16: 10, torch.float64: 11, torch.bfloat16: 16,
 }
+
+
+@functools.lru_cache(maxsize=256)
+def input_names(prefix: str, n: int, suffix: str = "") -> tuple[str, ...]:
+    """``("p0", "p1", ...)``: graph input/output names, cached per count."""
+    return tuple(f"{prefix}{i}{suffix}" for i in range(n))
 
 
 def onnx_type(dtype: torch.dtype) -> int:

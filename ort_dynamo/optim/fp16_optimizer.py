@@ -10,8 +10,7 @@ from typing import Any, Callable
 import torch
 
 from ._graphs import unscale_clip_model
-from ._session import BoundSession, onnx_type
-from .fused_adam import _names
+from ._session import BoundSession, input_names, onnx_type
 
 __all__ = ["FP16_Optimizer"]
 
@@ -218,8 +217,8 @@ class FP16_Optimizer:  # noqa: N801 (the name users know from onnxruntime-traini
         scalars.copy_(torch.tensor([1.0 / self.loss_scale, self.max_grad_norm or 0.0]))
         n = len(grads)
         session.bind(("inv_scale", "max_norm"), (inv_scale, max_norm), output=False)
-        session.bind(_names("g", n), grads, output=False)
-        session.bind(_names("g", n, "_out"), outs, output=True)
+        session.bind(input_names("g", n), grads, output=False)
+        session.bind(input_names("g", n, "_out"), outs, output=True)
         session.bind(("norm", "found_inf"), (norm, found_inf), output=True)
         session.run()
         self.ort_runs += 1

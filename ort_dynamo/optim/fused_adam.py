@@ -6,7 +6,6 @@ Drop-in for ``onnxruntime.training.optim.FusedAdam`` (same arguments and default
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from typing import Any, Callable, Iterable
@@ -14,7 +13,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ._graphs import HYPER_NAMES, AdamWMode, adam_step_model
-from ._session import BoundSession, onnx_type
+from ._session import BoundSession, input_names, onnx_type
 
 __all__ = ["FusedAdam", "AdamWMode"]
 
@@ -238,13 +237,13 @@ class FusedAdam(torch.optim.Optimizer):
         session.bind(("steps",), (sub.steps,), output=False)
         session.bind(("steps_out",), (sub.steps,), output=True)
         session.bind(HYPER_NAMES, sub.hyper_views, output=False)
-        session.bind(_names("p", n), params, output=False)
-        session.bind(_names("g", n), grads, output=False)
-        session.bind(_names("m", n), exp_avgs, output=False)
-        session.bind(_names("v", n), exp_avg_sqs, output=False)
-        session.bind(_names("p", n, "_out"), params, output=True)
-        session.bind(_names("m", n, "_out"), exp_avgs, output=True)
-        session.bind(_names("v", n, "_out"), exp_avg_sqs, output=True)
+        session.bind(input_names("p", n), params, output=False)
+        session.bind(input_names("g", n), grads, output=False)
+        session.bind(input_names("m", n), exp_avgs, output=False)
+        session.bind(input_names("v", n), exp_avg_sqs, output=False)
+        session.bind(input_names("p", n, "_out"), params, output=True)
+        session.bind(input_names("m", n, "_out"), exp_avgs, output=True)
+        session.bind(input_names("v", n, "_out"), exp_avg_sqs, output=True)
         session.run()
         self.ort_runs += 1
 
@@ -261,11 +260,6 @@ class FusedAdam(torch.optim.Optimizer):
             self._sessions[key] = session
             self.graphs_built += 1
         return session
-
-
-@functools.lru_cache(maxsize=256)
-def _names(prefix: str, n: int, suffix: str = "") -> tuple[str, ...]:
-    return tuple(f"{prefix}{i}{suffix}" for i in range(n))
 
 
 def is_non_overlapping_and_dense(t: torch.Tensor) -> bool:
