@@ -77,6 +77,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptio
     graph_report = current_report().new_graph(kind)
     registry = export_stage.onnx_registry(options.opset)
     watch = inspectors.watch_graph(gm, options, graph_report.name) if kind != "backward" else (lambda f: f)
+    output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    graph_report.outputs = len(output_node.args[0]) if isinstance(output_node.args[0], (tuple, list)) else 1
     with graph_report.stage("partition"):
         parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report)
     split = parts.module

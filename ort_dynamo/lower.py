@@ -270,6 +270,19 @@ def _own_decompositions() -> dict:
     def adaptive_avg_pool3d(x, output_size):
         return _adaptive_avg_pool(x, output_size)
 
+    @register(aten.scatter_reduce.two)
+    def scatter_reduce_mean(x, dim, index, src, reduce, include_self=True):
+        # torchlib's "mean" averages wrongly where include_self=False; sum / count instead.
+        if reduce != "mean":
+            return NotImplemented
+        base = x if include_self else torch.zeros_like(x)
+        total = aten.scatter_reduce(base, dim, index, src, "sum", include_self=True)
+        count = aten.scatter_reduce(torch.ones_like(x) if include_self else torch.zeros_like(x), dim,
+                                    index, torch.ones_like(src), "sum", include_self=True)
+        safe = count.clamp(min=1)
+        mean = total / safe if x.is_floating_point() else torch.div(total, safe, rounding_mode="floor")
+        return torch.where(count > 0, mean, x)
+
     @register(aten.diagonal_scatter.default)
     def diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
         # torch's decomposition copies into a diagonal view (not functional): select by mask.

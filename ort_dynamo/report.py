@@ -43,6 +43,8 @@ class GraphReport:
     exports: int = 0
     cache_hits: int = 0
     runs: int = 0
+    #: Values the graph returns; for a forward graph, user outputs plus what backward saves.
+    outputs: int = 0
     onnx_paths: list[str] = dataclasses.field(default_factory=list)
 
     @contextlib.contextmanager

@@ -1,0 +1,69 @@
+"""``python -m ort_dynamo``: run as a user would, in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import onnxruntime
+import torch
+
+import ort_dynamo
+from ort_dynamo.cli import REPORT_PATH_ENV
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ort_dynamo", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_info_prints_versions_real_providers_and_gpu_verdict():
+    result = run_cli("info")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for version in (ort_dynamo.__version__, torch.__version__, onnxruntime.__version__):
+        assert version in out
+    providers_line = next(line for line in out.splitlines() if line.startswith("onnxruntime providers:"))
+    assert "CPUExecutionProvider" in providers_line
+    for provider in onnxruntime.get_available_providers():
+        assert provider in providers_line
+    gpu_ready = torch.cuda.is_available() and "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+    assert f"CUDA GPU usable: {'yes' if gpu_ready else 'no'}" in out
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        assert "pip uninstall -y onnxruntime && pip install onnxruntime-gpu" in out
+
+
+def test_report_prints_what_a_run_saved(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    torch.compile(model, backend="ort")(torch.randn(3, 4)).sum().backward()
+    saved = ort_dynamo.report()
+    path = tmp_path / "run_report.json"
+    saved.save(str(path))
+
+    result = run_cli("report", env={REPORT_PATH_ENV: str(path)})
+    assert result.returncode == 0, result.stderr
+    assert f"{saved.ort_nodes} node(s) on ORT, 0 in PyTorch" in result.stdout
+    for graph in saved.graphs:
+        assert any(line.split()[:3] == [graph.name, graph.kind, str(graph.ort_nodes)]
+                   for line in result.stdout.splitlines()), result.stdout
+
+    as_json = run_cli("report", "--path", str(path), "--json", "--")
+    assert json.loads(as_json.stdout)["ort_nodes"] == saved.ort_nodes
+
+
+def test_report_without_a_saved_run_says_how_to_save_one(tmp_path):
+    result = run_cli("report", "--path", str(tmp_path / "missing.json"))
+    assert result.returncode == 1
+    assert "no report at" in result.stderr and REPORT_PATH_ENV in result.stderr
+
+
+def test_help_lists_every_command_and_bench_names_what_exists():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("info", "report", "compare", "bench"):
+        assert f"    {command} " in result.stdout
+    unknown = run_cli("bench", "no_such_benchmark")
+    assert unknown.returncode == 2
+    assert "no benchmark 'no_such_benchmark'" in unknown.stderr and "available:" in unknown.stderr
