@@ -103,6 +103,33 @@ def _cast_symbolic_scalars(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Non
         node.replace_input_with(arg, cast)
 
 
+#: Norms autocast feeds a bf16/f16 input with float32 weights; torchlib needs one dtype.
+_NORMS_WITH_FLOAT_PARAMS = {_aten.native_layer_norm.default, _aten.native_group_norm.default}
+
+
+def _norm_in_float32(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Run a mixed-dtype norm in float32 (as PyTorch's CPU kernel does), cast results back."""
+    x = node.args[0]
+    x_val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    params = [a.meta.get("val") for a in node.args[1:3] if isinstance(a, torch.fx.Node)]
+    if not (isinstance(x_val, torch.Tensor) and x_val.dtype in (torch.bfloat16, torch.float16)
+            and any(isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in params)):
+        return
+    graph = gm.graph
+    with graph.inserting_before(node):
+        up = graph.call_function(_aten._to_copy.default, (x,), {"dtype": torch.float32})
+    up.meta["val"] = x_val.to(torch.float32)
+    node.replace_input_with(x, up)
+    node.meta["val"] = tuple(v.to(torch.float32) for v in node.meta["val"])
+    for user in list(node.users):
+        want = user.meta["val"]
+        user.meta["val"] = want.to(torch.float32)
+        with graph.inserting_after(user):
+            down = graph.call_function(_aten._to_copy.default, (user,), {"dtype": want.dtype})
+        down.meta["val"] = want
+        user.replace_all_uses_with(down, delete_user_cb=lambda n, d=down: n is not d)
+
+
 def _fix_for_torchlib(gm: torch.fx.GraphModule) -> None:
     """Insert the dtype casts torch does implicitly and torchlib omits.
 
@@ -118,6 +145,9 @@ def _fix_for_torchlib(gm: torch.fx.GraphModule) -> None:
         vals = val if isinstance(val, (tuple, list)) else [val]
         if node.op == "call_function" and any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals):
             raise TypeError(f"{node.target} returns a complex tensor; ORT partitions support real dtypes only")
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _NORMS_WITH_FLOAT_PARAMS:
+            _norm_in_float32(gm, node)
     onnx_fx_passes.InsertTypePromotion(gm).run()
     for node in list(gm.graph.nodes):
         if node.op == "call_function":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import dataclasses
 import json
+import os
 import threading
 import time
 from typing import Iterator
@@ -146,6 +148,19 @@ class Report:
 _REPORT = Report()
 
 
+def _save_at_exit() -> None:
+    """``ORT_DYNAMO_REPORT_PATH=path`` saves the report when the process ends (``{rank}`` in
+    the path is replaced by the distributed rank), for ``python -m ort_dynamo report``."""
+    path = os.environ.get("ORT_DYNAMO_REPORT_PATH")
+    if path and _REPORT.graphs:
+        path = path.replace("{rank}", os.environ.get("RANK", "0"))
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _REPORT.save(path)
+
+
+atexit.register(_save_at_exit)
+
+
 def current_report() -> Report:
     return _REPORT
 
@@ -153,3 +168,16 @@ def current_report() -> Report:
 def clear_report() -> None:
     global _REPORT
     _REPORT = Report()
+
+
+def _save_at_exit() -> None:
+    """``ORT_DYNAMO_REPORT_PATH=path`` saves the report when the process ends (``{rank}`` in
+    the path is replaced by the distributed rank), for ``python -m ort_dynamo report``."""
+    path = os.environ.get("ORT_DYNAMO_REPORT_PATH")
+    if path and _REPORT.graphs:
+        path = path.replace("{rank}", os.environ.get("RANK", "0"))
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _REPORT.save(path)
+
+
+atexit.register(_save_at_exit)

@@ -49,7 +49,7 @@ def test_report_prints_what_a_run_saved(tmp_path):
         assert any(line.split()[:3] == [graph.name, graph.kind, str(graph.ort_nodes)]
                    for line in result.stdout.splitlines()), result.stdout
 
-    as_json = run_cli("report", "--path", str(path), "--json", "--")
+    as_json = run_cli("report", "--path", str(path), "--json")
     assert json.loads(as_json.stdout)["ort_nodes"] == saved.ort_nodes
 
 
@@ -67,3 +67,19 @@ def test_help_lists_every_command_and_bench_names_what_exists():
     unknown = run_cli("bench", "no_such_benchmark")
     assert unknown.returncode == 2
     assert "no benchmark 'no_such_benchmark'" in unknown.stderr and "available:" in unknown.stderr
+
+
+def test_report_saved_at_exit_is_printed_by_the_cli(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "run_{rank}.json"
+    code = "import torch; torch.compile(lambda x: x.cos() + 1, backend='ort')(torch.ones(3))"
+    env = dict(__import__("os").environ, ORT_DYNAMO_REPORT_PATH=str(path), RANK="1")
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+    saved = tmp_path / "run_1.json"
+    assert saved.exists()
+    out = subprocess.run([sys.executable, "-m", "ort_dynamo", "report", "--path", str(saved)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "2 node(s) on ORT, 0 in PyTorch" in out.stdout

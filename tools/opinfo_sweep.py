@@ -47,6 +47,9 @@ RANDOM_OPS = {
 }
 
 RTOL, ATOL = 1e-4, 1e-5
+#: Gradients get a looser absolute floor: they sum many products, and some samples are
+#: ill-conditioned (LayerNorm over one element scales rounding by 1/sqrt(eps) = 316).
+GRAD_ATOL = 1e-4
 
 
 def op_key(op) -> str:
@@ -63,7 +66,7 @@ def _float32_ops():
     return {op_key(op): op for op in op_db if torch.float32 in op.supported_dtypes("cpu")}
 
 
-def _close(expected, actual, what: str) -> str:
+def _close(expected, actual, what: str, atol: float = ATOL) -> str:
     """'' if ``actual`` matches ``expected`` (tree of tensors/values), else the difference."""
     import torch
     from torch.utils._pytree import tree_flatten
@@ -82,7 +85,7 @@ def _close(expected, actual, what: str) -> str:
         if e.dtype != a.dtype or e.shape != a.shape:
             return f"{what}[{i}]: {a.dtype}{list(a.shape)} vs eager {e.dtype}{list(e.shape)}"
         try:
-            torch.testing.assert_close(a.detach(), e.detach(), rtol=RTOL, atol=ATOL, equal_nan=True,
+            torch.testing.assert_close(a.detach(), e.detach(), rtol=RTOL, atol=atol, equal_nan=True,
                                        check_stride=False)
         except AssertionError as exc:
             lines = [ln.strip() for ln in str(exc).splitlines() if "Greatest" in ln or "Mismatched" in ln]
@@ -190,7 +193,8 @@ def run_one_op(op, samples: int) -> dict:
         diff = check(expected, actual, "output")
         if not diff and expected_grads is not None:
             result["grad_checked"] = True
-            diff = check(expected_grads, actual_grads, "grad")
+            diff = (_shape_check(expected_grads, actual_grads, "grad") if random_op
+                    else _close(expected_grads, actual_grads, "grad", GRAD_ATOL))
         if diff:
             problems.append(("mismatch", f"sample {index}: {diff}"))
     result["fallbacks"] = [{"op": k, "reason": v} for k, v in sorted(fallbacks.items())]
@@ -330,7 +334,7 @@ def supervise(args) -> None:
         names = names[: args.limit]
     command = "python tools/opinfo_sweep.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     meta = {"command": command.strip(), "date": datetime.date.today().isoformat(),
-            "samples_per_op": args.samples, "timeout_s": args.timeout, "rtol": RTOL, "atol": ATOL,
+            "samples_per_op": args.samples, "timeout_s": args.timeout, "rtol": RTOL, "atol": ATOL, "grad_atol": GRAD_ATOL,
             **versions()}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     results = Results(args.out, meta, keep)
@@ -379,7 +383,8 @@ def write_markdown(json_path: str, md_path: str) -> None:
         "`torch.testing._internal.common_methods_invocations.op_db` that supports float32 on CPU, "
         f"its first {meta['samples_per_op']} sample inputs, eager vs "
         "`torch.compile(fn, backend=\"ort\", dynamic=False)`: forward outputs and, for ops that "
-        f"support autograd, input gradients (rtol={meta['rtol']}, atol={meta['atol']}, NaNs equal).",
+        f"support autograd, input gradients (rtol={meta['rtol']}, atol={meta['atol']}; gradients "
+        f"atol={meta.get('grad_atol', meta['atol'])}; NaNs equal).",
         "",
         f"* Command: `{meta['command']}`",
         f"* Date: {meta['date']}; torch {meta['torch']}, onnxruntime {meta['onnxruntime']}, "

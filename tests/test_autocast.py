@@ -1,0 +1,95 @@
+"""torch.autocast(cpu, bfloat16) training steps run on ORT with eager's dtypes and values.
+
+Autocast's casts are recorded in the graph (matmuls in bf16, softmax/loss in fp32), so ORT
+must hand back the same dtypes. bf16 has an 8-bit mantissa: outputs are compared with
+bf16 tolerances (rtol 1.6e-2, one bf16 ulp), fp32 master gradients with rtol 2e-2 /
+atol 2e-3 (a gradient sums many bf16 products, and one ulp flip of a bf16 intermediate
+moves the sum by more than an fp32 ulp).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ort_dynamo
+
+BF16_TOL = dict(rtol=1.6e-2, atol=1e-3)
+GRAD_TOL = dict(rtol=2e-2, atol=2e-3)
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self, activation: torch.nn.Module) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 32)
+        self.proj = torch.nn.Linear(32, 64)
+        self.norm = torch.nn.LayerNorm(64)
+        self.act = activation
+        self.attn = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.norm(self.proj(self.embed(ids))))
+        scores = torch.softmax(self.attn(h) @ h.transpose(1, 2) / 8.0, dim=-1)
+        return self.head((scores @ h).mean(1))
+
+
+def bf16_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+    return logits, loss
+
+
+def run_steps(model, step, batch, steps: int = 2):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    results = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        logits, loss = step(*batch)
+        loss.backward()
+        results.append((logits.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        opt.step()
+    return results
+
+
+def check_autocast_training(activation: torch.nn.Module) -> None:
+    torch.manual_seed(0)
+    model = Classifier(activation)
+    batch = (torch.randint(0, 50, (4, 6)), torch.randint(0, 5, (4,)))
+    eager_model, ort_model = copy.deepcopy(model), copy.deepcopy(model)
+    eager = run_steps(eager_model, lambda *b: bf16_step(eager_model, *b), batch)
+    compiled = torch.compile(lambda *b: bf16_step(ort_model, *b), backend="ort", dynamic=False)
+    ort = run_steps(ort_model, compiled, batch)
+
+    report = ort_dynamo.report()
+    assert report.fallback_nodes == 0, "\n".join(str(f) for f in report.fallbacks)
+    assert report.ort_nodes > 0
+    for (e_logits, e_loss, e_grads), (o_logits, o_loss, o_grads) in zip(eager, ort):
+        assert o_logits.dtype == e_logits.dtype == torch.bfloat16
+        assert o_loss.dtype == e_loss.dtype == torch.float32
+        torch.testing.assert_close(o_logits, e_logits, **BF16_TOL)
+        torch.testing.assert_close(o_loss, e_loss, **BF16_TOL)
+        for name, grad in e_grads.items():
+            assert o_grads[name].dtype == grad.dtype == torch.float32, name
+            torch.testing.assert_close(o_grads[name], grad, **GRAD_TOL, msg=lambda m: f"grad of {name}: {m}")
+
+
+# Both fail until rewrite._compute_bfloat16_in_float32 (lead's file) is fixed: ORT 1.31's CPU
+# EP has no bf16 Expand/Tile/Where/Size kernels (they are in _TYPE_GENERIC), and Constant
+# nodes inlined from torchlib functions (GELU's sqrt(2)) have no dtype on their output, so
+# their bf16 value is never cast up. strict: they turn into XPASS failures once fixed.
+PENDING_REWRITE_FIX = pytest.mark.xfail(
+    strict=True, reason="rewrite: bf16 Expand/Tile/Where/Size lack ORT CPU kernels; bf16 Constants not upcast")
+
+
+@PENDING_REWRITE_FIX
+def test_autocast_bf16_training_relu():
+    check_autocast_training(torch.nn.ReLU())
+
+
+@PENDING_REWRITE_FIX
+def test_autocast_bf16_training_gelu():
+    check_autocast_training(torch.nn.GELU())
