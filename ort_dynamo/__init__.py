@@ -42,7 +42,9 @@ def reset() -> None:
     """Clear the report and every cache, and reset Dynamo so the next call recompiles."""
     import torch._dynamo
 
+    from .partition import _WARNED
     from .report import clear_report
 
     torch._dynamo.reset()
     clear_report()
+    _WARNED.clear()

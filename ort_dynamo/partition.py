@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+import warnings
 
 import torch
 import torch.fx
@@ -17,6 +18,9 @@ from .options import FallbackPolicy
 from .report import FallbackNode, GraphReport
 
 __all__ = ["partition", "UnsupportedOpError", "Partitioned"]
+
+#: (op, reason) pairs already warned about in this process; reset() clears it.
+_WARNED: set = set()
 
 
 @dataclasses.dataclass
@@ -120,6 +124,13 @@ def partition(gm: torch.fx.GraphModule, registry, policy: FallbackPolicy,
             f"{first.op} has no ONNX lowering and fallback_policy={policy} forbids running it in "
             f"PyTorch.\n  op: {first.op}\n  source: {first.source or '(unknown)'}\n  reason: {first.reason}"
             + (f"\n  ({len(unsupported) - 1} more unsupported node(s))" if len(unsupported) > 1 else ""))
+    for fallback in unsupported:
+        cause = (fallback.op, fallback.reason)
+        if cause not in _WARNED:  # one warning per cause, not per node or per graph
+            _WARNED.add(cause)
+            warnings.warn(f"ort_dynamo: {fallback.op} runs in PyTorch: {fallback.reason}"
+                          f"{' (first at ' + fallback.source + ')' if fallback.source else ''}. "
+                          "See ort_dynamo.report().", stacklevel=2)
     graph_report.fallbacks.extend(unsupported)
     graph_report.torch_nodes += len(unsupported)
 

@@ -47,6 +47,8 @@ class GraphReport:
     runs: int = 0
     #: Values the graph returns; for a forward graph, user outputs plus what backward saves.
     outputs: int = 0
+    #: Execution providers of the sessions created (first = the one that runs the graph).
+    providers: list[str] = dataclasses.field(default_factory=list)
     onnx_paths: list[str] = dataclasses.field(default_factory=list)
 
     @contextlib.contextmanager

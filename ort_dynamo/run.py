@@ -114,6 +114,7 @@ class OrtRunner:
             entry = (sess, ort_device, [ort_device] * len(self.exported.output_names), C.RunOptions())
             self._sessions[device] = entry
             self.report.sessions += 1
+            self.report.providers.append(sess.get_providers()[0])
         return entry
 
     # -- running ----------------------------------------------------------------------------------
