@@ -107,27 +107,47 @@ def _cast_symbolic_scalars(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Non
 _NORMS_WITH_FLOAT_PARAMS = {_aten.native_layer_norm.default, _aten.native_group_norm.default}
 
 
+#: Max/min reductions torch allows on bool; torchlib emits ArgMax/ReduceMax, which reject bool.
+_BOOL_MAX_MIN = {_aten.max.dim, _aten.min.dim, _aten.amax.default, _aten.amin.default,
+                 _aten.argmax.default, _aten.argmin.default, _aten.max.default, _aten.min.default}
+
+
 def _norm_in_float32(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
     """Run a mixed-dtype norm in float32 (as PyTorch's CPU kernel does), cast results back."""
     x = node.args[0]
     x_val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     params = [a.meta.get("val") for a in node.args[1:3] if isinstance(a, torch.fx.Node)]
-    if not (isinstance(x_val, torch.Tensor) and x_val.dtype in (torch.bfloat16, torch.float16)
+    if (isinstance(x_val, torch.Tensor) and x_val.dtype in (torch.bfloat16, torch.float16)
             and any(isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in params)):
-        return
+        _compute_in(gm, node, torch.float32)
+
+
+def _compute_in(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype: torch.dtype) -> None:
+    """Cast ``node``'s first input to ``dtype`` and its results of that input's dtype back."""
+    x = node.args[0]
+    x_val = x.meta["val"]
     graph = gm.graph
     with graph.inserting_before(node):
-        up = graph.call_function(_aten._to_copy.default, (x,), {"dtype": torch.float32})
-    up.meta["val"] = x_val.to(torch.float32)
+        up = graph.call_function(_aten._to_copy.default, (x,), {"dtype": dtype})
+    up.meta["val"] = x_val.to(dtype)
     node.replace_input_with(x, up)
-    node.meta["val"] = tuple(v.to(torch.float32) for v in node.meta["val"])
-    for user in list(node.users):
-        want = user.meta["val"]
-        user.meta["val"] = want.to(torch.float32)
-        with graph.inserting_after(user):
-            down = graph.call_function(_aten._to_copy.default, (user,), {"dtype": want.dtype})
-        down.meta["val"] = want
-        user.replace_all_uses_with(down, delete_user_cb=lambda n, d=down: n is not d)
+
+    def retype(v):
+        return v.to(dtype) if isinstance(v, torch.Tensor) and v.dtype == x_val.dtype else v
+
+    val = node.meta["val"]
+    outputs = list(node.users) if isinstance(val, (tuple, list)) else [node]
+    node.meta["val"] = type(val)(retype(v) for v in val) if isinstance(val, (tuple, list)) else retype(val)
+    for out in outputs:
+        if out is not node:
+            out.meta["val"] = retype(out.meta["val"])
+        want = out.meta["val"]
+        if not isinstance(want, torch.Tensor) or want.dtype != dtype:
+            continue
+        with graph.inserting_after(out):
+            down = graph.call_function(_aten._to_copy.default, (out,), {"dtype": x_val.dtype})
+        down.meta["val"] = want.to(x_val.dtype)
+        out.replace_all_uses_with(down, delete_user_cb=lambda n, d=down: n is not d)
 
 
 def _fix_for_torchlib(gm: torch.fx.GraphModule) -> None:
@@ -148,6 +168,10 @@ def _fix_for_torchlib(gm: torch.fx.GraphModule) -> None:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _NORMS_WITH_FLOAT_PARAMS:
             _norm_in_float32(gm, node)
+        elif node.op == "call_function" and node.target in _BOOL_MAX_MIN:
+            source = node.args[0]
+            if isinstance(source, torch.fx.Node) and getattr(source.meta.get("val"), "dtype", None) == torch.bool:
+                _compute_in(gm, node, torch.int32)
     onnx_fx_passes.InsertTypePromotion(gm).run()
     for node in list(gm.graph.nodes):
         if node.op == "call_function":

@@ -270,6 +270,107 @@ def _own_decompositions() -> dict:
     def adaptive_avg_pool3d(x, output_size):
         return _adaptive_avg_pool(x, output_size)
 
+    # Reductions of a 0-d tensor: torchlib's lowerings emit Reduce*/ArgMax with an axis,
+    # which ONNX rejects on rank 0. Reducing a scalar over its only "dim" is the identity.
+    def scalar_identity(x, *args, **kwargs):
+        return x.clone() if x.dim() == 0 else NotImplemented
+
+    def scalar_truth(x, *args, **kwargs):
+        return x != 0 if x.dim() == 0 else NotImplemented
+
+    def scalar_with_index(x, *args, **kwargs):
+        if x.dim() != 0:
+            return NotImplemented
+        return x.clone(), torch.zeros((), dtype=torch.int64, device=x.device)
+
+    for op in (aten.amax.default, aten.amin.default):
+        table[op] = scalar_identity
+    for op in (aten.all.dim, aten.any.dim, aten.all.dims, aten.any.dims):
+        table[op] = scalar_truth
+    for op in (aten.max.dim, aten.min.dim, aten.median.dim, aten.nanmedian.dim):
+        table[op] = scalar_with_index
+
+    # Scatter/gather on 0-d tensors (the backward of a 0-d max/min/median): ORT's
+    # ScatterElements/GatherElements reject rank 0. With one element the index must be 0.
+    @register(aten.scatter.src)
+    def scatter_src_scalar(x, dim, index, src):
+        return src.reshape([]).to(x.dtype).clone() if x.dim() == 0 else NotImplemented
+
+    @register(aten.scatter.value)
+    def scatter_value_scalar(x, dim, index, value):
+        return torch.full_like(x, value) if x.dim() == 0 else NotImplemented
+
+    @register(aten.scatter_add.default)
+    def scatter_add_scalar(x, dim, index, src):
+        return x + src.reshape([]).to(x.dtype) if x.dim() == 0 else NotImplemented
+
+    @register(aten.gather.default)
+    def gather_scalar(x, dim, index, sparse_grad=False):
+        return x.clone() if x.dim() == 0 else NotImplemented
+
+    @register(aten.median.default)
+    def median_all(x):
+        # The lower of the two middle values, as torch.median; any NaN makes it NaN.
+        flat = x.reshape(-1)
+        if flat.is_floating_point():
+            flat = torch.where(torch.isnan(flat).any(), torch.full_like(flat, float("nan")), flat)
+        values = torch.sort(flat, stable=True)[0]
+        return values[(flat.numel() - 1) // 2].clone()
+
+    @register(aten.kthvalue.default)
+    def kthvalue(x, k, dim=-1, keepdim=False):
+        if x.dim() == 0:
+            return x.clone(), torch.zeros((), dtype=torch.int64, device=x.device)
+        values, indices = torch.sort(x, dim=dim, stable=True)
+        values, indices = values.narrow(dim, k - 1, 1), indices.narrow(dim, k - 1, 1)
+        if not keepdim:
+            values, indices = values.squeeze(dim), indices.squeeze(dim)
+        return values, indices
+
+    @register(aten.cumprod.default)
+    def cumprod(x, dim, dtype=None):
+        # out[i] = prod(x[j] for j <= i) as one masked product over an (n, n) expansion;
+        # torch's decomposition ends in prims.prod, which nothing lowers.
+        if dtype is not None:
+            x = x.to(dtype)
+        if x.dim() == 0:
+            return x.clone()
+        moved = x.movedim(dim, -1)
+        n = moved.shape[-1]
+        idx = torch.arange(n, device=x.device)
+        upto = idx[None, :] <= idx[:, None]  # (i, j): j <= i
+        terms = torch.where(upto, moved.unsqueeze(-2), torch.ones((), dtype=x.dtype, device=x.device))
+        return aten.prod.dim_int(terms, -1, False).movedim(-1, dim)
+
+    @register(aten.prod.default)
+    def prod_all(x, dtype=None):
+        # torch's own decomposition ends in prims.prod, which nothing lowers.
+        if dtype is None:
+            dtype = x.dtype if x.is_floating_point() else torch.int64
+        return aten.prod.dim_int(x.reshape(-1), 0, False, dtype=dtype)
+
+    @register(aten.prod.dim_int)
+    def prod_of_scalar(x, dim, keepdim=False, dtype=None):
+        if x.dim() != 0:
+            return NotImplemented
+        if dtype is None:  # integral products accumulate in int64, as torch.prod does
+            dtype = x.dtype if x.is_floating_point() else torch.int64
+        return x.to(dtype).clone()
+
+    @register(aten.linalg_vector_norm.default)
+    def norm_of_scalar(x, ord=2, dim=None, keepdim=False, dtype=None):
+        if x.dim() != 0:
+            return NotImplemented
+        result = (x != 0).to(x.dtype) if ord == 0 else x.abs()
+        return result.to(dtype) if dtype is not None else result
+
+    @register(aten.value_selecting_reduction_backward.default)
+    def value_selecting_reduction_backward(grad, dim, indices, sizes, keepdim):
+        if len(sizes) == 0:
+            return grad.reshape([])
+        return _torch_decompositions[aten.value_selecting_reduction_backward.default](
+            grad, dim, indices, sizes, keepdim)
+
     @register(aten.scatter_reduce.two)
     def scatter_reduce_mean(x, dim, index, src, reduce, include_self=True):
         # torchlib's "mean" averages wrongly where include_self=False; sum / count instead.

@@ -329,13 +329,21 @@ def supervise(args) -> None:
         with open(args.out) as fh:
             keep = json.load(fh)["ops"]
         redo = {"timeout", "error"} if args.retry_failed else set()
-        names = [n for n in names if n not in keep or keep[n]["status"] in redo]
+        # Ops named with --ops are re-run; otherwise only those not done yet (or failed).
+        if not args.ops:
+            names = [n for n in names if n not in keep or keep[n]["status"] in redo]
     if args.limit:
         names = names[: args.limit]
     command = "python tools/opinfo_sweep.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     meta = {"command": command.strip(), "date": datetime.date.today().isoformat(),
             "samples_per_op": args.samples, "timeout_s": args.timeout, "rtol": RTOL, "atol": ATOL, "grad_atol": GRAD_ATOL,
             **versions()}
+    if args.resume and os.path.exists(args.out):
+        with open(args.out) as fh:
+            previous = json.load(fh)["meta"]
+        # Keep the command of the full run; later partial re-runs are listed after it.
+        meta["command"] = previous["command"]
+        meta["reruns"] = previous.get("reruns", []) + [command.strip()]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     results = Results(args.out, meta, keep)
     print_lock = threading.Lock()
@@ -386,7 +394,8 @@ def write_markdown(json_path: str, md_path: str) -> None:
         f"support autograd, input gradients (rtol={meta['rtol']}, atol={meta['atol']}; gradients "
         f"atol={meta.get('grad_atol', meta['atol'])}; NaNs equal).",
         "",
-        f"* Command: `{meta['command']}`",
+        f"* Command: `{meta['command']}`"
+        + "".join(f"; then `{r}` (re-ran those ops after fixes)" for r in meta.get("reruns", [])),
         f"* Date: {meta['date']}; torch {meta['torch']}, onnxruntime {meta['onnxruntime']}, "
         f"onnxscript {meta['onnxscript']}; per-op time cap {meta['timeout_s']} s",
         "",
