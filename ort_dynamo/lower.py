@@ -327,6 +327,32 @@ def _own_decompositions() -> dict:
             values, indices = values.squeeze(dim), indices.squeeze(dim)
         return values, indices
 
+    def cumulative_extreme(x, dim, largest: bool):
+        # values[i] = max/min(x[j] for j <= i); index = the last j reaching it (torch's ties).
+        if x.dim() == 0:
+            return x.clone(), torch.zeros((), dtype=torch.int64, device=x.device)
+        moved = x.movedim(dim, -1)
+        n = moved.shape[-1]
+        idx = torch.arange(n, device=x.device)
+        upto = idx[None, :] <= idx[:, None]  # (i, j): j <= i
+        fill = float("-inf") if largest else float("inf")
+        if not x.is_floating_point():
+            info = torch.iinfo(x.dtype) if x.dtype != torch.bool else None
+            fill = (info.min if largest else info.max) if info else (not largest)
+        rows = torch.where(upto, moved.unsqueeze(-2), torch.full((), fill, dtype=x.dtype, device=x.device))
+        values = rows.amax(-1) if largest else rows.amin(-1)
+        hit = upto & (rows == values.unsqueeze(-1))
+        indices = torch.where(hit, idx, torch.full((), -1, dtype=torch.int64, device=x.device)).amax(-1)
+        return values.movedim(-1, dim), indices.movedim(-1, dim)
+
+    @register(aten.cummax.default)
+    def cummax(x, dim):
+        return cumulative_extreme(x, dim, largest=True)
+
+    @register(aten.cummin.default)
+    def cummin(x, dim):
+        return cumulative_extreme(x, dim, largest=False)
+
     @register(aten.cumprod.default)
     def cumprod(x, dim, dtype=None):
         # out[i] = prod(x[j] for j <= i) as one masked product over an (n, n) expansion;

@@ -9,8 +9,6 @@ node's static attributes, emitting ONNX ops.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from onnxscript import INT64
 from onnxscript.function_libs.torch_lib.ops import core as torchlib_core
@@ -20,7 +18,6 @@ from onnxscript.values import Opset, TracedOnnxFunction
 
 __all__ = ["register", "REMOVED_LOWERINGS"]
 
-log = logging.getLogger("ort_dynamo")
 aten = torch.ops.aten
 _OPSET = Opset("pkg.ort_dynamo", 1)
 

@@ -15,11 +15,13 @@ __all__ = ["rewrite"]
 # pass then logs a warning per value, which is noise for us.
 logging.getLogger("onnx_ir.passes.common.initializer_deduplication").setLevel(logging.ERROR)
 
-#: Ops that only move or reinterpret data: ORT's CPU kernels take every type for these.
-_TYPE_GENERIC = {
+#: Ops whose ORT CPU kernels take bfloat16 (probed on onnxruntime 1.31: Expand, Tile, Where
+#: and Size do not), plus ops whose output type is an attribute (Constant, ConstantOfShape,
+#: Cast): these stay as they are; every other op touching bf16 is computed in fp32.
+_BF16_OK_ON_CPU = {
     "Cast", "CastLike", "Identity", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Concat",
-    "Slice", "Gather", "GatherElements", "GatherND", "Expand", "Flatten", "Shape", "Size",
-    "Split", "Tile", "Constant", "ConstantOfShape", "Where", "ScatterND", "ScatterElements",
+    "Slice", "Gather", "GatherElements", "GatherND", "Flatten", "Shape", "Split", "Constant",
+    "ConstantOfShape", "ScatterND", "ScatterElements",
 }
 
 
@@ -44,8 +46,11 @@ def _compute_bfloat16_in_float32(graph: ir.Graph) -> None:
     """ORT's CPU EP lacks bf16 kernels for most ops. Do as eager does on CPU: compute each op
     in fp32 and round its result to bf16, so values match eager's op by op."""
     bf16, fp32 = ir.DataType.BFLOAT16, ir.DataType.FLOAT
+    for node in graph:  # constants inlined from torchlib functions carry no output dtype
+        if node.op_type == "Constant" and node.outputs[0].dtype is None and "value" in node.attributes:
+            node.outputs[0].dtype = node.attributes["value"].value.dtype
     for node in list(graph):
-        if node.op_type in _TYPE_GENERIC or node.domain not in ("", "ai.onnx"):
+        if node.op_type in _BF16_OK_ON_CPU or node.domain not in ("", "ai.onnx"):
             continue
         touches = [v for v in (*node.inputs, *node.outputs) if v is not None and v.dtype == bf16]
         if not touches:

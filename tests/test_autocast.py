@@ -77,19 +77,9 @@ def check_autocast_training(activation: torch.nn.Module) -> None:
             torch.testing.assert_close(o_grads[name], grad, **GRAD_TOL, msg=lambda m: f"grad of {name}: {m}")
 
 
-# Both fail until rewrite._compute_bfloat16_in_float32 (lead's file) is fixed: ORT 1.31's CPU
-# EP has no bf16 Expand/Tile/Where/Size kernels (they are in _TYPE_GENERIC), and Constant
-# nodes inlined from torchlib functions (GELU's sqrt(2)) have no dtype on their output, so
-# their bf16 value is never cast up. strict: they turn into XPASS failures once fixed.
-PENDING_REWRITE_FIX = pytest.mark.xfail(
-    strict=True, reason="rewrite: bf16 Expand/Tile/Where/Size lack ORT CPU kernels; bf16 Constants not upcast")
-
-
-@PENDING_REWRITE_FIX
 def test_autocast_bf16_training_relu():
     check_autocast_training(torch.nn.ReLU())
 
 
-@PENDING_REWRITE_FIX
 def test_autocast_bf16_training_gelu():
     check_autocast_training(torch.nn.GELU())

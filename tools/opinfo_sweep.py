@@ -46,6 +46,38 @@ RANDOM_OPS = {
     "torch.empty", "bernoulli", "native_dropout_backward", "_refs.empty", "_refs.empty_like",
 }
 
+#: Hand-written part of docs/ops.md: what the sweep found and how ort_dynamo handles it.
+NOTES = """## Wrong results found by the sweep, and their fixes
+
+Each was a silently wrong value before; each is now either computed correctly on ORT or
+left in PyTorch with a reason in `ort_dynamo.report()`.
+
+| problem | where | fix (file) |
+|---|---|---|
+| `Bernoulli` returns 1 with probability 1-p (inverse of the ONNX spec) | onnxruntime 1.31 CPU kernel | `bernoulli` lowered as `RandomUniformLike < p` (lowerings.py) |
+| `MatMul(Transpose(A), v)` with 1-D `v` is wrong after the extended optimizer's MatMul+Transpose fusion: every `mv` backward | onnxruntime 1.31 optimizer | `mv`/`dot` lowered with 2-D MatMuls (lowerings.py) |
+| `avg_pool2d/3d` ignore `divisor_override` | torchlib | decomposed as a ones-kernel convolution when it is set (lower.py) |
+| `scatter_reduce(reduce="mean", include_self=False)` averages wrongly | torchlib | decomposed as scatter-sum / scatter-count (lower.py) |
+| `special.erfcx` off by up to 0.13 for negative inputs | torchlib | lowering removed: decomposed by torch (lowerings.py) |
+| complex results come back as (..., 2) real pairs | torchlib's complex representation | partitions producing complex tensors are refused at export and run in PyTorch (export.py) |
+| mixed-dtype elementwise ops (`mul(float, int64)`, ...) fail in ORT | torchlib omits torch's implicit promotion | torch.onnx's type-promotion pass on every partition (export.py) |
+| bf16 LayerNorm/GroupNorm with fp32 weights (autocast) | torchlib needs one dtype | computed in fp32, results cast back, as PyTorch's CPU kernel does (export.py) |
+| max/min/argmax over bool | ONNX ArgMax/ReduceMax reject bool | computed in int32 (export.py) |
+| reductions / scatter / gather of 0-d tensors | ONNX reduce/scatter ops reject rank 0 | identity decompositions for rank 0 (lower.py) |
+
+Backward and missing ops added as decompositions (lower.py): `avg_pool{2,3}d_backward`,
+`_adaptive_avg_pool{2,3}d_backward`, `_adaptive_avg_pool3d`, `diagonal_scatter` and
+`as_strided_scatter` (torch's own are not functional), `cumprod`, `prod`, `cummax`, `cummin`,
+`median`, `kthvalue`, and `sort.stable` (lowerings.py; ONNX TopK breaks ties by index).
+
+## What stays in PyTorch by design
+
+* Complex tensors (all `fft.*`, `view_as_complex`, `polar`, ...): ORT has no complex type.
+* Linear-algebra factorizations (`linalg.cholesky/qr/svd/eig/lu/solve/inv...`): no ONNX ops.
+* Special functions without ONNX ops (`digamma`, `lgamma`, `polygamma`, Bessel, `igamma`).
+* Data-dependent output shapes (`nonzero`, `unique`, `masked_select`) graph-break in Dynamo.
+"""
+
 RTOL, ATOL = 1e-4, 1e-5
 #: Gradients get a looser absolute floor: they sum many products, and some samples are
 #: ill-conditioned (LayerNorm over one element scales rounding by 1/sqrt(eps) = 316).
@@ -412,6 +444,8 @@ def write_markdown(json_path: str, md_path: str) -> None:
         "and samples differ from eager's (statistics are tested in tests/test_random_ops.py).",
         "",
     ]
+    lines.extend(NOTES.splitlines())
+    lines.append("")
     by_status = {}
     for k, r in sorted(tested.items()):
         by_status.setdefault(r["status"], []).append((k, r))
