@@ -171,15 +171,3 @@ def clear_report() -> None:
     global _REPORT
     _REPORT = Report()
 
-
-def _save_at_exit() -> None:
-    """``ORT_DYNAMO_REPORT_PATH=path`` saves the report when the process ends (``{rank}`` in
-    the path is replaced by the distributed rank), for ``python -m ort_dynamo report``."""
-    path = os.environ.get("ORT_DYNAMO_REPORT_PATH")
-    if path and _REPORT.graphs:
-        path = path.replace("{rank}", os.environ.get("RANK", "0"))
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        _REPORT.save(path)
-
-
-atexit.register(_save_at_exit)
