@@ -124,7 +124,7 @@ def _compile_partition(sub: torch.fx.GraphModule, name: str, options: OrtOptions
             if key is not None:
                 cache_stage.store(options.cache_dir, key, exported, model_bytes)
     except Exception as exc:
-        nodes = sum(1 for n in sub.graph.nodes if partition_stage._is_compute(n))
+        nodes = sum(1 for n in sub.graph.nodes if partition_stage.is_compute(n))
         reason = f"export failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
         if not (options.fallback_policy & FallbackPolicy.EXPORT_FAILURE):
             raise ExportFailedError(f"partition {stem} could not be exported to ONNX: {reason}") from exc

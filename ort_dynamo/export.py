@@ -220,7 +220,16 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
         else:
             if out.name not in ort_index:
                 ort_index[out.name] = len(model.graph.outputs)
-                model.graph.outputs.append(values[out.name])
+                value = values[out.name]
+                if value.is_graph_input() or value in model.graph.outputs:
+                    # A lowering that returns its input unchanged: ORT would hand back the
+                    # input's (possibly freed) buffer. An Identity gives a fresh result.
+                    copy = ir.node("Identity", [value])
+                    copy.outputs[0].name = out.name + "_copy"
+                    copy.outputs[0].dtype, copy.outputs[0].shape = value.dtype, value.shape
+                    model.graph.append(copy)
+                    value = copy.outputs[0]
+                model.graph.outputs.append(value)
                 output_dtypes.append(out.meta["val"].dtype)
             slots.append(OutputSlot("ort", ort_index[out.name]))
 

@@ -353,6 +353,58 @@ def _own_decompositions() -> dict:
     def cummin(x, dim):
         return cumulative_extreme(x, dim, largest=False)
 
+    @register(aten.fmax.default)
+    def fmax(a, b):
+        # max that ignores NaN (torch's decomposition ends in prims.fmax).
+        return torch.where(torch.isnan(a), b, torch.where(torch.isnan(b), a, torch.maximum(a, b)))
+
+    @register(aten.fmin.default)
+    def fmin(a, b):
+        return torch.where(torch.isnan(a), b, torch.where(torch.isnan(b), a, torch.minimum(a, b)))
+
+    @register(aten.hypot.default)
+    def hypot(a, b):
+        return torch.sqrt(a * a + b * b)
+
+    def replication_pad_backward(grad, x, padding):
+        # Each padded position copies its nearest edge element: send its gradient back there.
+        spatial = len(padding) // 2
+        out = grad
+        for i in range(spatial):
+            dim = x.dim() - 1 - i  # padding pairs run from the last dim backwards
+            left = padding[2 * i]
+            size = x.shape[dim]
+            source = (torch.arange(out.shape[dim], device=x.device) - left).clamp(0, size - 1)
+            zeros_shape = list(out.shape)
+            zeros_shape[dim] = size
+            out = torch.zeros(zeros_shape, dtype=grad.dtype, device=grad.device).index_add(dim, source, out)
+        return out
+
+    for op in (aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
+               aten.replication_pad3d_backward.default):
+        table[op] = replication_pad_backward
+
+    @register(aten.max_pool3d_with_indices_backward.default)
+    def max_pool3d_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+        # indices are flat positions in each (D*H*W) plane: scatter the gradient there.
+        spatial = 3
+        lead = x.shape[:-spatial]
+        flat_grad = grad.reshape(*lead, -1)
+        flat_index = indices.reshape(*lead, -1)
+        plane = torch.zeros(*lead, x.shape[-3] * x.shape[-2] * x.shape[-1], dtype=grad.dtype,
+                            device=grad.device)
+        return plane.scatter_add(-1, flat_index, flat_grad).reshape(x.shape)
+
+    @register(aten.index_reduce.default)
+    def index_reduce(x, dim, index, source, reduce, include_self=True):
+        # index_reduce along dim == scatter_reduce with the index broadcast over the other dims.
+        if source.dim() == 0:
+            return NotImplemented  # 0-d: stays an aten op (runs in PyTorch)
+        shape = [1] * source.dim()
+        shape[dim] = -1
+        spread = index.reshape(shape).expand(source.shape)
+        return aten.scatter_reduce.two(x, dim, spread, source, reduce, include_self=include_self)
+
     @register(aten.cumprod.default)
     def cumprod(x, dim, dtype=None):
         # out[i] = prod(x[j] for j <= i) as one masked product over an (n, n) expansion;

@@ -46,7 +46,7 @@ def _is_tensor_value(val) -> bool:
         v is None or isinstance(v, torch.Tensor) for v in val)
 
 
-def _is_compute(node: torch.fx.Node) -> bool:
+def is_compute(node: torch.fx.Node) -> bool:
     """A node that computes tensors (shape arithmetic on SymInts and getitem are not)."""
     return (node.op == "call_function" and node.target is not operator.getitem
             and _is_tensor_value(node.meta.get("val")))
@@ -66,14 +66,14 @@ class _OnnxSupport(OperatorSupportBase):
         if node.target is operator.getitem:
             source = node.args[0]
             verdict = self.reason(source) if isinstance(source, torch.fx.Node) else "not a tensor"
-        elif not _is_compute(node):
+        elif not is_compute(node):
             verdict = "not a tensor computation"
         elif not isinstance(node.target, torch._ops.OpOverload):
             verdict = f"{node.target} is not an ATen op"
         elif node.target in TORCHLIB_WRONG:
             verdict = "torchlib's lowering of this op is wrong for training"
         elif any(isinstance(t, torch.Tensor) and (t.is_complex() or t.is_sparse or t.is_quantized)
-                 for t in _tensor_args(node)):
+                 for t in (*_tensor_args(node), *_tensor_outputs(node))):
             verdict = "complex, sparse or quantized tensors are not supported by ORT"
         else:
             try:
@@ -95,6 +95,11 @@ def _tensor_args(node: torch.fx.Node):
             yield val
 
 
+def _tensor_outputs(node: torch.fx.Node):
+    val = node.meta.get("val")
+    yield from (val if isinstance(val, (tuple, list)) else (val,))
+
+
 def _short(message: str) -> str:
     message = " ".join(str(message).split())
     return message if len(message) <= 160 else message[:157] + "..."
@@ -110,7 +115,7 @@ def partition(gm: torch.fx.GraphModule, registry, policy: FallbackPolicy,
     support = _OnnxSupport(registry)
     unsupported = []
     for node in gm.graph.nodes:
-        if not _is_compute(node):
+        if not is_compute(node):
             continue
         reason = support.reason(node)
         if reason:

@@ -7,7 +7,6 @@ ORT allocates outputs, which come back to PyTorch through DLPack. Nothing goes v
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import warnings
 from typing import Callable, Sequence
@@ -20,6 +19,7 @@ from onnxruntime.capi import _pybind_state as C
 from .errors import OrtRuntimeError
 from .export import ExportedGraph
 from .options import FallbackPolicy, OrtOptions
+from .partition import is_compute
 from .report import FallbackNode, GraphReport
 
 __all__ = ["OrtRunner", "session_options", "providers_for", "OrtRuntimeError"]
@@ -97,8 +97,7 @@ class OrtRunner:
         self.name = name
         self._sessions: dict[torch.device, tuple] = {}
         self._failed: str | None = None
-        self.compute_nodes = sum(1 for n in torch_fn.graph.nodes
-                                 if n.op == "call_function" and n.target is not operator.getitem)
+        self.compute_nodes = sum(1 for n in torch_fn.graph.nodes if is_compute(n))
 
     # -- sessions ---------------------------------------------------------------------------------
 

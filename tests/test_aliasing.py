@@ -138,8 +138,6 @@ def test_outputs_never_share_memory_with_inputs_or_earlier_outputs():
     assert {o.data_ptr() for o in first}.isdisjoint(o.data_ptr() for o in second)
 
 
-@pytest.mark.xfail(strict=True, reason="export_graph (lead's file) hands ORT a graph whose output IS an input "
-                   "when torchlib returns its input unchanged; ORT then returns freed memory. Fix: an Identity")
 def test_lowering_that_returns_its_input_still_yields_a_fresh_result():
     # torchlib lowers t() of a 1-D tensor (the backward of t_copy) and mean over a 0-d
     # tensor's only dim to "return the input": the ONNX graph output is its input.
