@@ -61,6 +61,9 @@ def session_options(options: OrtOptions) -> ort.SessionOptions:
 def providers_for(device: torch.device, options: OrtOptions) -> list:
     """Execution providers for tensors on ``device``; CUDA needs onnxruntime-gpu."""
     available = ort.get_available_providers()
+    wanted = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}.get(device.type)
+    if options.providers and wanted not in options.providers:
+        raise OrtRuntimeError(f"tensors on {device} need {wanted}, but options.providers={options.providers}")
     if device.type == "cuda":
         if "CUDAExecutionProvider" not in available:
             raise OrtRuntimeError(
@@ -73,8 +76,6 @@ def providers_for(device: torch.device, options: OrtOptions) -> list:
         return [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
     if device.type != "cpu":
         raise OrtRuntimeError(f"tensors on {device} are not supported by ort_dynamo (CPU and CUDA only)")
-    if options.providers and "CPUExecutionProvider" not in options.providers:
-        raise OrtRuntimeError(f"CPU tensors need CPUExecutionProvider; options.providers={options.providers}")
     return ["CPUExecutionProvider"]
 
 

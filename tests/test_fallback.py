@@ -129,3 +129,10 @@ def test_fallback_policy_parsing():
     assert OrtOptions(fallback_policy="DEFAULT").fallback_policy == FallbackPolicy.DEFAULT
     with pytest.raises(ValueError, match="unknown fallback policy 'SOMETIMES'"):
         FallbackPolicy.parse("SOMETIMES")
+
+
+def test_provider_list_without_the_tensors_provider_is_a_clear_error():
+    model = torch.compile(nn.Linear(2, 2), backend="ort",
+                          options={"providers": ["CUDAExecutionProvider"], "fallback_policy": "DISABLE"})
+    with pytest.raises(ort_dynamo.OrtRuntimeError, match="need CPUExecutionProvider"):
+        model(torch.randn(1, 2))
