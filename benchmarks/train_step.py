@@ -63,10 +63,16 @@ def build(name: str, device: str):
 
 
 def compiled_copy(model, backend: str, cache_dir: str = ""):
+    """``backend`` is a torch.compile backend name, "eager", or "ort_recompute" (ort with
+    memory_opt_level=1: activations recomputed in backward)."""
     clone = copy.deepcopy(model)
     if backend == "eager":
         return clone, clone
-    options = {"cache_dir": cache_dir} if backend == "ort" and cache_dir else None
+    options = {}
+    if backend == "ort_recompute":
+        backend, options = "ort", {"memory_opt_level": 1}
+    if backend == "ort" and cache_dir:
+        options["cache_dir"] = cache_dir
     kwargs = {"options": options} if options else {}
     return clone, torch.compile(clone, backend=backend, **kwargs)
 
@@ -182,7 +188,8 @@ def _child_first_step(name, cache_dir, args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="gpt2,bert,llama")
-    parser.add_argument("--backends", default="eager,inductor,ort,aot_eager")
+    parser.add_argument("--backends", default="eager,inductor,ort,aot_eager",
+                        help="comma-separated: eager, inductor, aot_eager, ort, ort_recompute")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)

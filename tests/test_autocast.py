@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 
 import ort_dynamo

@@ -5,7 +5,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 import torch.nn as nn
 from onnxruntime.capi import _pybind_state as C
