@@ -70,6 +70,15 @@ class Report:
         self.graphs: list[GraphReport] = []
         self._lock = threading.Lock()
         self._counter = collections.Counter()
+        self._breaks_before = collections.Counter(_dynamo_graph_breaks())
+
+    @property
+    def graph_breaks(self) -> dict[str, int]:
+        """Dynamo graph breaks since this report began, by reason: code Dynamo could not
+        capture runs eagerly in Python between compiled graphs (not an ORT fallback)."""
+        now = collections.Counter(_dynamo_graph_breaks())
+        now.subtract(self._breaks_before)
+        return {reason: n for reason, n in now.items() if n > 0}
 
     def new_graph(self, kind: str) -> GraphReport:
         with self._lock:
@@ -115,6 +124,7 @@ class Report:
             "fallback_nodes": self.fallback_nodes,
             "sessions": self.sessions,
             "exports": self.exports,
+            "graph_breaks": self.graph_breaks,
             "graphs": [
                 {f.name: getattr(g, f.name) for f in dataclasses.fields(g) if f.name not in ("fallbacks", "stage_seconds")}
                 | {"stage_seconds": dict(g.stage_seconds), "fallbacks": [dataclasses.asdict(f) for f in g.fallbacks]}
@@ -139,12 +149,22 @@ class Report:
         stages = self.stage_seconds()
         if stages:
             lines.append("time per stage: " + ", ".join(f"{k} {v:.3f}s" for k, v in stages.items()))
+        breaks = self.graph_breaks
+        if breaks:
+            lines.append(f"Dynamo graph breaks ({sum(breaks.values())}):")
+            lines += [f"  {n} x {reason}" for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])]
         if self.fallbacks:
             lines.append("fell back to PyTorch:")
             lines += [f"  [{f.graph}] {f}" for f in self.fallbacks]
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _dynamo_graph_breaks() -> dict:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["graph_break"])
 
 
 _REPORT = Report()

@@ -201,3 +201,18 @@ def test_report_prints_a_table_and_saves_json(tmp_path):
 
     data = json.loads(path.read_text())
     assert data["ort_nodes"] == ort_dynamo.report().ort_nodes and data["graphs"]
+
+
+def test_report_lists_dynamo_graph_breaks_with_their_reason():
+    def fn(x):
+        y = x.sin()
+        print("side effect")  # Dynamo cannot capture print: a graph break
+        return y.cos()
+
+    x = torch.randn(3)
+    torch.testing.assert_close(torch.compile(fn, backend="ort")(x), x.sin().cos())
+    report = ort_dynamo.report()
+    assert sum(report.graph_breaks.values()) >= 1, report.graph_breaks
+    assert any("print" in reason for reason in report.graph_breaks)
+    assert "Dynamo graph breaks" in str(report)
+    assert len(report.graphs) == 2 and report.fallback_nodes == 0  # both halves ran on ORT
