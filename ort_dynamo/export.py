@@ -150,6 +150,28 @@ def _compute_in(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype: torch.dtyp
         out.replace_all_uses_with(down, delete_user_cb=lambda n, d=down: n is not d)
 
 
+#: Ops taking a list of index tensors: torch accepts int32 indices, ONNX's
+#: GatherND/ScatterND only int64.
+_INDEXING = {_aten.index.Tensor, _aten._unsafe_index.Tensor, _aten.index_put.default,
+             _aten._unsafe_index_put.default}
+
+
+def _widen_int32_indices(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    indices = node.args[1]
+    if not isinstance(indices, (list, tuple)):
+        return
+    widened = []
+    for index in indices:
+        val = index.meta.get("val") if isinstance(index, torch.fx.Node) else None
+        if isinstance(val, torch.Tensor) and val.dtype == torch.int32:
+            with gm.graph.inserting_before(node):
+                cast = gm.graph.call_function(_aten._to_copy.default, (index,), {"dtype": torch.int64})
+            cast.meta["val"] = val.to(torch.int64)
+            index = cast
+        widened.append(index)
+    node.args = (node.args[0], type(indices)(widened), *node.args[2:])
+
+
 def _fix_for_torchlib(gm: torch.fx.GraphModule) -> None:
     """Insert the dtype casts torch does implicitly and torchlib omits.
 
@@ -176,6 +198,8 @@ def _fix_for_torchlib(gm: torch.fx.GraphModule) -> None:
     for node in list(gm.graph.nodes):
         if node.op == "call_function":
             _cast_symbolic_scalars(gm, node)
+            if node.target in _INDEXING:
+                _widen_int32_indices(gm, node)
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in _BOOL_REDUCTIONS:
             continue

@@ -6,6 +6,7 @@ import logging
 
 import onnx_ir as ir
 
+from . import _fusions
 from .export import ExportedGraph
 from .options import OrtOptions
 
@@ -43,6 +44,9 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         # Constant folding (shape arithmetic torchlib emits) and dead-code removal. Not the
         # onnxscript pattern rewriter: ORT's own graph optimizer covers it at a tenth the time.
         onnxscript.optimizer.fold_constants(model, onnx_shape_inference=False)
+        if exported.device == "cpu":
+            # Chains ORT's optimizer misses -> its fused CPU kernels (Gelu, FastGelu, RMSNorm).
+            _fusions.fuse(model)
         ir.passes.common.RemoveUnusedNodesPass()(model)
     ir.passes.common.RemoveUnusedFunctionsPass()(model)
     return ir.serde.serialize_model(model).SerializeToString()

@@ -216,3 +216,16 @@ def test_report_lists_dynamo_graph_breaks_with_their_reason():
     assert any("print" in reason for reason in report.graph_breaks)
     assert "Dynamo graph breaks" in str(report)
     assert len(report.graphs) == 2 and report.fallback_nodes == 0  # both halves ran on ORT
+
+
+def test_int32_indices_run_on_ort():
+    """torch indexes with int32 tensors; ONNX GatherND/ScatterND need int64 (cast at export)."""
+    idx = torch.tensor([4, 1, 1], dtype=torch.int32)
+
+    def fn(x, values):
+        return x[idx] * 2, x.index_put((idx,), values, accumulate=True)
+
+    x, values = torch.randn(6), torch.randn(3)
+    for got, want in zip(torch.compile(fn, backend="ort")(x, values), fn(x, values)):
+        torch.testing.assert_close(got, want)
+    assert ort_dynamo.report().fallback_nodes == 0, ort_dynamo.report()
