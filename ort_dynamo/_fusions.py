@@ -240,11 +240,30 @@ def fuse_rms_norm(graph: ir.Graph) -> int:
     return count
 
 
+def drop_pow_one(graph: ir.Graph) -> int:
+    """``Pow(x, 1)`` -> ``x``. Autograd's derivative of ``x**2`` is ``2 * x**1``, and ORT's Pow
+    has no fast path for exponent 1: it costs ~10x a Mul (llama's RMSNorm backward)."""
+    count = 0
+    for power in [n for n in graph if _op(n, "Pow")]:
+        x, exponent = power.inputs[0], power.inputs[1]
+        result = power.outputs[0]
+        if x is None or not _is(exponent, 1.0, rel=0) or x.dtype != result.dtype:
+            continue
+        if result.is_graph_output():
+            # ORT hands each graph output its own buffer: keep a (cheap) copy.
+            _replace(graph, [result], ir.node("Identity", [x]), before=power)
+        else:
+            result.replace_all_uses_with(x)
+        count += 1
+    return count
+
+
 #: Name -> fusion, in the order applied. Each returns how many chains it replaced.
 FUSIONS: dict[str, Callable[[ir.Graph], int]] = {
     "erf_gelu": fuse_erf_gelu,
     "tanh_gelu": fuse_tanh_gelu,
     "rms_norm": fuse_rms_norm,
+    "pow_one": drop_pow_one,
 }
 
 

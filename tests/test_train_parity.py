@@ -114,3 +114,19 @@ def test_newer_opsets_train_like_eager_with_nothing_in_pytorch(opset):
                         options={"opset": opset})
     assert_same_training(*result, rtol=1e-5, atol=1e-5)
     assert_all_on_ort()
+
+
+def test_dynamic_batch_and_sequence_length_do_not_reexport_a_transformer():
+    model = _tiny_hf("gpt2", "sdpa")
+    compiled = torch.compile(model, backend="ort", dynamic=True)
+    exports = []
+    for batch, length in ((2, 8), (3, 12), (4, 5), (2, 16)):
+        ids = torch.randint(0, 64, (batch, length))
+        loss = compiled(input_ids=ids, labels=ids).loss
+        torch.testing.assert_close(loss, model(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=1e-6)
+        loss.backward()
+        exports.append(ort_dynamo.report().exports)
+    # Shapes stay symbolic: what the first step exported serves every later shape. (More than
+    # one forward/backward pair: transformers' logging call is a Dynamo graph break.)
+    assert exports == [exports[0]] * 4, exports
+    assert ort_dynamo.report().fallback_nodes == 0
