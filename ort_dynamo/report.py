@@ -152,7 +152,8 @@ class Report:
         breaks = self.graph_breaks
         if breaks:
             lines.append(f"Dynamo graph breaks ({sum(breaks.values())}):")
-            lines += [f"  {n} x {reason}" for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])]
+            lines += [f"  {n} x {reason.strip().splitlines()[0]}"
+                      for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])]
         if self.fallbacks:
             lines.append("fell back to PyTorch:")
             lines += [f"  [{f.graph}] {f}" for f in self.fallbacks]
