@@ -24,7 +24,7 @@ from .options import OrtOptions
 __all__ = ["cache_key", "load", "store"]
 
 log = logging.getLogger("ort_dynamo")
-_FORMAT = 1
+_FORMAT = 2  # 2: rewrites to fused kernels, view slots
 
 
 def _versions() -> str:
@@ -70,7 +70,8 @@ def load(cache_dir: str, key: str) -> tuple[ExportedGraph, bytes] | None:
             model=None,
             input_names=meta["input_names"],
             output_names=meta["output_names"],
-            slots=[OutputSlot(**slot) for slot in meta["slots"]],
+            slots=[OutputSlot(slot["kind"], slot["index"], tuple(slot["value"]) if slot["kind"] == "view" else slot["value"])
+                   for slot in meta["slots"]],
             output_dtypes=[getattr(torch, name) for name in meta["output_dtypes"]],
             input_kinds=meta["input_kinds"],
             returns_tuple=meta["returns_tuple"],

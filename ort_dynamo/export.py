@@ -38,7 +38,7 @@ def onnx_registry(opset: int):
 class OutputSlot:
     """Where output ``i`` of the FX graph comes from at run time."""
 
-    kind: str  # "ort": ONNX output #index; "input": FX input #index; "const": value
+    kind: str  # "ort": ONNX output #index; "view": its .view(value); "input": FX input #index; "const": value
     index: int = 0
     value: Any = None
 

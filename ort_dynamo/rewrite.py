@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import onnx_ir as ir
 
 from . import _fusions
-from .export import ExportedGraph
+from .export import ExportedGraph, OutputSlot
 from .options import OrtOptions
 
 __all__ = ["rewrite"]
@@ -49,7 +50,37 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
             _fusions.fuse(model)
         ir.passes.common.RemoveUnusedNodesPass()(model)
     ir.passes.common.RemoveUnusedFunctionsPass()(model)
+    _reshaped_outputs_as_views(exported)
     return ir.serde.serialize_model(model).SerializeToString()
+
+
+def _reshaped_outputs_as_views(exported: ExportedGraph) -> None:
+    """A Reshape whose result is a graph output makes ORT copy (it cannot hand out an alias of
+    an internal buffer). Output the Reshape's input instead and let PyTorch take a free
+    ``.view(shape)``: saved activations are often such reshapes. Only for static shapes, and
+    only where nothing else returns that buffer, so outputs alias exactly as before."""
+    graph = exported.model.graph
+    claimed = set()
+    for index, out in enumerate(list(graph.outputs)):
+        node = out.producer()
+        if node is None or node.op_type != "Reshape" or node.domain not in ("", "ai.onnx"):
+            continue
+        source = node.inputs[0]
+        if (source is None or source in claimed or source.is_graph_input() or source.is_graph_output()
+                or not _static(out.shape) or not _static(source.shape)
+                or math.prod(out.shape.dims) != math.prod(source.shape.dims)):
+            continue
+        claimed.add(source)
+        graph.outputs[index] = source
+        exported.output_names[index] = source.name
+        exported.slots = [OutputSlot("view", slot.index, tuple(out.shape.dims))
+                          if slot.kind == "ort" and slot.index == index else slot for slot in exported.slots]
+    if claimed:
+        ir.passes.common.RemoveUnusedNodesPass()(exported.model)
+
+
+def _static(shape) -> bool:
+    return shape is not None and all(isinstance(d, int) for d in shape.dims)
 
 
 def _compute_bfloat16_in_float32(graph: ir.Graph) -> None:

@@ -175,6 +175,8 @@ class OrtRunner:
         for slot in exported.slots:
             if slot.kind == "ort":
                 out.append(results[slot.index])
+            elif slot.kind == "view":  # rewrite.py: a Reshape output ORT would have copied
+                out.append(results[slot.index].view(slot.value))
             elif slot.kind == "input":
                 out.append(args[slot.index])
             else:

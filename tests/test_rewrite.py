@@ -54,3 +54,130 @@ def test_bfloat16_ops_run_on_cpu_in_float32_with_bf16_rounding(tmp_path):
     model = onnx.load(glob.glob(str(tmp_path / "*.onnx"))[0])
     casts = [n for n in model.graph.node if n.op_type == "Cast"]
     assert len(casts) >= 4  # up-casts of a and b, down-casts of each op's result
+
+
+# -- fusions into ORT's fused CPU kernels (ort_dynamo/_fusions.py) ---------------------------------
+
+def _train_fused_and_plain(model, x, tmp_path):
+    """One training step with the rewrites on and off (``enable_compute_optimizer=False``);
+    returns {"fused"|"plain": [output, *grads]} and the op counts of each saved fused graph."""
+    results, ops = {}, {}
+    for name, options in (("fused", {}), ("plain", {"enable_compute_optimizer": False})):
+        ort_dynamo.reset()
+        model.zero_grad()
+        out = torch.compile(model, backend="ort",
+                            options={**options, "save_onnx": True, "save_path": str(tmp_path / name)})(x)
+        out.square().sum().backward()
+        results[name] = [out.detach()] + [p.grad.clone() for p in model.parameters()]
+        assert ort_dynamo.report().fallback_nodes == 0
+    for kind in ("forward", "backward"):
+        path = glob.glob(str(tmp_path / "fused" / f"*{kind}*.onnx"))[0]
+        ops[kind] = collections.Counter(n.op_type for n in onnx.load(path).graph.node)
+    for fused, plain in zip(results["fused"], results["plain"]):
+        # Fused kernels round differently: allow 1e-5 of each tensor's scale (sums of
+        # gradients cancel, so an elementwise relative bound would measure the cancellation).
+        torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5 * plain.abs().max().item())
+    return results, ops
+
+
+class _GeluMlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return nn.functional.gelu(self.down(nn.functional.gelu(self.up(x))), approximate="tanh")
+
+
+def test_gelu_chains_fuse_into_gelu_and_fast_gelu_with_same_gradients(tmp_path):
+    torch.manual_seed(0)
+    _, ops = _train_fused_and_plain(_GeluMlp(), torch.randn(4, 8, 16), tmp_path)
+    assert ops["forward"]["Gelu"] == 1 and ops["forward"]["Erf"] == 0
+    assert ops["forward"]["FastGelu"] == 1 and ops["forward"]["Tanh"] == 0
+
+
+class _NewGelu(nn.Module):
+    """GPT-2's GELU written out: autograd saves its Tanh, so the chain must stay computed."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+
+    def forward(self, x):
+        h = self.up(x)
+        return 0.5 * h * (1.0 + torch.tanh(0.7978845608028654 * (h + 0.044715 * torch.pow(h, 3.0))))
+
+
+def test_tanh_gelu_whose_tanh_is_saved_for_backward_stays_unfused_in_training(tmp_path):
+    torch.manual_seed(0)
+    model, x = _NewGelu(), torch.randn(4, 8, 16)
+    _, ops = _train_fused_and_plain(model, x, tmp_path)
+    assert ops["forward"]["FastGelu"] == 0 and ops["forward"]["Tanh"] == 1
+    ort_dynamo.reset()
+    with torch.no_grad():  # inference: nothing is saved, so the whole chain becomes FastGelu
+        got = torch.compile(model, backend="ort", options={"save_onnx": True, "save_path": str(tmp_path / "inf")})(x)
+        torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-6)
+    inference = onnx.load(glob.glob(str(tmp_path / "inf" / "*.onnx"))[0])
+    assert [n.op_type for n in inference.graph.node].count("FastGelu") == 1
+
+
+class _RmsNorm(nn.Module):
+    """Llama's RMSNorm between two projections."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.weight = nn.Linear(16, 32), nn.Parameter(torch.rand(32) + 0.5)
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _pow_exponents(path):
+    model = onnx.load(path)
+    constants = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            value = onnx.helper.get_attribute_value(node.attribute[0])
+            constants[node.output[0]] = onnx.numpy_helper.to_array(value) \
+                if isinstance(value, onnx.TensorProto) else value
+    return [float(constants[n.input[1]]) for n in model.graph.node if n.op_type == "Pow"]
+
+
+def test_rms_norm_fuses_into_simplified_layer_norm_and_pow_one_is_dropped(tmp_path):
+    torch.manual_seed(0)
+    _, ops = _train_fused_and_plain(_RmsNorm(), torch.randn(4, 8, 16), tmp_path)
+    assert ops["forward"]["SimplifiedLayerNormalization"] == 1 and ops["forward"]["ReduceMean"] == 0
+    # d(h**2)/dh = 2 * h**1: the Pow(h, 1) of the plain backward is gone.
+    assert 1.0 in _pow_exponents(glob.glob(str(tmp_path / "plain" / "*backward*.onnx"))[0])
+    assert 1.0 not in _pow_exponents(glob.glob(str(tmp_path / "fused" / "*backward*.onnx"))[0])
+
+
+def test_reshaped_outputs_come_back_as_views_not_copies():
+    """ORT copies a Reshape that is a graph output; the rewrite outputs its input and PyTorch
+    takes a .view(shape) instead. Values and gradients are unchanged."""
+    from ort_dynamo.run import OrtRunner
+
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(4, 5, 8, requires_grad=True)
+    runners = []
+    original = OrtRunner.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        runners.append(self)
+
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(OrtRunner, "__init__", spy)
+        out = torch.compile(model, backend="ort")(x)
+        out.square().sum().backward()
+    grad = x.grad.clone()
+    x.grad = None
+    model(x).square().sum().backward()
+    torch.testing.assert_close(out, model(x))
+    torch.testing.assert_close(grad, x.grad, rtol=1e-5, atol=1e-6)
+    views = [slot for runner in runners for slot in runner.exported.slots if slot.kind == "view"]
+    assert views, [runner.exported.slots for runner in runners]
+    assert ort_dynamo.report().fallback_nodes == 0
