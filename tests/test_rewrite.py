@@ -6,6 +6,7 @@ import os
 
 import onnx
 import onnxruntime as ort
+import pytest
 import torch
 import torch.nn as nn
 
@@ -166,8 +167,6 @@ def test_reshaped_outputs_come_back_as_views_not_copies():
     def spy(self, *args, **kwargs):
         original(self, *args, **kwargs)
         runners.append(self)
-
-    import pytest
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(OrtRunner, "__init__", spy)
