@@ -42,3 +42,27 @@ def test_compiled_step_runs_on_ort_and_matches_eager(name):
     assert report.ort_nodes > 0 and report.runs >= 4
     # addcmul decomposes to prims.fma, which lower.py decomposes further: nothing falls back.
     assert report.fallback_nodes == 0, str(report)
+
+
+def test_tensor_lr_changes_do_not_recompile_a_compiled_torch_optimizer_step():
+    """lr as a tensor (PyTorch's advice for compiled optimizers) is a graph input to ORT."""
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
+    ref_model = torch.nn.Linear(4, 4)
+    ref_model.load_state_dict(model.state_dict())
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=0.01)
+    step = torch.compile(opt.step, backend="ort")
+    for lr in (0.01, 0.005, 0.001):
+        opt.param_groups[0]["lr"].fill_(lr)
+        ref.param_groups[0]["lr"] = lr
+        for m in (model, ref_model):
+            m(torch.ones(2, 4)).square().sum().backward()
+        step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    graphs = [g for g in ort_dynamo.report().graphs]
+    assert len(graphs) == 1, ort_dynamo.report()  # compiled once, reused for every lr
+    assert ort_dynamo.report().fallback_nodes == 0
