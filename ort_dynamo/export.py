@@ -29,8 +29,56 @@ def onnx_registry(opset: int):
         logging.getLogger(f"torch.onnx._internal.exporter.{name}").setLevel(logging.ERROR)
     from . import lowerings
 
-    registry = _registration.ONNXRegistry.from_torchlib(opset)
+    try:
+        registry = _lazy_torchlib_registry(opset)
+    except Exception as exc:  # torch's private registry API moved: the slow, public way
+        log.debug("lazy torchlib registry unavailable (%s); using from_torchlib", exc)
+        registry = _registration.ONNXRegistry.from_torchlib(opset)
     lowerings.register(registry)
+    return registry
+
+
+def _lazy_torchlib_registry(opset: int):
+    """``ONNXRegistry.from_torchlib`` without its start-up cost (~1.6 s, paid in every
+    process's first step): it parses the source of all ~500 torchlib functions to infer
+    signatures a model mostly never uses. Same entries, same order, same opset cleanup;
+    each op's signatures are inferred the first time dispatch asks for that op."""
+    from onnxscript.function_libs.torch_lib import ops as _ops  # noqa: F401 (registers them)
+    from onnxscript.function_libs.torch_lib import registration as torchlib
+    from torch.onnx._internal.exporter import _registration
+    from torch.onnx._internal.exporter._torchlib import _torchlib_registry
+
+    class LazyRegistry(_registration.ONNXRegistry):
+        def get_decomps(self, target):
+            decomps = super().get_decomps(target)
+            for decomp in decomps:
+                if decomp.signature is None and getattr(decomp, "_ort_dynamo_lazy", False):
+                    decomp._ort_dynamo_lazy = False
+                    decomp.skip_signature_inference = False
+                    decomp.__post_init__()
+            return decomps
+
+        def is_registered(self, target) -> bool:  # no signature inference for a yes/no
+            key = target.name() if isinstance(target, torch._ops.OpOverload) else target
+            return bool(self.functions.get(key))
+
+    registry = LazyRegistry()
+    registry._opset_version = opset
+    for meta in _torchlib_registry.get_torchlib_ops():
+        registry._register(meta.fx_target, meta)
+    for qualified_name, overloads in torchlib.default_registry.items():
+        if qualified_name.startswith("internal::"):
+            continue
+        target = _registration._get_overload(qualified_name)
+        if target is None:
+            continue
+        for function, is_complex in [(f, False) for f in overloads.overloads] + [(f, True) for f in overloads.complex]:
+            meta = _registration.OnnxDecompMeta(onnx_function=function, fx_target=target, signature=None,
+                                                is_custom=False, is_complex=is_complex,
+                                                skip_signature_inference=True)
+            meta._ort_dynamo_lazy = True
+            registry._register(target, meta)
+    registry._cleanup_registry_based_on_opset_version()
     return registry
 
 
