@@ -54,8 +54,9 @@ def main(argv: list[str]) -> int:
         return 2
     ensure_venv()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if argv[0] == "bench":
-        # Idle OpenMP threads of PyTorch otherwise spin against ORT's on few cores.
+    if argv[0] in ("train", "bench"):
+        # Idle OpenMP threads of PyTorch otherwise spin against ORT's on few cores, which
+        # slows eager down too: speed comparisons would not be fair.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return subprocess.call(tasks[argv[0]] + argv[1:], cwd=ROOT, env=env)
 
