@@ -150,7 +150,10 @@ class OrtRunner:
             else:
                 tensors.append(arg)
         device = device or torch.device("cpu")
-        tensors = [t if isinstance(t, torch.Tensor) else _scalar_tensor(t, device) for t in tensors]
+        # One session sees one device: a CPU scalar tensor in a CUDA graph moves (as eager
+        # would promote it); wrapping its host pointer as device memory would be garbage.
+        tensors = [(t if t.device == device else t.to(device)) if isinstance(t, torch.Tensor)
+                   else _scalar_tensor(t, device) for t in tensors]
         sess, ort_device, out_devices, run_options = self._session(device)
         inputs = C.OrtValueVector()
         inputs.reserve(len(tensors))
@@ -168,8 +171,11 @@ class OrtRunner:
         self.report.runs += 1
         results = outputs.to_dlpacks(torch._C._from_dlpack)
         for i, want in enumerate(exported.output_dtypes):
-            if results[i].dtype != want:
-                results[i] = results[i].view(want) if results[i].element_size() == want.itemsize \
+            got = results[i].dtype
+            if got != want:
+                # DLPack carries ORT's bool as uint8: same bytes, so a free view. Anything else
+                # is a value conversion, never a reinterpretation of bits.
+                results[i] = results[i].view(want) if (got, want) == (torch.uint8, torch.bool) \
                     else results[i].to(want)
         out = []
         for slot in exported.slots:

@@ -36,3 +36,13 @@ def test_bf16_autocast_on_cuda_runs_on_ort():
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     assert ort_dynamo.report().fallback_nodes == 0
+
+
+def test_cpu_scalar_tensor_in_a_cuda_graph():
+    """A 0-d CPU tensor mixed into CUDA math is legal in eager; it must reach ORT on the GPU."""
+    def fn(x, scale):
+        return (x * scale).relu()
+
+    x, scale = torch.randn(8, device="cuda"), torch.tensor(1.5)
+    torch.testing.assert_close(torch.compile(fn, backend="ort")(x, scale), fn(x, scale))
+    assert ort_dynamo.report().fallback_nodes == 0
