@@ -134,6 +134,6 @@ def _compile_partition(sub: torch.fx.GraphModule, name: str, options: OrtOptions
         graph_report.torch_nodes += nodes
         return None
     if options.save_onnx:
-        path = run_stage.save_debug_files(exported, sub, model_bytes, options, stem)
+        path = export_stage.save_debug_files(exported, sub, model_bytes, options, stem)
         graph_report.onnx_paths.append(path)
     return run_stage.OrtRunner(exported, model_bytes, options, graph_report, sub, name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from typing import Any
 
 import onnx_ir as ir
@@ -43,7 +44,7 @@ def _lazy_torchlib_registry(opset: int):
     process's first step): it parses the source of all ~500 torchlib functions to infer
     signatures a model mostly never uses. Same entries, same order, same opset cleanup;
     each op's signatures are inferred the first time dispatch asks for that op."""
-    from onnxscript.function_libs.torch_lib import ops as _ops  # noqa: F401 (registers them)
+    import onnxscript.function_libs.torch_lib.ops  # noqa: F401 (importing registers the functions)
     from onnxscript.function_libs.torch_lib import registration as torchlib
     from torch.onnx._internal.exporter import _registration
     from torch.onnx._internal.exporter._torchlib import _torchlib_registry
@@ -319,3 +320,15 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
         returns_tuple=returns_tuple,
         device="cuda" if "cuda" in devices else "cpu",
     )
+
+
+def save_debug_files(exported: ExportedGraph, gm, model_bytes: bytes, options, stem: str) -> str:
+    """``save_onnx``: write ``<prefix>_<stem>.onnx`` (as ORT runs it, after rewrite) and the FX
+    graph it came from; returns the ONNX path."""
+    os.makedirs(options.save_path, exist_ok=True)
+    base = os.path.join(options.save_path, f"{options.onnx_prefix}_{stem}")
+    with open(base + ".onnx", "wb") as fh:
+        fh.write(model_bytes)
+    with open(base + ".fx.txt", "w") as fh:
+        fh.write(gm.print_readable(print_output=False))
+    return base + ".onnx"

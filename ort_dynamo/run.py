@@ -7,7 +7,6 @@ ORT allocates outputs, which come back to PyTorch through DLPack. Nothing goes v
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import Callable, Sequence
 
@@ -203,15 +202,3 @@ def _scalar_tensor(value, device: torch.device) -> torch.Tensor:
     if isinstance(value, (int, torch.SymInt)):
         return torch.tensor(int(value), dtype=torch.int64, device=device)
     return torch.tensor(float(value), dtype=torch.float32, device=device)
-
-
-def save_debug_files(exported: ExportedGraph, gm, model_bytes: bytes, options: OrtOptions,
-                     stem: str) -> str:
-    """Write ``<prefix>_<stem>.onnx`` and the FX graph it came from; returns the ONNX path."""
-    os.makedirs(options.save_path, exist_ok=True)
-    base = os.path.join(options.save_path, f"{options.onnx_prefix}_{stem}")
-    with open(base + ".onnx", "wb") as fh:
-        fh.write(model_bytes)
-    with open(base + ".fx.txt", "w") as fh:
-        fh.write(gm.print_readable(print_output=False))
-    return base + ".onnx"
