@@ -21,7 +21,7 @@ import torch.fx
 from .export import ExportedGraph, OutputSlot
 from .options import OrtOptions
 
-__all__ = ["cache_key", "load", "store"]
+__all__ = ["cache_key", "load", "store", "load_json", "store_json", "versions_key"]
 
 log = logging.getLogger("ort_dynamo")
 _FORMAT = 2  # 2: rewrites to fused kernels, view slots
@@ -107,3 +107,33 @@ def store(cache_dir: str, key: str, exported: ExportedGraph, model_bytes: bytes)
         with os.fdopen(fd, mode) as fh:
             fh.write(data)
         os.replace(tmp, path)  # atomic: concurrent processes never see half a file
+
+
+def versions_key(*parts) -> str:
+    """A key for facts that depend only on the installed packages (and ``parts``)."""
+    return hashlib.sha256("|".join([_versions(), *map(str, parts)]).encode()).hexdigest()
+
+
+def load_json(cache_dir: str, key: str, kind: str):
+    """A small cached fact (``kind`` names it), or None: missing or damaged is a miss."""
+    path = os.path.join(cache_dir, key[:2], f"{key}.{kind}.json")
+    try:
+        with open(path) as fh:
+            entry = json.load(fh)
+        if entry.get("key") != key:
+            raise ValueError("key mismatch")
+        return entry["value"]
+    except FileNotFoundError:
+        return None
+    except Exception as exc:
+        log.warning("ignoring damaged cache entry %s: %s", path, exc)
+        return None
+
+
+def store_json(cache_dir: str, key: str, kind: str, value) -> None:
+    path = os.path.join(cache_dir, key[:2], f"{key}.{kind}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"key": key, "value": value}, fh)
+    os.replace(tmp, path)

@@ -56,7 +56,7 @@ class OrtBackend:
             fw_compiler=functools.partial(compiler, kind="forward"),
             bw_compiler=functools.partial(compiler, kind="backward"),
             inference_compiler=functools.partial(compiler, kind="inference"),
-            decompositions=lower_stage.decomposition_table(self.options.opset),
+            decompositions=lower_stage.decomposition_table(self.options.opset, self.options.cache_dir),
             **kwargs,
         )(gm, example_inputs)
 
@@ -75,12 +75,16 @@ def ort_backend(gm: torch.fx.GraphModule, example_inputs, options=None):
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptions, kind: str):
     """Compile one AOTAutograd graph: returns a boxed callable."""
     graph_report = current_report().new_graph(kind)
-    registry = export_stage.onnx_registry(options.opset)
+    registry = functools.partial(export_stage.onnx_registry, options.opset)  # built on first need
+    graph_key = cache_stage.cache_key(gm, options) if options.cache_dir else None
+    known = cache_stage.load_json(options.cache_dir, graph_key, "verdicts") if graph_key else None
     watch = inspectors.watch_graph(gm, options, graph_report.name) if kind != "backward" else (lambda f: f)
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     graph_report.outputs = len(output_node.args[0]) if isinstance(output_node.args[0], (tuple, list)) else 1
     with graph_report.stage("partition"):
-        parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report)
+        parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report, known)
+    if graph_key and known is None:
+        cache_stage.store_json(options.cache_dir, graph_key, "verdicts", parts.verdicts)
     split = parts.module
     for name in parts.ort_submodules:
         sub = getattr(split, name)

@@ -73,12 +73,33 @@ def lower_graph(gm: torch.fx.GraphModule) -> int:
 
 
 @functools.lru_cache(None)
-def _onnx_lowered_ops(opset: int) -> frozenset:
-    from .export import onnx_registry  # the registry belongs to the export stage
+def _onnx_lowered_ops(opset: int, cache_dir: str = "") -> frozenset:
+    """Ops torchlib lowers. Asking means building its registry; with an on-disk cache the
+    answer is kept there (keyed by package versions), so a warm start never builds it."""
+    from . import cache
 
-    from torch.onnx._internal.exporter import _decomp
+    key = cache.versions_key("lowered_ops", opset) if cache_dir else None
+    names = cache.load_json(cache_dir, key, "lowered_ops") if key else None
+    if names is None:
+        from torch.onnx._internal.exporter import _decomp
 
-    return frozenset(_decomp.get_onnx_implemented_overloads(onnx_registry(opset)))
+        from .export import onnx_registry  # the registry belongs to the export stage
+
+        names = sorted(op.name() for op in _decomp.get_onnx_implemented_overloads(onnx_registry(opset))
+                       if isinstance(op, torch._ops.OpOverload))  # the table is keyed by these
+        if key:
+            cache.store_json(cache_dir, key, "lowered_ops", names)
+    return frozenset(filter(None, map(_overload, names)))
+
+
+def _overload(qualified: str):
+    """``aten::add.Tensor`` -> ``torch.ops.aten.add.Tensor`` (None if this torch lacks it)."""
+    namespace, _, rest = qualified.partition("::")
+    name, _, overload = rest.partition(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
+    except AttributeError:
+        return None
 
 
 #: Ops whose torchlib lowering gives wrong results in training; always decomposed instead.
@@ -98,9 +119,9 @@ _NEVER_DECOMPOSE = {aten.lift, aten.lift_fresh, aten.sym_numel, aten.is_same_siz
 
 
 @functools.lru_cache(None)
-def decomposition_table(opset: int = 18) -> dict:
+def decomposition_table(opset: int = 18, cache_dir: str = "") -> dict:
     """Decompositions for AOTAutograd: only ops that torchlib cannot lower (correctly)."""
-    lowered = _onnx_lowered_ops(opset) - TORCHLIB_WRONG
+    lowered = _onnx_lowered_ops(opset, cache_dir) - TORCHLIB_WRONG
     table = {op: fn for op, fn in core_aten_decompositions().items() if op not in lowered}
     # Beyond the core set: functional ops only (in-place/out variants are gone after
     # functionalization) and never the tensor-lifting ones, which break fake tracing.

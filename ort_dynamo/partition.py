@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import re
+from typing import Callable
 import warnings
 
 import torch
@@ -27,6 +28,8 @@ _WARNED: set = set()
 class Partitioned:
     module: torch.fx.GraphModule
     ort_submodules: list[str]
+    #: node name -> "" (runs on ORT) or why not, for every node torchlib was asked about.
+    verdicts: dict[str, str]
 
 
 def user_source(node: torch.fx.Node) -> str:
@@ -53,11 +56,12 @@ def is_compute(node: torch.fx.Node) -> bool:
 
 
 class _OnnxSupport(OperatorSupportBase):
-    def __init__(self, registry) -> None:
+    def __init__(self, registry: Callable, known: dict[str, str] | None) -> None:
         from torch.onnx._internal.exporter import _dispatching
 
         self._dispatch = _dispatching.dispatch
-        self._registry = registry
+        self._registry = registry  # called only when a node needs torchlib's verdict
+        self._known = known or {}  # verdicts of an identical graph, from the on-disk cache
         self.verdicts: dict[torch.fx.Node, str] = {}  # node -> "" if supported, else the reason
 
     def reason(self, node: torch.fx.Node) -> str:
@@ -75,9 +79,11 @@ class _OnnxSupport(OperatorSupportBase):
         elif any(isinstance(t, torch.Tensor) and (t.is_complex() or t.is_sparse or t.is_quantized)
                  for t in (*_tensor_args(node), *_tensor_outputs(node))):
             verdict = "complex, sparse or quantized tensors are not supported by ORT"
+        elif node.name in self._known:
+            verdict = self._known[node.name]
         else:
             try:
-                function, message = self._dispatch(node, self._registry)
+                function, message = self._dispatch(node, self._registry())
             except Exception as exc:  # the dispatcher can trip on odd metadata
                 function, message = None, f"{type(exc).__name__}: {exc}"
             verdict = "" if function is not None else f"no ONNX lowering ({_short(message)})"
@@ -105,14 +111,16 @@ def _short(message: str) -> str:
     return message if len(message) <= 160 else message[:157] + "..."
 
 
-def partition(gm: torch.fx.GraphModule, registry, policy: FallbackPolicy,
-              graph_report: GraphReport) -> Partitioned:
+def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPolicy,
+              graph_report: GraphReport, known: dict[str, str] | None = None) -> Partitioned:
     """Split ``gm`` into ORT-bound submodules (``fused_N``) and PyTorch nodes.
 
+    ``registry`` is called (once) only if a node needs torchlib's verdict: ``known`` verdicts
+    of an identical graph, from the on-disk cache, spare building it.
     Records each node left in PyTorch, with its reason and source line, in ``graph_report``.
     Raises ``UnsupportedOpError`` if that is not allowed by ``policy``.
     """
-    support = _OnnxSupport(registry)
+    support = _OnnxSupport(registry, known)
     unsupported = []
     for node in gm.graph.nodes:
         if not is_compute(node):
@@ -147,7 +155,8 @@ def partition(gm: torch.fx.GraphModule, registry, policy: FallbackPolicy,
             _copy_placeholder_meta(getattr(fused, node.target), node)
             names.append(node.target)
     graph_report.partitions += len(names)
-    return Partitioned(fused, names)
+    verdicts = {node.name: reason for node, reason in support.verdicts.items() if is_compute(node)}
+    return Partitioned(fused, names, verdicts)
 
 
 def _copy_placeholder_meta(sub: torch.fx.GraphModule, call: torch.fx.Node) -> None:

@@ -16,8 +16,10 @@ SCRIPT = textwrap.dedent("""
     out.sum().backward()
     torch.testing.assert_close(out, model(x))
     r = ort_dynamo.report()
+    from ort_dynamo.export import onnx_registry
     print(json.dumps({"exports": r.exports, "hits": sum(g.cache_hits for g in r.graphs),
-                      "grad": x.grad.sum().item(), "fallbacks": r.fallback_nodes}))
+                      "grad": x.grad.sum().item(), "fallbacks": r.fallback_nodes,
+                      "registry_built": onnx_registry.cache_info().currsize > 0}))
 """)
 
 
@@ -34,6 +36,7 @@ def test_restarted_process_reuses_cached_models_and_damage_is_not_trusted(tmp_pa
     second = _run(tmp_path)
     assert second["exports"] == 0 and second["hits"] == 2
     assert second["grad"] == first["grad"]
+    assert first["registry_built"] and not second["registry_built"]  # a warm start skips torchlib
 
     for folder, _, files in os.walk(tmp_path):  # damage every model file
         for name in files:
@@ -59,3 +62,13 @@ def test_cache_key_changes_with_options_and_shapes():
     assert cache_key(gm, OrtOptions(log_level="INFO")) == base  # logging does not change the model
     placeholder.meta["val"] = torch.empty(4, 3)
     assert cache_key(gm, OrtOptions()) != base
+
+
+def test_cached_lowered_op_set_equals_the_computed_one(tmp_path):
+    from ort_dynamo.lower import _onnx_lowered_ops
+
+    computed = _onnx_lowered_ops(18)
+    assert _onnx_lowered_ops(18, str(tmp_path)) == computed  # computes and stores
+    _onnx_lowered_ops.cache_clear()
+    assert _onnx_lowered_ops(18, str(tmp_path)) == computed  # read back from disk
+    assert len(computed) > 300
