@@ -9,6 +9,7 @@ entry is ignored and rewritten, never trusted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -27,6 +28,7 @@ log = logging.getLogger("ort_dynamo")
 _FORMAT = 2  # 2: rewrites to fused kernels, view slots
 
 
+@functools.lru_cache(None)
 def _versions() -> str:
     import onnx
     import onnx_ir
@@ -35,8 +37,21 @@ def _versions() -> str:
 
     from . import __version__
 
-    return "|".join([__version__, torch.__version__, onnxruntime.__version__, onnxscript.__version__,
-                     onnx.__version__, onnx_ir.__version__, str(_FORMAT)])
+    return "|".join([__version__, _own_source_digest(), torch.__version__, onnxruntime.__version__,
+                     onnxscript.__version__, onnx.__version__, onnx_ir.__version__, str(_FORMAT)])
+
+
+def _own_source_digest() -> str:
+    """ort_dynamo's own code is part of every key: an edited lowering or rewrite invalidates
+    the cache even when the version number did not change."""
+    digest = hashlib.sha256()
+    package = os.path.dirname(os.path.abspath(__file__))
+    for folder, dirs, files in sorted(os.walk(package)):
+        dirs.sort()
+        for name in sorted(f for f in files if f.endswith(".py")):
+            with open(os.path.join(folder, name), "rb") as fh:
+                digest.update(name.encode() + fh.read())
+    return digest.hexdigest()[:16]
 
 
 def _describe(val) -> str:
