@@ -23,7 +23,7 @@ from . import rewrite as rewrite_stage
 from . import run as run_stage
 from .errors import ExportFailedError, OptionsError
 from .options import FallbackPolicy, OrtOptions, resolve_options
-from .report import FallbackNode, current_report
+from .report import current_report
 
 __all__ = ["OrtBackend", "ort_backend", "ExportFailedError"]
 
@@ -133,9 +133,7 @@ def _compile_partition(sub: torch.fx.GraphModule, name: str, options: OrtOptions
         if not (options.fallback_policy & FallbackPolicy.EXPORT_FAILURE):
             raise ExportFailedError(f"partition {stem} could not be exported to ONNX: {reason}") from exc
         warnings.warn(f"ort_dynamo: {stem} runs in PyTorch: {reason}", stacklevel=2)
-        graph_report.fallbacks.append(FallbackNode(graph_report.name, name, "partition", reason))
-        graph_report.ort_nodes -= nodes
-        graph_report.torch_nodes += nodes
+        graph_report.partition_to_pytorch(name, reason, nodes)
         return None
     if options.save_onnx:
         path = export_stage.save_debug_files(exported, sub, model_bytes, options, stem)

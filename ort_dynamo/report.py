@@ -51,6 +51,13 @@ class GraphReport:
     providers: list[str] = dataclasses.field(default_factory=list)
     onnx_paths: list[str] = dataclasses.field(default_factory=list)
 
+    def partition_to_pytorch(self, partition: str, reason: str, nodes: int) -> None:
+        """A whole ORT partition runs in PyTorch (export or runtime failure): record why and
+        move its ``nodes`` compute nodes from the ORT count to the PyTorch count."""
+        self.fallbacks.append(FallbackNode(self.name, partition, "partition", reason))
+        self.ort_nodes -= nodes
+        self.torch_nodes += nodes
+
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
         start = time.perf_counter()

@@ -19,7 +19,7 @@ from .errors import OrtRuntimeError
 from .export import ExportedGraph
 from .options import FallbackPolicy, OrtOptions
 from .partition import is_compute
-from .report import FallbackNode, GraphReport
+from .report import GraphReport
 
 __all__ = ["OrtRunner", "session_options", "providers_for", "OrtRuntimeError"]
 
@@ -97,7 +97,6 @@ class OrtRunner:
         self.name = name
         self._sessions: dict[torch.device, tuple] = {}
         self._failed: str | None = None
-        self.compute_nodes = sum(1 for n in torch_fn.graph.nodes if is_compute(n))
 
     # -- sessions ---------------------------------------------------------------------------------
 
@@ -131,10 +130,8 @@ class OrtRunner:
             self._failed = f"{type(exc).__name__}: {exc}"
             warnings.warn(f"ort_dynamo: ONNX Runtime failed on {self.report.name}/{self.name}; "
                           f"running it in PyTorch from now on ({self._failed[:200]})", stacklevel=2)
-            self.report.fallbacks.append(FallbackNode(self.report.name, self.name, "partition",
-                                                      "runtime failure: " + self._failed[:300]))
-            self.report.ort_nodes -= self.compute_nodes
-            self.report.torch_nodes += self.compute_nodes
+            nodes = sum(1 for n in self.torch_fn.graph.nodes if is_compute(n))
+            self.report.partition_to_pytorch(self.name, "runtime failure: " + self._failed[:300], nodes)
             return self.torch_fn(*args)
 
     def _run(self, args: Sequence):
