@@ -171,15 +171,21 @@ def _norm_in_float32(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         _compute_in(gm, node, torch.float32)
 
 
+def _cast_before(gm: torch.fx.GraphModule, node: torch.fx.Node, value: torch.fx.Node,
+                 dtype: torch.dtype) -> torch.fx.Node:
+    """A ``_to_copy(value, dtype)`` node placed before ``node``, with its fake-tensor meta."""
+    with gm.graph.inserting_before(node):
+        cast = gm.graph.call_function(_aten._to_copy.default, (value,), {"dtype": dtype})
+    cast.meta["val"] = value.meta["val"].to(dtype)
+    return cast
+
+
 def _compute_in(gm: torch.fx.GraphModule, node: torch.fx.Node, dtype: torch.dtype) -> None:
     """Cast ``node``'s first input to ``dtype`` and its results of that input's dtype back."""
     x = node.args[0]
     x_val = x.meta["val"]
     graph = gm.graph
-    with graph.inserting_before(node):
-        up = graph.call_function(_aten._to_copy.default, (x,), {"dtype": dtype})
-    up.meta["val"] = x_val.to(dtype)
-    node.replace_input_with(x, up)
+    node.replace_input_with(x, _cast_before(gm, node, x, dtype))
 
     def retype(v):
         return v.to(dtype) if isinstance(v, torch.Tensor) and v.dtype == x_val.dtype else v
@@ -213,10 +219,7 @@ def _widen_int32_indices(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
     for index in indices:
         val = index.meta.get("val") if isinstance(index, torch.fx.Node) else None
         if isinstance(val, torch.Tensor) and val.dtype == torch.int32:
-            with gm.graph.inserting_before(node):
-                cast = gm.graph.call_function(_aten._to_copy.default, (index,), {"dtype": torch.int64})
-            cast.meta["val"] = val.to(torch.int64)
-            index = cast
+            index = _cast_before(gm, node, index, torch.int64)
         widened.append(index)
     node.args = (node.args[0], type(indices)(widened), *node.args[2:])
 
@@ -256,10 +259,7 @@ def _fix_for_torchlib(gm: torch.fx.GraphModule) -> None:
         val = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
         out = node.meta.get("val")
         if isinstance(val, torch.Tensor) and val.dtype == torch.bool and isinstance(out, torch.Tensor):
-            with gm.graph.inserting_before(node):
-                cast = gm.graph.call_function(_aten._to_copy.default, (source,), {"dtype": out.dtype})
-            cast.meta["val"] = val.to(out.dtype)
-            node.replace_input_with(source, cast)
+            node.replace_input_with(source, _cast_before(gm, node, source, out.dtype))
     gm.recompile()
 
 
