@@ -48,9 +48,9 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         if exported.device == "cpu":
             # Chains ORT's optimizer misses -> its fused CPU kernels (Gelu, FastGelu, RMSNorm).
             _fusions.fuse(model)
-        ir.passes.common.RemoveUnusedNodesPass()(model)
-    ir.passes.common.RemoveUnusedFunctionsPass()(model)
     _reshaped_outputs_as_views(exported)
+    ir.passes.common.RemoveUnusedNodesPass()(model)  # what the passes above left dead
+    ir.passes.common.RemoveUnusedFunctionsPass()(model)
     return ir.serde.serialize_model(model).SerializeToString()
 
 
@@ -75,8 +75,6 @@ def _reshaped_outputs_as_views(exported: ExportedGraph) -> None:
         exported.output_names[index] = source.name
         exported.slots = [OutputSlot("view", slot.index, tuple(out.shape.dims))
                           if slot.kind == "ort" and slot.index == index else slot for slot in exported.slots]
-    if claimed:
-        ir.passes.common.RemoveUnusedNodesPass()(exported.model)
 
 
 def _static(shape) -> bool:
