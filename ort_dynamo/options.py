@@ -185,8 +185,6 @@ def env_names(field_name: str) -> list[str]:
 
 def _parse_env(name: str, text: str) -> Any:
     kind = OrtOptions.__dataclass_fields__[name].type
-    if name == "save_path":
-        return text
     if kind == "bool":
         return _parse_bool(text)
     if kind == "int":
