@@ -39,7 +39,9 @@ def report() -> Report:
 
 
 def reset() -> None:
-    """Clear the report and every cache, and reset Dynamo so the next call recompiles."""
+    """Clear the report and the once-per-cause warnings, and reset Dynamo: compiled graphs
+    and their ORT sessions are dropped, so the next call recompiles. The on-disk
+    ``cache_dir`` is kept (delete the folder to clear it)."""
     import torch._dynamo
 
     from .partition import _WARNED
