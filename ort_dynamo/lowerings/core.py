@@ -1,11 +1,4 @@
-"""Extra ONNX lowerings: ops torchlib lacks, and replacements for torchlib lowerings that are wrong.
-
-``register(registry)`` is called once by ``export.onnx_registry`` when the registry is built.
-Custom registrations go first in the registry, so they win over torchlib's own.
-
-Each function is traced (onnxscript trace-only): plain Python run at export time over the
-node's static attributes, emitting ONNX ops.
-"""
+"""Lowerings that replace wrong torchlib ones (mv, dot, bernoulli) or add small missing ones."""
 
 from __future__ import annotations
 
@@ -14,22 +7,14 @@ from onnxscript import INT64
 from onnxscript.function_libs.torch_lib.ops import core as torchlib_core
 from onnxscript.function_libs.torch_lib.tensor_typing import TReal
 from onnxscript.onnx_opset import opset18 as op
-from onnxscript.values import Opset, TracedOnnxFunction
-
-__all__ = ["register", "REMOVED_LOWERINGS"]
 
 aten = torch.ops.aten
-_OPSET = Opset("pkg.ort_dynamo", 1)
 
 #: torchlib lowerings that give wrong values; without them the op is decomposed by torch or
 #: stays in PyTorch. (Complex results are refused by export's ``_fix_for_torchlib``.)
 REMOVED_LOWERINGS = (
     "aten::special_erfcx",  # off by up to 0.13 for x < 0 (ORT 1.31, onnxscript 0.7.2)
 )
-
-
-def _traced(fn) -> TracedOnnxFunction:
-    return TracedOnnxFunction(_OPSET, fn)
 
 
 def aten_mv(self: TReal, vec: TReal) -> TReal:
@@ -69,17 +54,10 @@ def aten_bernoulli(self: TReal) -> TReal:
     return op.CastLike(op.Less(uniform, op.Cast(self, to=1)), self)
 
 
-_LOWERINGS = {
+LOWERINGS = {
     aten.bernoulli.default: aten_bernoulli,
     aten.mv.default: aten_mv,
     aten.dot.default: aten_dot,
     aten.sort.stable: aten_sort_stable,
 }
 
-
-def register(registry) -> None:
-    """Add our lowerings to ``registry`` and drop the wrong torchlib ones."""
-    for name in REMOVED_LOWERINGS:
-        registry.functions.pop(name, None)
-    for target, fn in _LOWERINGS.items():
-        registry.register_op(target, _traced(fn))
