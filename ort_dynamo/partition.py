@@ -15,6 +15,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from .errors import UnsupportedOpError
 from .lower import TORCHLIB_WRONG
+from .lowerings import dtype_refusal
 from .options import FallbackPolicy
 from .report import FallbackNode, GraphReport
 
@@ -79,6 +80,8 @@ class _OnnxSupport(OperatorSupportBase):
         elif any(isinstance(t, torch.Tensor) and (t.is_complex() or t.is_sparse or t.is_quantized)
                  for t in (*_tensor_args(node), *_tensor_outputs(node))):
             verdict = "complex, sparse or quantized tensors are not supported by ORT"
+        elif refusal := dtype_refusal(node):
+            verdict = refusal
         elif node.name in self._known:
             verdict = self._known[node.name]
         else:

@@ -3,7 +3,10 @@
 ``register(registry)`` is called once by ``export.onnx_registry`` when the registry is built.
 Custom registrations go first in the registry, so they win over torchlib's own.
 
-Each submodule has a ``LOWERINGS`` dict (torch op -> function). Each function is traced
+Each submodule has a ``LOWERINGS`` dict (torch op -> function), and may have
+``ACCURATE_DTYPES`` (torch op -> dtypes): a lowering that is only accurate for some input
+dtypes (an approximation tuned for float32, say) leaves the others in PyTorch
+(``dtype_refusal``, asked by the partitioner). Each function is traced
 (onnxscript trace-only): plain Python run at export time over the node's static attributes,
 emitting ONNX ops.
 """
@@ -12,12 +15,14 @@ from __future__ import annotations
 
 from onnxscript.values import Opset, TracedOnnxFunction
 
-from . import core, linalg, special
+from . import bessel, core, linalg, special
 
-__all__ = ["register", "REMOVED_LOWERINGS"]
+import torch
+
+__all__ = ["register", "dtype_refusal", "REMOVED_LOWERINGS"]
 
 _OPSET = Opset("pkg.ort_dynamo", 1)
-_MODULES = (core, special, linalg)
+_MODULES = (core, special, bessel, linalg)
 
 REMOVED_LOWERINGS = core.REMOVED_LOWERINGS
 
@@ -29,3 +34,21 @@ def register(registry) -> None:
     for module in _MODULES:
         for target, fn in module.LOWERINGS.items():
             registry.register_op(target, TracedOnnxFunction(_OPSET, fn))
+
+
+_ACCURATE_DTYPES = {op: frozenset(dtypes) for module in _MODULES
+                    for op, dtypes in getattr(module, "ACCURATE_DTYPES", {}).items()}
+
+
+def dtype_refusal(node) -> str:
+    """Why our lowering of ``node``'s op must not take its floating-point inputs ("" if it may)."""
+    accurate = _ACCURATE_DTYPES.get(node.target)
+    if accurate is None:
+        return ""
+    for arg in node.all_input_nodes:
+        val = arg.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dtype not in accurate:
+            names = "/".join(sorted(str(d).replace("torch.", "") for d in accurate))
+            return (f"ort_dynamo's lowering is accurate for {names} only; "
+                    f"{str(val.dtype).replace('torch.', '')} runs in PyTorch")
+    return ""
