@@ -499,7 +499,9 @@ def main(argv=None) -> None:
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
     parser.add_argument("--timeout", type=float, default=120, help="seconds per op before it is killed")
     parser.add_argument("--out", default=DEFAULT_JSON, help="per-op results JSON")
-    parser.add_argument("--md", default=DEFAULT_MD, help="markdown report ('' = none)")
+    parser.add_argument("--md", default=None,
+                        help="markdown report ('' = none; default: docs/ops.md for the default "
+                             "--out, else next to --out)")
     parser.add_argument("--resume", action="store_true", help="skip ops already in --out")
     parser.add_argument("--retry-failed", action="store_true", help="with --resume: redo errors/timeouts")
     parser.add_argument("--report-only", action="store_true", help="only regenerate --md from --out")
@@ -508,6 +510,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.jobs < 1:
         parser.error("--jobs must be >= 1")
+    if args.md is None:  # a partial sweep into another JSON must not overwrite docs/ops.md
+        same = os.path.abspath(args.out) == os.path.abspath(DEFAULT_JSON)
+        args.md = DEFAULT_MD if same else os.path.splitext(args.out)[0] + ".md"
     if args.worker:
         worker_main([n for n in args.ops.split(",") if n], args.samples)
     elif args.list:
