@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["AdamWMode", "adam_step_model", "unscale_clip_model", "OPSET"]
+__all__ = ["AdamWMode", "adam_step_model", "grad_stats_model", "unscale_clip_model", "OPSET"]
 
 OPSET = 18
 F32, F64, BOOL = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.BOOL
@@ -216,6 +216,42 @@ def unscale_clip_model(numels: Sequence[int], elem_types: Sequence[int], clip: b
         # norm of the unscaled outputs (what torch computes after GradScaler.unscale_).
         global_norm(unscaled, None)
     return b.model(inputs, outputs, "unscale_clip")
+
+
+def grad_stats_model(numels: Sequence[int], elem_types: Sequence[int]) -> bytes:
+    """Read-only sum of squares and all-finite check over gradients (no in-place outputs).
+
+    Inputs ``g{i}`` (flat). Outputs ``sumsq`` (0-d float64: sum of all squared elements,
+    accumulated in float64 like DeepSpeed's ``get_norm_dtype()``) and ``found_inf`` (bool:
+    some element is inf or NaN). For float32/float16/bfloat16 grads a float64 sum of squares
+    cannot overflow (float32 max squared is ~1e77), so it is non-finite exactly when some
+    element is (fp16 grads are cast through float32: ORT's direct fp16->float64 Cast is slow on
+    CPU, and the values are the same); float64 grads get a separate exact test (``sum(g * 0)`` is NaN iff some
+    element is inf/NaN, and cannot overflow).
+    """
+    b = _Builder()
+    inputs = [_vec(f"g{i}", t, n) for i, (n, t) in enumerate(zip(numels, elem_types))]
+    outputs = [_scalar("sumsq", F64), _scalar("found_inf", BOOL)]
+    squares, probes = [], []
+    zero64 = b.const(0.0, np.float64)
+    for i, t in enumerate(elem_types):
+        if t == TensorProto.FLOAT16:
+            # fp16 squares summed in float32 cannot overflow (65504**2 * 2**64 < 3.4e38) and
+            # the float32 copy is half the size of a float64 one.
+            f64 = b.op("Cast", b.op("Cast", f"g{i}", to=F32), to=F64)
+            squares.append(b.op("ReduceSumSquare", f64, keepdims=0))
+            continue
+        g64 = f"g{i}" if t == F64 else b.op("Cast", f"g{i}", to=F64)
+        squares.append(b.op("ReduceSumSquare", g64, keepdims=0))
+        if t == F64:
+            probes.append(b.op("ReduceSum", b.op("Mul", g64, zero64), keepdims=0))
+    total = squares[0] if len(squares) == 1 else b.op("Sum", *squares)
+    b.op("Identity", total, out="sumsq")
+    probe = b.op("Mul", total, zero64)
+    if probes:
+        probe = b.op("Sum", probe, *probes)
+    b.op("IsNaN", probe, out="found_inf")
+    return b.model(inputs, outputs, "grad_stats")
 
 
 def _check_aliasing(model: onnx.ModelProto) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from ._graphs import unscale_clip_model
 from ._session import BoundSession, input_names, onnx_type
+from ._wrappers import patch_external_optimizer
 
 __all__ = ["FP16_Optimizer"]
 
@@ -26,6 +27,12 @@ class FP16_Optimizer:  # noqa: N801 (the name users know from onnxruntime-traini
     On overflow the inner step is skipped and the scale is multiplied by ``backoff_factor``;
     after ``growth_interval`` clean steps it is multiplied by ``growth_factor``.
 
+    Given a DeepSpeed fp16 optimizer (ZeRO stage 1/2 ``DeepSpeedZeroOptimizer``,
+    ``FP16_Optimizer``, ``FP16_UnfusedOptimizer``: what ``deepspeed.initialize`` returns), it
+    returns that same optimizer with its overflow checks and gradient norms replaced by one ORT
+    graph each, as onnxruntime-training's ``FP16_Optimizer`` did; DeepSpeed keeps loss scaling,
+    clipping and the step. See docs/optimizers.md for the versions checked.
+
     Args:
         optimizer: the optimizer to wrap (its ``param_groups`` hold the model's parameters).
         init_scale: first loss scale (default 2**16).
@@ -38,6 +45,15 @@ class FP16_Optimizer:  # noqa: N801 (the name users know from onnxruntime-traini
             optimizer updates the copies and the model gets them back rounded.
         dynamic_loss_scale: False keeps ``init_scale`` fixed (overflowing steps still skip).
     """
+
+    def __new__(cls, optimizer: Any = None, *args, **kwargs):
+        # apex amp patches the torch optimizer it was given, so check for it first.
+        if hasattr(optimizer, "_amp_stash") or not isinstance(optimizer, torch.optim.Optimizer):
+            given = [f"positional argument {i + 2}" for i in range(len(args))] + sorted(kwargs)
+            patched = patch_external_optimizer(optimizer, given)
+            if patched is not None:
+                return patched  # not an FP16_Optimizer, so __init__ does not run
+        return super().__new__(cls)
 
     def __init__(self, optimizer: torch.optim.Optimizer, init_scale: float = 2.0 ** 16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
