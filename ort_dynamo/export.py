@@ -224,7 +224,98 @@ def _widen_int32_indices(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
     node.args = (node.args[0], type(indices)(widened), *node.args[2:])
 
 
-def _fix_for_torchlib(gm: torch.fx.GraphModule) -> None:
+def _is_empty(val) -> bool:
+    """A tensor with a static zero-size dim (a symbolic size is never 0: torch specializes it)."""
+    return isinstance(val, torch.Tensor) and any(isinstance(d, int) and d == 0 for d in val.shape)
+
+
+#: Reductions whose value over no elements ORT gets wrong: averages are NaN in torch (ORT's
+#: ReduceMean of nothing is 0), ``any`` is False (torchlib's lowering gives True).
+_VALUE_OF_NOTHING = {_aten.mean: float("nan"), _aten.var: float("nan"), _aten.std: float("nan"),
+                     torch.ops.prims.var: float("nan"), _aten.any: False, _aten.all: True}
+
+
+def _value_of_nothing(node: torch.fx.Node):
+    """The fill value of a reduction of an empty input to a non-empty result (None if not one)."""
+    source = node.args[0] if node.args else None
+    if not (isinstance(source, torch.fx.Node) and _is_empty(source.meta.get("val"))):
+        return None
+    return _VALUE_OF_NOTHING.get(getattr(node.target, "overloadpacket", None))
+
+
+def _empty_results_as_zeros(gm: torch.fx.GraphModule) -> None:
+    """An empty result has no values, only a shape and dtype: make it ``zeros`` of that shape
+    (and a reduction over nothing its value, as torch's).
+    ORT mishandles empty tensors in ways torchlib does not guard against (Reshape to a shape
+    with -1, reductions with negative axes keeping their axis), and some lowerings return the
+    wrong shape (batch norm's saved statistics, empty in eval mode)."""
+    graph = gm.graph
+    replaced = False
+    for node in list(graph.nodes):
+        val = node.meta.get("val")
+        if (node.op != "call_function" or node.target in (_aten.zeros.default, _aten.full.default)
+                or not node.users or not isinstance(val, torch.Tensor)
+                or not all(isinstance(d, int) for d in val.shape)):
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            continue
+        fill = 0 if _is_empty(val) else _value_of_nothing(node)
+        if fill is None:
+            continue
+        with graph.inserting_before(node):
+            const = graph.call_function(_aten.full.default, (list(val.shape), fill),
+                                        {"dtype": val.dtype, "device": val.device})
+        const.meta.update(node.meta)
+        node.replace_all_uses_with(const)
+        replaced = True
+    if replaced:
+        graph.eliminate_dead_code()
+
+
+def _wrap_reduction_dims(node: torch.fx.Node) -> None:
+    """Negative ``dim`` of a reduction (an op with ``dim`` and ``keepdim``) -> non-negative:
+    ORT ignores a negative reduction axis on an empty input (see rewrite's
+    ``_normalize_reduce_axes``), and torchlib's axes are rarely constant before folding."""
+    schema = getattr(node.target, "_schema", None)
+    source = node.args[0] if node.args else None
+    val = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if schema is None or not isinstance(val, torch.Tensor) or val.dim() == 0:
+        return
+    names = [a.name for a in schema.arguments]
+    if "dim" not in names or "keepdim" not in names:
+        return
+    index = names.index("dim")
+    in_args = index < len(node.args)
+    dim = node.args[index] if in_args else node.kwargs.get("dim")
+    rank = val.dim()
+    if isinstance(dim, int) and dim < 0:
+        dim = dim % rank
+    elif isinstance(dim, (list, tuple)) and any(isinstance(d, int) and d < 0 for d in dim):
+        dim = type(dim)(d % rank if isinstance(d, int) else d for d in dim)
+    else:
+        return
+    if in_args:
+        node.args = (*node.args[:index], dim, *node.args[index + 1:])
+    else:
+        node.kwargs = {**node.kwargs, "dim": dim}
+
+
+def _fill_required_defaults(node: torch.fx.Node, registry) -> None:
+    """FX drops arguments left at their schema default (``amin(x)`` for ``amin(x, dim=[])``);
+    pass those that torchlib's function declares required."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not registry.is_registered(node.target):
+        return
+    required = {param.name for decomp in registry.get_decomps(node.target) if decomp.signature is not None
+                for param in decomp.signature.params if getattr(param, "required", False)}
+    for index, argument in enumerate(schema.arguments):
+        if (argument.name in required and index >= len(node.args) and argument.name not in node.kwargs
+                and argument.has_default_value() and argument.default_value is not None):
+            node.kwargs = {**node.kwargs, argument.name: argument.default_value}
+
+
+def _fix_for_torchlib(gm: torch.fx.GraphModule, registry=None) -> None:
     """Insert the dtype casts torch does implicitly and torchlib omits.
 
     Mixed-dtype elementwise ops (``mul(float, int64)``, ``where(c, float, double)``) get
@@ -239,7 +330,12 @@ def _fix_for_torchlib(gm: torch.fx.GraphModule) -> None:
         vals = val if isinstance(val, (tuple, list)) else [val]
         if node.op == "call_function" and any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals):
             raise TypeError(f"{node.target} returns a complex tensor; ORT partitions support real dtypes only")
+    _empty_results_as_zeros(gm)
     for node in list(gm.graph.nodes):
+        if node.op == "call_function" and registry is not None:
+            _fill_required_defaults(node, registry)
+        if node.op == "call_function":
+            _wrap_reduction_dims(node)
         if node.op == "call_function" and node.target in _NORMS_WITH_FLOAT_PARAMS:
             _norm_in_float32(gm, node)
         elif node.op == "call_function" and node.target in _BOOL_MAX_MIN:
@@ -267,8 +363,8 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
     """Translate ``gm`` (aten ops with ``meta['val']``) into an ONNX model."""
     from torch.onnx._internal.exporter import _core, _ir_passes
 
-    _fix_for_torchlib(gm)
     registry = onnx_registry(opset)
+    _fix_for_torchlib(gm, registry)
     model = ir.Model(ir.Graph([], [], nodes=[], name="ort_dynamo_graph"),
                      ir_version=10, producer_name="ort_dynamo")
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -37,6 +37,7 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         # newer opset is refused. ORT runs model-local functions itself, so keep them.
         if "Opset mismatch" not in str(exc):
             raise
+    _normalize_reduce_axes(model.graph)
     if exported.device == "cpu":
         _compute_bfloat16_in_float32(model.graph)
     if options.enable_compute_optimizer and not options.deterministic_compute:
@@ -45,6 +46,7 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         # Constant folding (shape arithmetic torchlib emits) and dead-code removal. Not the
         # onnxscript pattern rewriter: ORT's own graph optimizer covers it at a tenth the time.
         onnxscript.optimizer.fold_constants(model, onnx_shape_inference=False)
+        _normalize_reduce_axes(model.graph)  # axes that were only constant after folding
         if exported.device == "cpu":
             # Chains ORT's optimizer misses -> its fused CPU kernels (Gelu, FastGelu, RMSNorm).
             _fusions.fuse(model)
@@ -75,6 +77,34 @@ def _reshaped_outputs_as_views(exported: ExportedGraph) -> None:
         exported.output_names[index] = source.name
         exported.slots = [OutputSlot("view", slot.index, tuple(out.shape.dims))
                           if slot.kind == "ort" and slot.index == index else slot for slot in exported.slots]
+
+
+_REDUCE_OPS = {"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+               "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"}
+
+
+def _normalize_reduce_axes(graph: ir.Graph) -> None:
+    """ORT 1.31 ignores a negative reduction axis when the input is empty: ReduceSum over
+    axis -1 of a (3, 0) tensor returns it unchanged instead of zeros of shape (3,). Make the
+    axes non-negative wherever they are constant and the input's rank is known (export's
+    ``_wrap_reduction_dims`` does so for aten's ``dim`` arguments already)."""
+    for node in list(graph):
+        if node.op_type not in _REDUCE_OPS or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        data, axes = node.inputs[0], node.inputs[1]
+        if data is None or axes is None or data.shape is None:
+            continue
+        tensor = ir.convenience.get_const_tensor(axes)
+        if tensor is None:
+            continue
+        values = [int(a) for a in tensor.numpy().reshape(-1)]
+        if all(a >= 0 for a in values):
+            continue
+        rank = len(data.shape)
+        fixed = ir.node("Constant", [], attributes={"value": ir.tensor([a % rank for a in values], dtype=ir.DataType.INT64)})
+        fixed.outputs[0].dtype, fixed.outputs[0].shape = ir.DataType.INT64, ir.Shape([len(values)])
+        graph.insert_before(node, fixed)
+        node.replace_input_with(1, fixed.outputs[0])
 
 
 def _static(shape) -> bool:

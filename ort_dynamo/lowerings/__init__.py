@@ -15,14 +15,14 @@ from __future__ import annotations
 
 from onnxscript.values import Opset, TracedOnnxFunction
 
-from . import bessel, core, linalg, special
+from . import bessel, core, fixes, linalg, special
 
 import torch
 
 __all__ = ["register", "dtype_refusal", "REMOVED_LOWERINGS"]
 
 _OPSET = Opset("pkg.ort_dynamo", 1)
-_MODULES = (core, special, bessel, linalg)
+_MODULES = (core, special, bessel, linalg, fixes)
 
 REMOVED_LOWERINGS = core.REMOVED_LOWERINGS
 
