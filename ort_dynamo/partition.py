@@ -52,8 +52,17 @@ def _is_tensor_value(val) -> bool:
 
 def is_compute(node: torch.fx.Node) -> bool:
     """A node that computes tensors (shape arithmetic on SymInts and getitem are not)."""
+    if _is_linalg_error_check(node):
+        return False
     return (node.op == "call_function" and node.target is not operator.getitem
             and _is_tensor_value(node.meta.get("val")))
+
+
+def _is_linalg_error_check(node: torch.fx.Node) -> bool:
+    """linalg ops' host-side check of ``info`` (eager's LinAlgError), threaded through an
+    effect token: it raises or does nothing, so it stays in PyTorch and is no fallback."""
+    return (node.op == "call_function" and node.target is torch.ops.higher_order.with_effects
+            and len(node.args) > 1 and node.args[1] is torch.ops.aten._linalg_check_errors.default)
 
 
 class _OnnxSupport(OperatorSupportBase):

@@ -188,7 +188,9 @@ class OrtRunner:
 
 def _wrap(t: torch.Tensor, pointer: int, ort_device):
     if pointer:
-        return C.OrtValue.from_dlpack(t.detach().__dlpack__(), t.dtype == torch.bool)
+        # ORT's DLPack import rejects kDLBool: hand over the same bytes as uint8, flagged bool
+        is_bool = t.dtype == torch.bool
+        return C.OrtValue.from_dlpack((t.view(torch.uint8) if is_bool else t).detach().__dlpack__(), is_bool)
     onnx_type = _ONNX_TYPES[t.dtype]
     return C.OrtValue.ortvalue_from_shape_and_onnx_type(list(t.shape), onnx_type, ort_device)
 

@@ -137,6 +137,15 @@ def test_singular_inverse_raises_like_eager():
     assert str(ort_error.value) == str(eager_error.value)
 
 
+def test_inverse_and_solve_with_their_error_checks_run_on_ort():
+    # The error check stays in PyTorch (it raises or does nothing); it is not a fallback.
+    def fn(a, b):
+        return torch.linalg.inv(a), torch.linalg.solve(a, b), torch.linalg.tensorinv(a.reshape(4, 2, 2), ind=1)
+
+    a = _well_conditioned(4, 4)
+    _check(fn, a, torch.randn(4, 2))
+
+
 def test_lu_factor_pivots_and_info():
     a = torch.randn(3, 5, 5)
     _check(lambda x: torch.linalg.lu_factor_ex(x), a, grad=False)

@@ -229,3 +229,15 @@ def test_int32_indices_run_on_ort():
     for got, want in zip(torch.compile(fn, backend="ort")(x, values), fn(x, values)):
         torch.testing.assert_close(got, want)
     assert ort_dynamo.report().fallback_nodes == 0, ort_dynamo.report()
+
+
+def test_bool_input_next_to_an_empty_tensor_runs_on_ort():
+    """An empty input sends every input through the one-by-one DLPack path, which must carry
+    bool tensors too (ORT's DLPack import has no bool type)."""
+    def fn(mask, x, empty):
+        return torch.where(mask, x, 0.0) + empty.sum()
+
+    mask, x, empty = torch.tensor([True, False, True]), torch.randn(3), torch.zeros(0)
+    compiled = torch.compile(fn, backend="ort", options={"fallback_policy": "DISABLE"})
+    torch.testing.assert_close(compiled(mask, x, empty), fn(mask, x, empty))
+    assert ort_dynamo.report().fallback_nodes == 0, ort_dynamo.report()
