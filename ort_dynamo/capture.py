@@ -129,7 +129,10 @@ def _compile_partition(sub: torch.fx.GraphModule, name: str, options: OrtOptions
                 cache_stage.store(options.cache_dir, key, exported, model_bytes)
     except Exception as exc:
         nodes = sum(1 for n in sub.graph.nodes if partition_stage.is_compute(n))
-        reason = f"export failed: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        root = exc
+        while root.__cause__ is not None:  # the exporter wraps a lowering's own message
+            root = root.__cause__
+        reason = f"export failed: {type(root).__name__}: {' '.join(str(root).split())[:300]}"
         if not (options.fallback_policy & FallbackPolicy.EXPORT_FAILURE):
             raise ExportFailedError(f"partition {stem} could not be exported to ONNX: {reason}") from exc
         warnings.warn(f"ort_dynamo: {stem} runs in PyTorch: {reason}", stacklevel=2)
