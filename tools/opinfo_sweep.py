@@ -54,28 +54,46 @@ left in PyTorch with a reason in `ort_dynamo.report()`.
 
 | problem | where | fix (file) |
 |---|---|---|
-| `Bernoulli` returns 1 with probability 1-p (inverse of the ONNX spec) | onnxruntime 1.31 CPU kernel | `bernoulli` lowered as `RandomUniformLike < p` (lowerings.py) |
-| `MatMul(Transpose(A), v)` with 1-D `v` is wrong after the extended optimizer's MatMul+Transpose fusion: every `mv` backward | onnxruntime 1.31 optimizer | `mv`/`dot` lowered with 2-D MatMuls (lowerings.py) |
+| `Bernoulli` returns 1 with probability 1-p (inverse of the ONNX spec) | onnxruntime 1.31 CPU kernel | `bernoulli` lowered as `RandomUniformLike < p` (lowerings/core.py) |
+| `MatMul(Transpose(A), v)` with 1-D `v` is wrong after the extended optimizer's MatMul+Transpose fusion: every `mv` backward | onnxruntime 1.31 optimizer | `mv`/`dot` lowered with 2-D MatMuls (lowerings/core.py) |
 | `avg_pool2d/3d` ignore `divisor_override` | torchlib | decomposed as a ones-kernel convolution when it is set (lower.py) |
 | `scatter_reduce(reduce="mean", include_self=False)` averages wrongly | torchlib | decomposed as scatter-sum / scatter-count (lower.py) |
-| `special.erfcx` off by up to 0.13 for negative inputs | torchlib | lowering removed: decomposed by torch (lowerings.py) |
+| `special.erfcx` off by up to 0.13 for negative inputs | torchlib | lowered anew: series below 2, continued fraction above, reflection for x < 0 (lowerings/special.py) |
+| `signbit(-0.0)` is False (`x < 0`), so `copysign` loses the sign of -0.0 | torchlib | `signbit`/`copysign` lowered on the sign of `1/x` for zeros (lowerings/fixes.py); a NaN's sign bit cannot be read without a bit cast (not in opset 18): `-nan` counts as positive |
+| a negative reduction axis is ignored when the input is empty: `ReduceSum(axes=[-1])` of a (3, 0) tensor returns (3, 0) | onnxruntime 1.31 | reduction axes made non-negative at export and on constant `axes` (export.py, rewrite.py) |
+| mean/var/std over an empty dim give 0 (torch: NaN), `any` gives True (torch: False) | onnxruntime 1.31 | results with a static zero-size dim are computed at export as torch defines them (export.py) |
 | complex results come back as (..., 2) real pairs | torchlib's complex representation | partitions producing complex tensors are refused at export and run in PyTorch (export.py) |
 | mixed-dtype elementwise ops (`mul(float, int64)`, ...) fail in ORT | torchlib omits torch's implicit promotion | torch.onnx's type-promotion pass on every partition (export.py) |
 | bf16 LayerNorm/GroupNorm with fp32 weights (autocast) | torchlib needs one dtype | computed in fp32, results cast back, as PyTorch's CPU kernel does (export.py) |
 | max/min/argmax over bool | ONNX ArgMax/ReduceMax reject bool | computed in int32 (export.py) |
 | reductions / scatter / gather of 0-d tensors | ONNX reduce/scatter ops reject rank 0 | identity decompositions for rank 0 (lower.py) |
 
-Backward and missing ops added as decompositions (lower.py): `avg_pool{2,3}d_backward`,
+Backward and missing ops added as decompositions (decompositions.py): `avg_pool{2,3}d_backward`,
 `_adaptive_avg_pool{2,3}d_backward`, `_adaptive_avg_pool3d`, `diagonal_scatter` and
 `as_strided_scatter` (torch's own are not functional), `cumprod`, `prod`, `cummax`, `cummin`,
-`median`, `kthvalue`, and `sort.stable` (lowerings.py; ONNX TopK breaks ties by index).
+`median`, `kthvalue`; and as ONNX lowerings (`ort_dynamo/lowerings/`): `sort.stable` (ONNX TopK
+breaks ties by index), the gamma family (`lgamma`, `digamma`, `polygamma`, `zeta`, `mvlgamma`
+through them), `erfinv`, `ndtri`, `erfcx`, `log_ndtr`, `frexp` (special.py); Bessel, Airy and the
+orthogonal polynomials (bessel.py, the recurrences as ONNX `Loop`); LU, Cholesky, QR, triangular
+solves, `inv`, `det`, `slogdet`, `solve`, `householder_product`, `matrix_exp` (linalg.py: LAPACK's
+algorithms unrolled per column, so `info` and pivots are eager's, up to 32x32); `squeeze` of
+non-1 dims, `convolution` with `output_padding >= stride`, negative replicate padding (fixes.py).
+
+Approximations accurate to float32 only (the gamma family, Chebyshev polynomials) declare so
+(`ACCURATE_DTYPES`): their float64 inputs stay in PyTorch, with that reason in the report.
 
 ## What stays in PyTorch by design
 
 * Complex tensors (all `fft.*`, `view_as_complex`, `polar`, ...): ORT has no complex type.
-* Linear-algebra factorizations (`linalg.cholesky/qr/svd/eig/lu/solve/inv...`): no ONNX ops.
-* Special functions without ONNX ops (`digamma`, `lgamma`, `polygamma`, Bessel, `igamma`).
-* Data-dependent output shapes (`nonzero`, `unique`, `masked_select`) graph-break in Dynamo.
+* SVD, eigendecompositions, `lstsq`, and factorizations of matrices larger than 32x32 or of
+  dynamic size (the unrolled lowering refuses them at export, with that reason).
+* `igamma`/`igammac` (eager switches among four iterative methods; not matched to 1e-4 yet), `nextafter`.
+* Data-dependent output shapes (`nonzero`, `unique`, `masked_select`) and Python-scalar results
+  (`item`, `allclose`, `equal`, and torch functions that test values, e.g. `cov`,
+  `gaussian_nll_loss`) graph-break in Dynamo.
+
+Random OpInfos call their op through `wrapper_set_seed`, which re-seeds torch's generator around
+the call: a graph break in the test harness, not in the op. The sweep calls the op itself.
 """
 
 RTOL, ATOL = 1e-4, 1e-5
