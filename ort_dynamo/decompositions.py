@@ -144,6 +144,162 @@ def _strided_indices(size, stride, offset, device):
     return index.expand(list(size))
 
 
+def _binary_search(boundaries, values, right: bool):
+    """torch's searchsorted loop, unrolled: ``start`` moves past every probe with
+    ``!(b >= v)`` (left) or ``!(b > v)`` (right), so NaNs land exactly where eager puts them."""
+    m = boundaries.shape[-1]
+    start = torch.zeros(values.shape, dtype=torch.int64, device=values.device)
+    end = torch.full(values.shape, m, dtype=torch.int64, device=values.device)
+    for _ in range(int(m).bit_length()):  # enough halvings to empty any [start, end)
+        mid = start + (end - start) // 2
+        probe = mid.clamp(max=m - 1)
+        b = boundaries[probe] if boundaries.dim() == 1 else boundaries.gather(-1, probe)
+        go_right = ~(b > values) if right else ~(b >= values)
+        active = start < end
+        start = torch.where(active & go_right, mid + 1, start)
+        end = torch.where(active & ~go_right, mid, end)
+    return start
+
+
+def _pnorm(diff, p: float, dim: int = -1):
+    """The p-"norm" torch's cdist/pdist kernels use (p = 0 counts non-zeros)."""
+    if diff.shape[dim] == 0:
+        return diff.abs().sum(dim)
+    if p == 0:
+        return (diff != 0).to(diff.dtype).sum(dim)
+    if p == 1:
+        return diff.abs().sum(dim)
+    if p == 2:
+        return (diff * diff).sum(dim).sqrt()
+    if p == float("inf"):
+        return diff.abs().amax(dim)
+    return diff.abs().pow(p).sum(dim).pow(1.0 / p)
+
+
+def _pnorm_backward(diff, grad, dist, p: float):
+    """d dist / d diff times grad, element-wise, with torch's zero-distance conventions
+    (aten/src/ATen/native/cpu/DistanceOpsKernel.cpp)."""
+    zero = torch.zeros((), dtype=diff.dtype, device=diff.device)
+    if p == 0:
+        return torch.zeros_like(diff)
+    if p == 1:
+        return grad * diff.sign()
+    if p == float("inf"):
+        return grad * diff.sign() * (diff.abs() == dist).to(diff.dtype)
+    if p == 2:
+        return torch.where(dist == 0, zero, grad * diff / dist)
+    if p < 2:
+        skip = (dist == 0) | ((diff == 0) & (p < 1))
+        return torch.where(skip, zero, diff.sign() * diff.abs().pow(p - 1) * grad / dist.pow(p - 1))
+    return torch.where(dist == 0, zero, diff * diff.abs().pow(p - 2) * grad / dist.pow(p - 1))
+
+
+def _adaptive_max_pool(x, output_size):
+    """Adaptive max pooling with torch's CPU choice of index: the first maximum in row-major
+    order, or the last NaN if the window has one. Each window is gathered at its largest
+    size (shorter windows repeat their last element, which changes neither choice)."""
+    spatial = len(output_size)
+    sizes = list(x.shape[-spatial:])
+    lead = list(x.shape[:-spatial])
+    windows, positions = x, None
+    ks = []
+    for d, (n, o) in enumerate(zip(sizes, output_size)):
+        k = max(((i + 1) * n + o - 1) // o - (i * n) // o for i in range(o))
+        ks.append(k)
+        i = torch.arange(o, device=x.device)
+        start, end = (i * n) // o, ((i + 1) * n + o - 1) // o
+        idx = torch.minimum(start[:, None] + torch.arange(k, device=x.device)[None, :], end[:, None] - 1)
+        axis = len(lead) + 2 * d
+        windows = windows.index_select(axis, idx.reshape(-1))
+        windows = windows.reshape(*windows.shape[:axis], o, k, *windows.shape[axis + 1:])
+        stride = 1
+        for s in sizes[d + 1:]:
+            stride *= s
+        shape = [1] * (2 * spatial)
+        shape[2 * d], shape[2 * d + 1] = o, k
+        term = (idx * stride).reshape(shape)
+        positions = term if positions is None else positions + term
+    # (.., o1, k1, o2, k2, ..) -> (.., o1, o2, .., k1*k2*..)
+    order = [2 * d for d in range(spatial)] + [2 * d + 1 for d in range(spatial)]
+    windows = windows.permute(*range(len(lead)), *[len(lead) + a for a in order])
+    windows = windows.reshape(*lead, *output_size, -1)
+    positions = positions.permute(*order).reshape(*output_size, -1)
+    count = windows.shape[-1]
+    slot = torch.arange(count, device=x.device)
+    isnan = torch.isnan(windows)
+    last_nan = torch.where(isnan, slot, -1).amax(-1)
+    low = float("-inf") if x.is_floating_point() else torch.iinfo(x.dtype).min
+    fill = torch.full((), low, dtype=x.dtype, device=x.device)
+    best = torch.where(isnan, fill, windows).amax(-1, keepdim=True)
+    first_max = torch.where(windows == best, slot, count).amin(-1)
+    choice = torch.where(last_nan >= 0, last_nan, first_max).unsqueeze(-1)
+    values = windows.gather(-1, choice).squeeze(-1)
+    indices = positions.expand(windows.shape).gather(-1, choice).squeeze(-1)
+    return values, indices
+
+
+def _max_pool_indices_backward(grad, x, indices, spatial: int):
+    """Scatter each output's gradient to the flat position its index names in the plane."""
+    lead = x.shape[:-spatial]
+    plane = 1
+    for s in x.shape[-spatial:]:
+        plane *= s
+    zeros = torch.zeros(*lead, plane, dtype=grad.dtype, device=grad.device)
+    return zeros.scatter_add(-1, indices.reshape(*lead, -1), grad.reshape(*lead, -1)).reshape(x.shape)
+
+
+def _offset2bag(indices, offsets):
+    """Bag of each index (offsets are the starts of the bags; offsets[0] is 0)."""
+    i = torch.arange(indices.shape[0], device=indices.device)
+    return (offsets[None, :] <= i[:, None]).sum(-1) - 1
+
+
+def _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
+                                  scale_grad_by_freq, mode, per_sample_weights, padding_idx):
+    if scale_grad_by_freq and mode != 2:
+        # Eager's CPU kernel divides by the count of another index than the row's own (it
+        # indexes the sorted indices by unique-group number): left to PyTorch.
+        return NotImplemented
+    d = grad.shape[1]
+    zeros = torch.zeros(num_weights, d, dtype=grad.dtype, device=grad.device)
+    if mode == 2:  # max: each (bag, feature) gradient goes to the row that was the max
+        nonempty = (bag_size != 0)[:, None]
+        rows = torch.where(nonempty, maximum_indices, 0)
+        return zeros.scatter_add(0, rows, torch.where(nonempty, grad, torch.zeros_like(grad)))
+    scale = torch.ones(indices.shape, dtype=grad.dtype, device=grad.device)
+    if per_sample_weights is not None:
+        scale = scale * per_sample_weights
+    if mode == 1:
+        size = bag_size[offset2bag]
+        scale = torch.where(size != 0, scale / size.clamp(min=1).to(grad.dtype), scale)
+    contribution = grad[offset2bag] * scale[:, None]
+    if padding_idx >= 0:
+        contribution = torch.where((indices == padding_idx)[:, None], torch.zeros_like(contribution),
+                                   contribution)
+    return zeros.index_add(0, indices, contribution)
+
+
+def _antialias_matrix(in_size: int, out_size: int, align_corners: bool, scale_arg, like):
+    """(out, in) weights of antialiased bilinear resampling along one dim, as eager's CPU
+    kernel computes them (UpSampleKernel.cpp, _compute_weights_aa; triangle filter widened
+    by the scale when downsampling, each row normalized)."""
+    if align_corners:
+        scale = (in_size - 1) / (out_size - 1) if out_size > 1 else 0.0
+    else:
+        scale = 1.0 / scale_arg if scale_arg else in_size / out_size
+    support = scale if scale >= 1.0 else 1.0
+    invscale = 1.0 / scale if scale >= 1.0 else 1.0
+    center = (torch.arange(out_size, device=like.device).to(like.dtype) + 0.5) * scale
+    low = (center - support + 0.5).to(torch.int64).clamp(min=0)  # C++ casts truncate
+    high = (center + support + 0.5).to(torch.int64).clamp(max=in_size)
+    j = torch.arange(in_size, device=like.device)
+    inside = (j[None, :] >= low[:, None]) & (j[None, :] < high[:, None])
+    weight = (1 - ((j[None, :] - center[:, None] + 0.5) * invscale).abs()).clamp(min=0)
+    weight = torch.where(inside, weight, torch.zeros((), dtype=like.dtype, device=like.device))
+    total = weight.sum(-1, keepdim=True)
+    return torch.where(total != 0, weight / total, weight)
+
+
 @functools.lru_cache(None)
 def own_decompositions() -> dict:
     table = {}
@@ -341,8 +497,9 @@ def own_decompositions() -> dict:
     @register(aten.index_reduce.default)
     def index_reduce(x, dim, index, source, reduce, include_self=True):
         # index_reduce along dim == scatter_reduce with the index broadcast over the other dims.
-        if source.dim() == 0:
-            return NotImplemented  # 0-d: stays an aten op (runs in PyTorch)
+        if x.dim() == 0:  # as a 1-element vector: scatter ops reject rank 0
+            return index_reduce(x.reshape(1), 0, index.reshape(1), source.reshape(1), reduce,
+                                include_self).reshape([])
         shape = [1] * source.dim()
         shape[dim] = -1
         spread = index.reshape(shape).expand(source.shape)
@@ -430,5 +587,438 @@ def own_decompositions() -> dict:
     def fma(a, b, c):
         # addcmul's decomposition emits prims.fma (compiled Adam/AdamW); ONNX has no FMA.
         return a * b + c
+
+    # ---- op gaps: ops with no torchlib lowering and no usable torch decomposition ----------
+
+    @register(aten._efficientzerotensor.default)
+    def efficient_zero_tensor(size, dtype=None, layout=None, device=None, pin_memory=None):
+        # sgn's backward of a real input: a plain zero tensor (no "zero tensor" in ONNX).
+        return torch.zeros(size, dtype=dtype, device=device)
+
+    @register(aten.empty_permuted.default)
+    def empty_permuted(size, physical_layout, dtype=None, layout=None, device=None, pin_memory=None):
+        physical = torch.empty([size[p] for p in physical_layout], dtype=dtype, device=device)
+        inverse = [0] * len(physical_layout)
+        for i, p in enumerate(physical_layout):
+            inverse[p] = i
+        return physical.permute(inverse)
+
+    @register(aten.searchsorted.Tensor)
+    def searchsorted(sorted_sequence, values, *, out_int32=False, right=False, side=None, sorter=None):
+        boundaries = sorted_sequence if sorter is None else sorted_sequence.gather(-1, sorter)
+        found = _binary_search(boundaries, values, right or side == "right")
+        return found.to(torch.int32) if out_int32 else found
+
+    @register(aten.put.default)
+    def put(x, index, source, accumulate=False):
+        # put indexes x as if flat; negative indices count from the end (take's backward).
+        flat = x.reshape(-1)
+        index = index.reshape(-1)
+        index = torch.where(index < 0, index + flat.shape[0], index)
+        return flat.index_put((index,), source.reshape(-1), accumulate).reshape(x.shape)
+
+    @register(aten._trilinear.default)
+    def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+        # F.bilinear: each input lacks its "expand" dims; the product is summed over sumdim.
+        total = i1.dim() + len(expand1)
+        letters = "abcdefghijklmnopqrstuvwxyz"[:total]
+
+        def subscript(expand):
+            return "".join(letters[d] for d in range(total) if d not in expand)
+
+        present = set(subscript(expand1) + subscript(expand2) + subscript(expand3))
+        kept = [d for d in range(total) if d not in sumdim]
+        out = "".join(letters[d] for d in kept if letters[d] in present)
+        result = torch.einsum(f"{subscript(expand1)},{subscript(expand2)},{subscript(expand3)}->{out}",
+                              i1, i2, i3)
+        for position, d in enumerate(kept):  # dims no input has: size 1
+            if letters[d] not in present:
+                result = result.unsqueeze(position)
+        return result
+
+    @register(aten._cdist_forward.default)
+    def cdist_forward(x1, x2, p, compute_mode=None):
+        r1, r2 = x1.shape[-2], x2.shape[-2]
+        # The matmul form eager uses for p=2 on larger inputs (compute_mode 0/None: "if
+        # necessary", 1: always, 2: never), so rounding near zero distance matches.
+        if p == 2 and (compute_mode == 1 or (compute_mode in (None, 0) and (r1 > 25 or r2 > 25))):
+            x1_norm = x1.pow(2).sum(-1, keepdim=True)
+            x2_norm = x2.pow(2).sum(-1, keepdim=True)
+            left = torch.cat([x1 * -2, x1_norm, torch.ones_like(x1_norm)], -1)
+            right = torch.cat([x2, torch.ones_like(x2_norm), x2_norm], -1)
+            return left.matmul(right.transpose(-2, -1)).clamp_min(0).sqrt()
+        return _pnorm(x1.unsqueeze(-2) - x2.unsqueeze(-3), p)
+
+    @register(aten._cdist_backward.default)
+    def cdist_backward(grad, x1, x2, p, cdist):
+        diff = x1.unsqueeze(-2) - x2.unsqueeze(-3)
+        partial = _pnorm_backward(diff, grad.unsqueeze(-1), cdist.unsqueeze(-1), p).sum(-2)
+        return partial.sum_to_size(x1.shape) if partial.shape != x1.shape else partial
+
+    def pdist_pairs(n, device):
+        # (i, j) for i < j in row-major order; torch.triu_indices' decomposition does not export.
+        k = torch.arange(n * (n - 1) // 2, device=device)
+        r = torch.arange(n, device=device)
+        row_start = r * n - r * (r + 1) // 2  # position of pair (r, r + 1)
+        i = (row_start[None, :] <= k[:, None]).sum(-1) - 1
+        return i, k - row_start[i] + i + 1
+
+    @register(aten._pdist_forward.default)
+    def pdist_forward(x, p=2):
+        if x.shape[0] < 2:  # no pairs
+            return torch.zeros(0, dtype=x.dtype, device=x.device)
+        i, j = pdist_pairs(x.shape[0], x.device)
+        return _pnorm(x[i] - x[j], p)
+
+    @register(aten._pdist_backward.default)
+    def pdist_backward(grad, x, p, pdist):
+        if x.shape[0] < 2:
+            return torch.zeros_like(x)
+        i, j = pdist_pairs(x.shape[0], x.device)
+        part = _pnorm_backward(x[i] - x[j], grad.unsqueeze(-1), pdist.unsqueeze(-1), p)
+        return torch.zeros_like(x).index_add(0, i, part).index_add(0, j, -part)
+
+    @register(aten.adaptive_max_pool2d.default)
+    def adaptive_max_pool2d(x, output_size):
+        return _adaptive_max_pool(x, list(output_size))
+
+    @register(aten.adaptive_max_pool3d.default)
+    def adaptive_max_pool3d(x, output_size):
+        return _adaptive_max_pool(x, list(output_size))
+
+    @register(aten.adaptive_max_pool2d_backward.default)
+    def adaptive_max_pool2d_backward(grad, x, indices):
+        return _max_pool_indices_backward(grad, x, indices, 2)
+
+    @register(aten.adaptive_max_pool3d_backward.default)
+    def adaptive_max_pool3d_backward(grad, x, indices):
+        return _max_pool_indices_backward(grad, x, indices, 3)
+
+    def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                      per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+        # torchlib's lowering returns placeholder offset2bag/bag_size/max_indices, which the
+        # backward reads: computed here as eager does (padding entries count in no bag).
+        n, dim = indices.shape[0], weight.shape[1]
+        bags = offsets.shape[0] - (1 if include_last_offset else 0)
+        position = torch.arange(n, device=indices.device)
+        bag = (offsets[:bags][None, :] <= position[:, None]).sum(-1) - 1  # the last bag runs to the end
+        keep = indices != padding_idx if padding_idx >= 0 else torch.ones_like(indices, dtype=torch.bool)
+        rows = weight[indices]
+        if per_sample_weights is not None:
+            rows = rows * per_sample_weights[:, None].to(rows.dtype)
+        counts = torch.zeros(bags, dtype=torch.int64, device=indices.device).index_add(
+            0, bag, keep.to(torch.int64))
+        zeros = torch.zeros(bags, dim, dtype=weight.dtype, device=weight.device)
+        nonempty = (counts > 0)[:, None]
+        if mode == 2:
+            spread = bag[:, None].expand(n, dim)
+            low = torch.full((), float("-inf"), dtype=weight.dtype, device=weight.device)
+            best = torch.full_like(zeros, float("-inf")).scatter_reduce(
+                0, spread, torch.where(keep[:, None], rows, low), "amax", include_self=True)
+            hit = keep[:, None] & (rows == best[bag])  # the first position holding the max wins
+            first = torch.full((bags, dim), n, dtype=torch.int64, device=indices.device).scatter_reduce(
+                0, spread, torch.where(hit, position[:, None], n), "amin", include_self=True)
+            max_indices = torch.where(nonempty, indices[first.clamp(max=max(n - 1, 0))], 0) if n else \
+                torch.zeros((bags, dim), dtype=torch.int64, device=indices.device)
+            out = torch.where(nonempty, best, zeros)
+        else:
+            out = zeros.index_add(0, bag, torch.where(keep[:, None], rows, torch.zeros_like(rows)))
+            if mode == 1:
+                out = out / counts.clamp(min=1)[:, None].to(out.dtype)
+            max_indices = counts.clone() if mode == 1 else torch.zeros_like(counts)
+        bag_size = counts if mode != 0 else torch.zeros_like(counts)
+        # Eager leaves offset2bag empty in sum mode without padding_idx (the backward rebuilds it).
+        offset2bag = bag if (mode != 0 or padding_idx >= 0) else bag.new_zeros(0)
+        index_dtype = indices.dtype
+        return (out, offset2bag.to(index_dtype), bag_size.to(index_dtype), max_indices.to(index_dtype))
+
+    table[aten._embedding_bag.default] = embedding_bag
+    table[aten._embedding_bag_forward_only.default] = embedding_bag
+
+    @register(aten._embedding_bag_backward.default)
+    def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
+                               scale_grad_by_freq, mode, sparse, per_sample_weights=None, padding_idx=-1):
+        if sparse:
+            return NotImplemented  # a sparse gradient: stays in PyTorch
+        if indices.numel() != 0 and offset2bag.numel() == 0:  # eager's forward skipped it
+            offset2bag = _offset2bag(indices, offsets)
+        return _embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
+                                             num_weights, scale_grad_by_freq, mode, per_sample_weights,
+                                             padding_idx)
+
+    table[aten._embedding_bag_dense_backward.default] = _embedding_bag_dense_backward
+
+    @register(aten._embedding_bag_per_sample_weights_backward.default)
+    def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode,
+                                                  padding_idx=-1):
+        if indices.numel() != 0 and offset2bag.numel() == 0:
+            offset2bag = _offset2bag(indices, offsets)
+        dots = (grad[offset2bag] * weight[indices]).sum(-1)
+        return torch.where(indices == padding_idx, torch.zeros_like(dots), dots) if padding_idx >= 0 else dots
+
+    @register(aten.masked_scatter_backward.default)
+    def masked_scatter_backward(grad, mask, sizes):
+        # The source's gradient: grad at the masked positions, in order, then zeros.
+        grad, mask = torch.broadcast_tensors(grad, mask)
+        flat_grad, flat_mask = grad.reshape(-1), mask.reshape(-1)
+        numel = 1
+        for s in sizes:
+            numel *= s
+        slot = torch.cumsum(flat_mask.to(torch.int64), 0) - 1
+        target = torch.where(flat_mask, slot, numel)  # unmasked ones go to a spare slot
+        out = torch.zeros(numel + 1, dtype=grad.dtype, device=grad.device).scatter_add(0, target, flat_grad)
+        return out[:numel].reshape(sizes)
+
+    @register(aten.rrelu_with_noise_functional.default)
+    def rrelu_with_noise_functional(x, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
+        if not training:
+            return torch.where(x >= 0, x, x * ((lower + upper) / 2)), noise.clone()
+        # Random slopes are drawn by ORT (RandomUniformLike): same distribution, other values.
+        slope = lower + (upper - lower) * torch.rand_like(x)
+        new_noise = torch.where(x <= 0, slope, torch.ones_like(x))
+        return x * new_noise, new_noise.to(noise.dtype)
+
+    @register(aten.uniform.default)
+    def uniform(x, low=0.0, high=1.0, generator=None):
+        return low + (high - low) * torch.rand_like(x)  # ORT's RNG (RandomUniformLike)
+
+    def nan_last_order(moved):
+        # Stable ascending order with every NaN after every number (+inf included).
+        if not moved.is_floating_point():
+            return torch.sort(moved, dim=-1, stable=True)[1]
+        isnan = torch.isnan(moved)
+        key = torch.where(isnan, torch.full((), float("inf"), dtype=moved.dtype, device=moved.device), moved)
+        first = torch.sort(key, dim=-1, stable=True)[1]
+        second = torch.sort(isnan.gather(-1, first).to(moved.dtype), dim=-1, stable=True)[1]
+        return first.gather(-1, second)
+
+    @register(aten.nanmedian.default)
+    def nanmedian_all(x):
+        flat = x.reshape(-1)
+        if not flat.is_floating_point():
+            return median_all(x)
+        order = nan_last_order(flat)
+        count = (~torch.isnan(flat)).sum()
+        k = ((count - 1).clamp(min=0) // 2).reshape(1)
+        return flat[order[k]].reshape([])  # NaN where everything is NaN
+
+    @register(aten.nanmedian.dim)
+    def nanmedian_dim(x, dim=-1, keepdim=False):
+        if x.dim() == 0:
+            return x.clone(), torch.zeros((), dtype=torch.int64, device=x.device)
+        moved = x.movedim(dim, -1)
+        order = nan_last_order(moved)
+        count = (~torch.isnan(moved)).sum(-1, keepdim=True) if x.is_floating_point() else None
+        if count is None:
+            k = torch.full(moved.shape[:-1] + (1,), (moved.shape[-1] - 1) // 2, dtype=torch.int64,
+                           device=x.device)
+        else:
+            k = (count - 1).clamp(min=0) // 2
+        indices = order.gather(-1, k)
+        values = moved.gather(-1, indices)
+        values, indices = values.movedim(-1, dim), indices.movedim(-1, dim)
+        if not keepdim:
+            values, indices = values.squeeze(dim), indices.squeeze(dim)
+        return values, indices
+
+    @register(aten.mode.default)
+    def mode(x, dim=-1, keepdim=False):
+        # Eager sorts, then keeps the first longest run of equal values (so ties take the
+        # smallest value) and reports the last position of that value (small inputs; larger
+        # ones may report any of its positions; with NaNs eager's order is undefined). Run
+        # lengths come from binary searches.
+        if x.dim() == 0:
+            return x.clone(), torch.zeros((), dtype=torch.int64, device=x.device)
+        moved = x.movedim(dim, -1)
+        values, order = torch.sort(moved, dim=-1, stable=True)
+        first = _binary_search(values, values, right=False)
+        end = _binary_search(values, values, right=True)
+        run = end - first
+        slot = torch.arange(moved.shape[-1], device=x.device)
+        longest = run.amax(-1, keepdim=True)
+        pick = torch.where(run == longest, slot, moved.shape[-1]).amin(-1, keepdim=True)
+        value = values.gather(-1, pick)
+        index = order.gather(-1, end.gather(-1, pick) - 1)
+        value, index = value.movedim(-1, dim), index.movedim(-1, dim)
+        if not keepdim:
+            value, index = value.squeeze(dim), index.squeeze(dim)
+        return value, index
+
+    @register(aten._upsample_bilinear2d_aa.default)
+    def upsample_bilinear2d_aa(x, output_size, align_corners, scales_h=None, scales_w=None):
+        # torchlib's lowering differs from eager with align_corners=True or explicit scales.
+        out = x
+        for axis, scale in ((2, scales_h), (3, scales_w)):
+            m = _antialias_matrix(x.shape[axis], output_size[axis - 2], align_corners, scale, x)
+            out = (out.movedim(axis, -1).unsqueeze(-2) * m).sum(-1).movedim(-1, axis)
+        return out
+
+    @register(aten._upsample_bilinear2d_aa_backward.default)
+    def upsample_bilinear2d_aa_backward(grad, output_size, input_size, align_corners, scales_h=None,
+                                        scales_w=None):
+        # The forward is a weighted sum per dim: the backward applies the transposed weights.
+        out = grad
+        for axis, scale in ((2, scales_h), (3, scales_w)):
+            m = _antialias_matrix(input_size[axis], output_size[axis - 2], align_corners, scale, grad)
+            out = (out.movedim(axis, -1).unsqueeze(-1) * m).sum(-2).movedim(-1, axis)
+        return out
+
+    def histogram(x, edges, weight, density):
+        # Bin = last edge <= value (the last bin also takes the right edge); values outside the
+        # edges, and NaN, are not counted: eager's upper_bound search.
+        flat = x.reshape(-1)
+        bins = edges.shape[0] - 1
+        pos = _binary_search(edges, flat, right=True) - 1
+        pos = torch.where(pos == bins, bins - 1, pos).clamp(0, bins - 1)
+        inside = (flat >= edges[0]) & (flat <= edges[-1])
+        w = weight.reshape(-1).to(x.dtype) if weight is not None else torch.ones_like(flat)
+        hist = torch.zeros(bins, dtype=x.dtype, device=x.device).index_add(
+            0, pos, torch.where(inside, w, torch.zeros_like(w)))
+        if density:
+            hist = hist / (hist.sum() * (edges[1:] - edges[:-1]))
+        return hist, edges
+
+    @register(aten.histogram.bins_tensor)
+    def histogram_bins_tensor(x, bins, *, weight=None, density=False):
+        return histogram(x, bins.to(x.dtype), weight, density)
+
+    @register(aten.histogram.bin_ct)
+    def histogram_bin_ct(x, bins=100, *, range=None, weight=None, density=False):
+        if range is not None:
+            low = torch.full((), range[0], dtype=x.dtype, device=x.device)
+            high = torch.full((), range[1], dtype=x.dtype, device=x.device)
+        elif x.numel() == 0:
+            low = torch.zeros((), dtype=x.dtype, device=x.device)
+            high = torch.ones((), dtype=x.dtype, device=x.device)
+        else:
+            low, high = x.min(), x.max()
+        same = low == high  # widened by 0.5 either side, as numpy does
+        low, high = torch.where(same, low - 0.5, low), torch.where(same, high + 0.5, high)
+        # eager's linspace: from the start for the first half, from the end for the rest
+        i = torch.arange(bins + 1, device=x.device)
+        step = (high - low) / bins
+        edges = torch.where(i < (bins + 1) // 2, low + step * i.to(x.dtype),
+                            high - step * (bins - i).to(x.dtype))
+        return histogram(x, edges, weight, density)
+
+    @register(aten.median.dim)
+    def median_dim(x, dim=-1, keepdim=False):
+        # The lower middle value; a slice with a NaN gives its first NaN (value and index).
+        if x.dim() == 0:
+            return x.clone(), torch.zeros((), dtype=torch.int64, device=x.device)
+        moved = x.movedim(dim, -1)
+        n = moved.shape[-1]
+        order = nan_last_order(moved)
+        indices = order[..., (n - 1) // 2:(n - 1) // 2 + 1]
+        if x.is_floating_point():
+            isnan = torch.isnan(moved)
+            first_nan = torch.where(isnan, torch.arange(n, device=x.device), n).amin(-1, keepdim=True)
+            indices = torch.where(first_nan < n, first_nan, indices)
+        values = moved.gather(-1, indices)
+        values, indices = values.movedim(-1, dim), indices.movedim(-1, dim)
+        if not keepdim:
+            values, indices = values.squeeze(dim), indices.squeeze(dim)
+        return values, indices
+
+    def segment_bounds(lengths, offsets):
+        if offsets is not None:
+            return offsets[:-1], offsets[1:]
+        ends = torch.cumsum(lengths, 0)
+        return ends - lengths, ends
+
+    def reduce_identity(reduce, initial):
+        if initial is not None:
+            return float(initial)
+        return {"max": float("-inf"), "min": float("inf"), "prod": 1.0}.get(reduce, 0.0)
+
+    @register(aten.segment_reduce.default)
+    def segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False,
+                       initial=None):
+        # Eager's CPU loop: start from `initial` (or the reduction's identity); max/min keep a
+        # NaN once seen; an empty segment's mean is NaN unless `initial` is given.
+        bounds = offsets if offsets is not None else lengths
+        if bounds is None or bounds.dim() != 1 or indices is not None:
+            return NotImplemented  # batched lengths/offsets stay in PyTorch
+        start, end = segment_bounds(lengths, offsets)
+        x = data.movedim(axis, -1).unsqueeze(-2)  # (..., 1, n)
+        pos = torch.arange(x.shape[-1], device=data.device)
+        member = (pos >= start[:, None]) & (pos < end[:, None])  # (segments, n)
+        init = reduce_identity(reduce, initial)
+        fill = torch.full((), init if reduce in ("max", "min") else (1.0 if reduce == "prod" else 0.0),
+                          dtype=data.dtype, device=data.device)
+        picked = torch.where(member, x, fill)
+        if reduce in ("sum", "mean"):
+            out = picked.sum(-1) + init
+            if reduce == "mean":
+                size = (end - start).to(data.dtype)
+                out = torch.where(size > 0, out / size.clamp(min=1),
+                                  out if initial is not None else torch.full_like(out, float("nan")))
+        elif reduce == "prod":
+            out = aten.prod.dim_int(picked, -1) * init
+        else:
+            out = picked.amax(-1) if reduce == "max" else picked.amin(-1)
+            out = torch.maximum(out, fill) if reduce == "max" else torch.minimum(out, fill)
+            has_nan = (member & torch.isnan(x)).any(-1)
+            out = torch.where(has_nan, torch.full_like(out, float("nan")), out)
+        return out.movedim(-1, axis)
+
+    @register(aten._segment_reduce_backward.default)
+    def segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets=None, axis=0,
+                                initial=None):
+        bounds = offsets if offsets is not None else lengths
+        if bounds is None or bounds.dim() != 1:
+            return NotImplemented
+        start, end = segment_bounds(lengths, offsets)
+        x = data.movedim(axis, -1)  # (..., n)
+        n = x.shape[-1]
+        pos = torch.arange(n, device=data.device)
+        member = (pos >= start[:, None]) & (pos < end[:, None])  # (segments, n)
+        zero = torch.zeros((), dtype=grad.dtype, device=grad.device)
+
+        def spread(per_segment):  # (..., segments) -> (..., n): each element's segment value
+            return torch.where(member, per_segment.movedim(axis, -1).unsqueeze(-1), zero).sum(-2)
+
+        g = spread(grad)
+        if reduce == "mean":
+            g = spread(grad / (end - start).clamp(min=1).to(grad.dtype).reshape(
+                [-1] + [1] * (grad.dim() - 1 - axis)))
+        elif reduce in ("max", "min"):
+            hit = torch.isnan(x) | (x == spread(output))
+            g = torch.where(hit, g, zero)
+            count = (member & hit.unsqueeze(-2)).sum(-1, keepdim=True)  # (..., S, 1)
+            count = torch.where(member, count, 0).sum(-2)  # per element
+            # eager divides only positive gradients among tied extremes
+            g = torch.where((count >= 2) & (g > 0), g / count.clamp(min=1).to(g.dtype), g)
+        elif reduce == "prod":
+            out = spread(output)
+            same = member.unsqueeze(-1) & member.unsqueeze(-2)  # (S, n, n): j, k share segment s
+            same = same.any(0) & ~torch.eye(n, dtype=torch.bool, device=data.device)
+            others = aten.prod.dim_int(torch.where(same, x.unsqueeze(-2), torch.ones((), dtype=x.dtype,
+                                                                                       device=x.device)), -1)
+            exclusive = g * others * reduce_identity(reduce, initial)
+            g = torch.where(torch.isnan(x) | (x == 0), exclusive, g * out / x)
+        elif reduce != "sum":
+            return NotImplemented
+        return g.movedim(-1, axis)
+
+    @register(aten.nonzero_static.default)
+    def nonzero_static(x, *, size, fill_value=-1):
+        # The first `size` non-zero coordinates in row-major order, padded with fill_value.
+        flat = (x != 0).reshape(-1)
+        n = flat.shape[0]
+        if n == 0:
+            return torch.full((size, x.dim()), fill_value, dtype=torch.int64, device=x.device)
+        slot = torch.cumsum(flat.to(torch.int64), 0) - 1
+        target = torch.where(flat & (slot < size), slot, size)  # the rest go to a spare slot
+        position = torch.full((size + 1,), n, dtype=torch.int64, device=x.device).scatter_reduce(
+            0, target, torch.arange(n, device=x.device), "amin", include_self=True)[:size]
+        coords = []
+        stride = n
+        for s in x.shape:
+            stride //= s
+            coords.append((position // stride) % s)
+        found = torch.stack(coords, -1) if coords else position.new_zeros((size, 0))
+        valid = (torch.arange(size, device=x.device) < flat.sum())[:, None]
+        return torch.where(valid, found, torch.full((), fill_value, dtype=torch.int64, device=x.device))
 
     return table

@@ -5,8 +5,8 @@ or is decomposed into ops that do. Two mechanisms:
 
 * ``lower_graph`` rewrites the torch-level Dynamo graph before AOTAutograd. Needed for
   ops whose backward autograd would record as a fused kernel with no ONNX lowering
-  (SDPA's flash/efficient attention backward): replaced by math, autograd derives a
-  backward made of matmul/softmax.
+  (SDPA's flash/efficient attention backward, 2-D grid sampling's backward): replaced by
+  math, autograd derives a backward made of matmul/softmax/gathers.
 * ``decomposition_table`` is handed to AOTAutograd: torch's decompositions for ops
   torchlib lacks (most ``*_backward`` ops) plus our own for those torch has none of.
 """
@@ -51,10 +51,144 @@ def sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     return torch.matmul(probs, value)
 
 
+_GRID_MODES = {"bilinear": 0, "nearest": 1, "bicubic": 2}
+_GRID_PADDINGS = {"zeros": 0, "border": 1, "reflection": 2}
+
+
+def grid_sampler_2d_math(input, grid, interpolation_mode=0, padding_mode=0, align_corners=False):
+    """2-D ``grid_sampler`` as torch's reference decomposition (gathers and arithmetic), so
+    autograd derives its backward: ``grid_sampler_2d_backward`` has no ONNX lowering."""
+    from torch._decomp.decompositions import grid_sampler_2d
+
+    return grid_sampler_2d(input, grid, interpolation_mode, padding_mode, align_corners)
+
+
+def _source_coordinate(coord, size: int, padding_mode: int, align_corners: bool):
+    """Grid coordinate in [-1, 1] -> input position, with eager's border/reflection rules."""
+    # Same operations in the same order as eager's GridSampler.h, so that rounding, and the
+    # cell each point falls in, agree.
+    if align_corners:
+        pos = (coord + 1) / 2 * (size - 1)
+    else:
+        pos = ((coord + 1) * size - 1) / 2
+    if padding_mode == 0:
+        return pos
+    if padding_mode == 2:  # reflect about the borders (corner centers or edges), then clip
+        low, span = (0.0, size - 1.0) if align_corners else (-0.5, float(size))
+        if span <= 0:
+            pos = torch.zeros_like(pos)
+        else:
+            away = (pos - low).abs()
+            extra = torch.fmod(away, span)
+            even = (away / span).floor().remainder(2) == 0
+            pos = torch.where(even, extra + low, (span - extra) + low)
+    return pos.clamp(0, size - 1)
+
+
+def grid_sampler_3d_math(input, grid, interpolation_mode=0, padding_mode=0, align_corners=False):
+    """``grid_sampler_3d`` (trilinear / nearest) as gathers and arithmetic, so that autograd
+    derives the backward; neither direction has an ONNX lowering. Half types compute in
+    float32, as eager's kernels accumulate."""
+    if interpolation_mode not in (0, 1) or padding_mode not in (0, 1, 2):
+        return torch.grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners)
+    dtype = input.dtype
+    a, g = (input.float(), grid.float()) if dtype in (torch.float16, torch.bfloat16) else (input, grid)
+    n, c, *sizes = a.shape
+    out_shape = g.shape[1:4]
+    flat = a.reshape(n, c, -1)
+    # grid's last dim is (x, y, z) = (W, H, D): reversed against the input's dims.
+    pos = [_source_coordinate(g[..., 2 - k], sizes[k], padding_mode, align_corners) for k in range(3)]
+
+    def sample(index, weight):
+        inside = torch.ones_like(index[0], dtype=torch.bool)
+        for i, size in zip(index, sizes):
+            inside = inside & (i >= 0) & (i < size)
+        flat_index = (index[0] * sizes[1] + index[1]) * sizes[2] + index[2]
+        flat_index = torch.where(inside, flat_index, 0).reshape(n, 1, -1).expand(n, c, -1)
+        weight = torch.where(inside, weight, torch.zeros((), dtype=weight.dtype, device=weight.device))
+        return flat.gather(2, flat_index) * weight.reshape(n, 1, -1)
+
+    if interpolation_mode == 1:  # nearest: round half to even, as nearbyint
+        index = [p.round().to(torch.int64) for p in pos]
+        out = sample(index, torch.ones_like(pos[0]))
+    else:
+        low = [p.floor() for p in pos]
+        out = None
+        for corner in range(8):
+            bits = [(corner >> (2 - k)) & 1 for k in range(3)]
+            index = [(lo + b).to(torch.int64) for lo, b in zip(low, bits)]
+            weight = None
+            for p, lo, b in zip(pos, low, bits):
+                w = (p - lo) if b else (lo + 1 - p)
+                weight = w if weight is None else weight * w
+            term = sample(index, weight)
+            out = term if out is None else out + term
+    return out.reshape(n, c, *out_shape).to(dtype)
+
+
+def grid_sampler_math(input, grid, interpolation_mode=0, padding_mode=0, align_corners=False):
+    if input.dim() == 5:
+        return grid_sampler_3d_math(input, grid, interpolation_mode, padding_mode, align_corners)
+    if input.dim() != 4:
+        return torch.grid_sampler(input, grid, interpolation_mode, padding_mode, align_corners)
+    return grid_sampler_2d_math(input, grid, interpolation_mode, padding_mode, align_corners)
+
+
+def grid_sample_math(input, grid, mode="bilinear", padding_mode="zeros", align_corners=None):
+    if input.dim() not in (4, 5) or mode not in _GRID_MODES or padding_mode not in _GRID_PADDINGS:
+        return torch.nn.functional.grid_sample(input, grid, mode, padding_mode, align_corners)
+    return grid_sampler_math(input, grid, _GRID_MODES[mode], _GRID_PADDINGS[padding_mode],
+                             bool(align_corners))
+
+
+def _chunked_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction, ignore_index,
+                           label_smoothing, acc_dtype):
+    logits = torch.nn.functional.linear(input, linear_weight, linear_bias)
+    logits = logits.reshape(-1, logits.shape[-1]).to(acc_dtype)
+    loss = torch.nn.functional.cross_entropy(
+        logits, target.reshape(-1), weight=None if weight is None else weight.to(acc_dtype),
+        reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing)
+    return loss.to(input.dtype)
+
+
+def linear_cross_entropy_chunked_math(input, linear_weight, target, linear_bias, weight, reduction,
+                                      ignore_index, label_smoothing, batch_chunk_size, acc_policy,
+                                      acc_dtype, *compute_flags):
+    """``F.linear_cross_entropy``'s chunked op (loss plus gradients precomputed in the forward,
+    an opaque custom op) as ``cross_entropy(linear(...))``: autograd derives the gradients.
+    Unchunked, so the full logits are materialized. The precomputed-gradient outputs are None:
+    only the loss is ever read (``F.linear_cross_entropy`` takes element 0)."""
+    loss = _chunked_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction,
+                                  ignore_index, label_smoothing, acc_dtype)
+    return loss, None, None, None
+
+
+def linear_cross_entropy_chunked_none_math(input, linear_weight, target, linear_bias, weight,
+                                           ignore_index, batch_chunk_size, acc_policy, acc_dtype):
+    return _chunked_cross_entropy(input, linear_weight, target, linear_bias, weight, "none",
+                                  ignore_index, 0.0, acc_dtype)
+
+
 _DYNAMO_REWRITES = {
     torch._C._nn.scaled_dot_product_attention: sdpa_math,
     torch.nn.functional.scaled_dot_product_attention: sdpa_math,
+    torch.nn.functional.grid_sample: grid_sample_math,
+    torch.grid_sampler: grid_sampler_math,
+    torch.grid_sampler_2d: grid_sampler_2d_math,
+    torch.grid_sampler_3d: grid_sampler_3d_math,
 }
+try:  # defines the torch_nn custom ops (torch versions with F.linear_cross_entropy)
+    import torch.nn.modules.linear_cross_entropy  # noqa: F401
+except ImportError:
+    pass
+_TORCH_NN_OPS = getattr(torch.ops, "torch_nn", None)
+for _name, _math in (("_linear_cross_entropy_batch_chunked", linear_cross_entropy_chunked_math),
+                     ("_linear_cross_entropy_batch_chunked_no_reduction",
+                      linear_cross_entropy_chunked_none_math)):
+    try:  # registered by torch.nn.functional.linear_cross_entropy (recent torch only)
+        _DYNAMO_REWRITES[getattr(_TORCH_NN_OPS, _name).default] = _math
+    except (AttributeError, RuntimeError):
+        pass
 
 
 def lower_graph(gm: torch.fx.GraphModule) -> int:

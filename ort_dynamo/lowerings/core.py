@@ -54,7 +54,13 @@ def aten_bernoulli(self: TReal) -> TReal:
     return op.CastLike(op.Less(uniform, op.Cast(self, to=1)), self)
 
 
+def prims_view_of(self: TReal) -> TReal:
+    """prims.view_of(Tensor a): a view with the same values (squeeze of several dims emits it)."""
+    return op.Identity(self)
+
+
 LOWERINGS = {
+    torch.ops.prims.view_of.default: prims_view_of,
     aten.bernoulli.default: aten_bernoulli,
     aten.mv.default: aten_mv,
     aten.dot.default: aten_dot,

@@ -1,0 +1,275 @@
+"""Ops closed by decompositions (ort_dynamo/decompositions.py) or small lowerings
+(ort_dynamo/lowerings/core.py): each runs wholly on ORT and matches eager, forward and
+gradients, including the edge cases their decompositions take care of (NaN, ties, padding,
+empty bags, zero distances). Random ops (rrelu, uniform) draw from ORT's RNG: checked
+statistically."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ort_dynamo
+
+NAN, INF = float("nan"), float("inf")
+
+
+def run_on_ort(fn, *inputs):
+    """Outputs and input gradients of ``fn`` compiled on ORT; asserts nothing fell back."""
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="ort", dynamic=False)
+    result = _outputs_and_grads(compiled, inputs)
+    rep = ort_dynamo.report()
+    assert rep.fallback_nodes == 0, rep.fallbacks
+    assert rep.ort_nodes > 0
+    return result
+
+
+def _outputs_and_grads(fn, inputs):
+    leaves = [x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+              for x in inputs]
+    out = fn(*leaves)
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    wrt = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+    diff = [o for o in outs if o.requires_grad]
+    if not wrt or not diff:
+        return outs, ()
+    gen = torch.Generator().manual_seed(0)
+    loss = sum((o * torch.rand(o.shape, generator=gen)).nansum() for o in diff)
+    return outs, torch.autograd.grad(loss, wrt, allow_unused=True)
+
+
+def check(fn, *inputs, atol=1e-5):
+    outs, grads = run_on_ort(fn, *inputs)
+    expected_outs, expected_grads = _outputs_and_grads(fn, inputs)
+    for got, want in zip(outs, expected_outs):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=atol, equal_nan=True)
+    assert len(grads) == len(expected_grads)
+    for got, want in zip(grads, expected_grads):
+        if got is None or want is None:  # unused input: the other side must be all zeros
+            assert (want if got is None else got) is None or not (want if got is None else got).any()
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
+def test_sgn_squeeze_multiple_empty_permuted():
+    x = torch.tensor([[-2.0, 0.0, 3.0]]).reshape(1, 3, 1).requires_grad_()
+    check(lambda t: (torch.sgn(t) * t).squeeze((0, 2)), x)
+    outs, _ = run_on_ort(lambda t: (t + torch.empty_permuted((2, 3, 4), (2, 0, 1)).shape[1]), torch.ones(3))
+    assert torch.equal(outs[0], torch.full((3,), 4.0))
+
+
+@pytest.mark.parametrize("right", [False, True])
+def test_searchsorted_isin(right):
+    # NaNs sort last; values hit ties, infinities and NaN; results are where eager's loop ends.
+    boundaries = torch.tensor([-INF, 0.0, 1.0, 1.0, 2.0, INF, NAN])
+    values = torch.tensor([[-INF, -1.0, 0.0, 1.0], [1.5, 2.0, INF, NAN]])
+    check(lambda b, v: torch.searchsorted(b, v, right=right), boundaries, values)
+    rows = torch.tensor([[0.0, 1.0, 1.0, 3.0], [2.0, 2.0, 5.0, 7.0]])
+    check(lambda b, v: torch.searchsorted(b, v, side="right" if right else "left", out_int32=True),
+          rows, values[:, :3])
+    shuffled = torch.tensor([3.0, 1.0, 2.0, 1.0])
+    check(lambda b, s, v: torch.searchsorted(b, v, sorter=s, right=right), shuffled, shuffled.argsort(),
+          torch.tensor([0.5, 1.0, 2.5, 9.0]))
+    elements = torch.arange(60.0).reshape(6, 10) % 7
+    check(lambda e, t: torch.isin(e, t, invert=right), elements, torch.tensor([0.0, 3.0, 6.0]))
+
+
+def test_take_put():
+    x = torch.randn(3, 4, requires_grad=True)
+    index = torch.tensor([[0, -1], [5, 11]])
+    source = torch.randn(2, 2, requires_grad=True)
+    check(lambda t: torch.take(t, index) * 2, x)
+    check(lambda t, s: torch.put(t, index, s), x, source)
+    repeated = torch.tensor([1, 1, -11, 2])  # -11 is element 1 again: accumulates three times
+    check(lambda t, s: torch.put(t, repeated, s, accumulate=True), x, torch.randn(4, requires_grad=True))
+
+
+@pytest.mark.parametrize("reduce", ["amax", "amin", "mean", "prod"])
+def test_index_reduce(reduce):
+    x = torch.randn(5, 3, requires_grad=True)
+    source = torch.randn(4, 3, requires_grad=True)
+    index = torch.tensor([0, 4, 0, 2])
+    for include_self in (True, False):
+        check(lambda t, s: t.index_reduce(0, index, s, reduce, include_self=include_self), x, source)
+    scalar = torch.tensor(2.0, requires_grad=True)
+    check(lambda t, s: t.index_reduce(0, torch.tensor([0]), s, reduce), scalar, torch.tensor(-3.0))
+
+
+def test_bilinear():
+    layer_weight = torch.randn(4, 3, 5, requires_grad=True)
+    bias = torch.randn(4, requires_grad=True)
+    check(F.bilinear, torch.randn(2, 6, 3, requires_grad=True), torch.randn(2, 6, 5, requires_grad=True),
+          layer_weight, bias)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, INF])
+def test_cdist_pdist(p):
+    x1 = torch.randn(2, 4, 3)
+    x1[:, 1] = x1[:, 0]  # zero distances: torch's backward conventions apply
+    x2 = torch.cat([x1[:, :1], torch.randn(2, 2, 3)], 1)
+    x1.requires_grad_()
+    x2.requires_grad_()
+    check(lambda a, b: torch.cdist(a, b, p=p), x1, x2, atol=1e-4)
+    check(lambda a: F.pdist(a, p=p), x1[0].detach().requires_grad_(), atol=1e-4)
+    if p == 2.0:  # the matmul form eager picks for more than 25 rows
+        check(lambda a, b: torch.cdist(a, b), torch.randn(30, 3, requires_grad=True),
+              torch.randn(5, 3, requires_grad=True), atol=1e-4)
+
+
+def test_adaptive_max_pool():
+    # Uneven, overlapping windows; ties take the first maximum, NaN the last NaN (eager's CPU rule).
+    x = torch.randn(2, 3, 7, 5)
+    x[0, 0, 0, :2] = 5.0
+    x[1, 1, 2, 1] = NAN
+    x[1, 1, 3, 0] = NAN
+    x.requires_grad_()
+    check(lambda t: F.adaptive_max_pool2d(t, (3, 2), return_indices=True), x)
+    check(lambda t: F.adaptive_max_pool1d(t, 4, return_indices=True), x[0].detach().requires_grad_())
+    check(lambda t: F.adaptive_max_pool3d(t, (2, 3, 2), return_indices=True),
+          torch.randn(1, 2, 3, 7, 5, requires_grad=True))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag(mode):
+    weight = torch.randn(6, 4, requires_grad=True)
+    indices = torch.tensor([4, 1, 2, 0, 1, 4, 2, 2, 5])
+    offsets = torch.tensor([0, 3, 3, 5])  # bag 1 is empty
+    check(lambda w: F.embedding_bag(indices, w, offsets, mode=mode), weight)
+    check(lambda w: F.embedding_bag(indices, w, offsets, mode=mode, padding_idx=4), weight)
+    check(lambda w: F.embedding_bag(indices, w, torch.tensor([0, 3, 3, 9]), mode=mode,
+                                    include_last_offset=True), weight)
+    if mode != "max":  # its backward stays in PyTorch (eager's CPU kernel has its own counts)
+        ort_dynamo.reset()
+        torch._dynamo.reset()
+        fn = lambda w: F.embedding_bag(indices, w, offsets, mode=mode, scale_grad_by_freq=True)  # noqa: E731
+        outs, grads = _outputs_and_grads(torch.compile(fn, backend="ort", dynamic=False), (weight,))
+        assert [fb.op for fb in ort_dynamo.report().fallbacks] == ["aten._embedding_bag_backward.default"]
+        expected_outs, expected_grads = _outputs_and_grads(fn, (weight,))
+        torch.testing.assert_close(outs, expected_outs)
+        torch.testing.assert_close(grads, expected_grads)
+    if mode == "sum":
+        check(lambda w, s: F.embedding_bag(indices, w, offsets, mode="sum", per_sample_weights=s,
+                                             padding_idx=1),
+              weight, torch.randn(9, requires_grad=True))
+        check(lambda w: F.embedding_bag(indices.reshape(3, 3), w), weight)
+
+
+def test_masked_scatter():
+    x = torch.randn(3, 4, requires_grad=True)
+    mask = torch.tensor([True, False, True, True])  # broadcast over rows
+    source = torch.randn(4, 3, requires_grad=True)  # more elements than the mask selects
+    check(lambda t, s: t.masked_scatter(mask, s), x, source)
+
+
+def test_nanmedian():
+    x = torch.tensor([[3.0, NAN, 1.0, 2.0, 4.0], [NAN, NAN, NAN, NAN, 6.0], [1.0, INF, NAN, 5.0, INF]])
+    x.requires_grad_()
+    check(lambda t: torch.nanmedian(t, dim=1), x)
+    check(lambda t: torch.nanmedian(t, dim=0, keepdim=True), x)
+    check(torch.nanmedian, x)
+    check(torch.nanmedian, torch.tensor([NAN, NAN], requires_grad=True))
+    # median (not nan-): a row with NaN gives its first NaN.
+    check(lambda t: torch.median(t, dim=1), x)
+    # An all-NaN row: NaN, at an index eager leaves to std::nth_element (ours: the first).
+    outs, _ = run_on_ort(lambda t: torch.nanmedian(t, dim=1), torch.full((2, 5), NAN))
+    assert outs[0].isnan().all() and outs[1].tolist() == [0, 0]
+
+
+def test_mode():
+    # Ties between runs take the smallest value; the index is that value's last position.
+    x = torch.tensor([[3.0, 1.0, 3.0, 1.0, 2.0], [5.0, 5.0, -1.0, 4.0, 4.0], [7.0, 6.0, 6.0, 6.0, 7.0]])
+    check(lambda t: torch.mode(t, 1), x.requires_grad_())
+    check(lambda t: torch.mode(t, 0, keepdim=True), x)
+
+
+@pytest.mark.parametrize("mode,padding,align_corners", [("bilinear", "zeros", False),
+                                                        ("nearest", "border", True),
+                                                        ("bicubic", "reflection", False)])
+def test_grid_sample(mode, padding, align_corners):
+    # Rewritten before AOTAutograd into torch's reference math (2-D) or ours (3-D, in
+    # ort_dynamo/lower.py): the backward is derived by autograd.
+    x = torch.randn(2, 3, 5, 6, requires_grad=True)
+    grid = (torch.rand(2, 4, 3, 2) * 2.4 - 1.2).requires_grad_()  # some points outside
+    check(lambda t, g: F.grid_sample(t, g, mode, padding, align_corners), x, grid, atol=1e-4)
+    if mode != "bicubic":  # 3-D: trilinear or nearest
+        volume = torch.randn(2, 2, 3, 4, 5, requires_grad=True)
+        points = (torch.rand(2, 2, 3, 4, 3) * 2.4 - 1.2).requires_grad_()
+        padding_3d = "reflection" if mode == "nearest" else padding
+        check(lambda t, g: F.grid_sample(t, g, mode, padding_3d, not align_corners), volume, points,
+              atol=1e-4)
+
+
+def test_antialiased_bilinear_resize():
+    # Downsampling widens the filter; align_corners and explicit scales change the weights
+    # (torchlib's forward lowering ignores both: decomposed instead).
+    x = torch.randn(2, 3, 10, 13, requires_grad=True)
+    check(lambda t: F.interpolate(t, size=(4, 6), mode="bilinear", antialias=True), x)
+    check(lambda t: F.interpolate(t, scale_factor=(1.7, 0.45), mode="bilinear", antialias=True,
+                                  align_corners=True), x)
+    check(lambda t: torch.ops.aten._upsample_bilinear2d_aa(t, [3, 3], False, 1.7, 0.9), x)
+
+
+def test_histogram():
+    # Values on the right edge count in the last bin; outside values and NaN are dropped.
+    x = torch.tensor([0.0, 1.0, 2.0, NAN, 5.0, 3.0, -1.0])
+    check(lambda t: torch.histogram(t, torch.tensor([0.0, 1.0, 1.0, 3.0])), x)
+    check(lambda t, w: torch.histogram(t, 3, range=(0.0, 3.0), weight=w, density=True), x, torch.rand(7))
+    check(lambda t: torch.histogram(t, 4), torch.tensor([[2.0, 0.5], [2.0, 1.5]]))
+    check(lambda t: torch.histogram(t, 4), torch.full((3,), 1.0))  # one value: widened by 0.5
+
+
+@pytest.mark.parametrize("reduce", ["max", "min", "mean", "sum", "prod"])
+def test_segment_reduce(reduce):
+    # Ties share the gradient, a NaN wins max/min, a zero takes the exclusive product.
+    data = torch.tensor([[1.0, 2.0], [1.0, 0.0], [3.0, NAN], [-1.0, 4.0], [3.0, 4.0], [2.0, 0.5]])
+    data.requires_grad_()
+    lengths = torch.tensor([2, 0, 3, 1])
+    for initial in (None, 2.0):
+        check(lambda d: torch.segment_reduce(d, reduce, lengths=lengths, initial=initial), data)
+    check(lambda d: torch.segment_reduce(d, reduce, offsets=torch.tensor([0, 2, 2, 5, 6])), data)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_linear_cross_entropy_chunked(reduction):
+    options = pytest.importorskip("torch.nn.modules.linear_cross_entropy_options")
+    # allow_retain_graph=True: otherwise torch warns under compile (a Dynamo graph break)
+    chunked = options.LinearCrossEntropyOptions(batch_chunk_size=2, allow_retain_graph=True)
+    x = torch.randn(5, 3, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    target = torch.tensor([0, 3, 1, 1, 2])
+    check(lambda a, b: F.linear_cross_entropy(a, b, target, reduction=reduction, ignore_index=1,
+                                              options=chunked), x, w)
+
+
+def test_nonzero_static():
+    x = torch.tensor([[0.0, 1.0, 0.0], [2.0, 0.0, 3.0]])
+    for size in (2, 5):
+        check(lambda t: torch.nonzero_static(t, size=size, fill_value=-7), x)
+
+
+def test_rrelu_draws_slopes_in_range():
+    x = torch.cat([-torch.rand(20000) - 0.5, torch.rand(100)]).requires_grad_()
+    lower, upper = 0.1, 0.3
+    outs, grads = run_on_ort(lambda t: F.rrelu(t, lower, upper, training=True), x)
+    out, grad = outs[0].detach(), grads[0]
+    slope = out[:20000] / x[:20000].detach()
+    assert slope.min() >= lower and slope.max() <= upper
+    assert abs(slope.mean().item() - (lower + upper) / 2) < 0.005
+    assert slope.std().item() > 0.05  # drawn per element, not one slope
+    assert torch.equal(out[20000:], x[20000:].detach())
+    # d out / d x is the slope that was drawn (the noise tensor the forward saved).
+    weights = torch.rand(out.shape, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(grad[:20000], weights[:20000] * slope)
+    check(lambda t: F.rrelu(t, lower, upper, training=False), x)
+
+
+def test_uniform_range_and_mean():
+    outs, _ = run_on_ort(lambda t: torch.empty_like(t).uniform_(-2.0, 4.0) + t, torch.zeros(20000))
+    sample = outs[0]
+    assert sample.min() >= -2.0 and sample.max() <= 4.0
+    assert abs(sample.mean().item() - 1.0) < 0.05
+    assert abs(sample.var().item() - 3.0) < 0.15  # (4 - -2)^2 / 12
