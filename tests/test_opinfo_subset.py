@@ -40,6 +40,9 @@ MODEL_OPS = [
     # gaps the sweep found, closed in lower.py / lowerings.py / export.py
     "cumprod", "cummax", "median", "kthvalue", "prod", "amax", "max.reduction_with_dim",
     "nn.functional.avg_pool3d", "nn.functional.adaptive_avg_pool1d", "nn.functional.conv_transpose1d",
+    "nn.functional.embedding_bag", "nn.functional.adaptive_max_pool2d", "nn.functional.grid_sample",
+    "cdist", "searchsorted", "block_diag", "nn.functional.pixel_shuffle", "lgamma", "special.i0e",
+    "linalg.solve", "linalg.det",
 ]
 
 _OPS = None
