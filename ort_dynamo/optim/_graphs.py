@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["AdamWMode", "adam_step_model", "grad_stats_model", "unscale_clip_model", "OPSET"]
+__all__ = ["AdamWMode", "adam_step_model", "apex_unscale_model", "grad_stats_model", "unscale_clip_model", "OPSET"]
 
 OPSET = 18
 F32, F64, BOOL = TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.BOOL
@@ -274,3 +274,37 @@ def _check_aliasing(model: onnx.ModelProto) -> None:
         bad = [n.name or n.op_type for n in readers if id(n) not in ancestors]
         if bad:
             raise AssertionError(f"in-place output {out_name} could be written before {bad} read {inp.name}")
+
+
+def apex_unscale_model(new_numels: Sequence[int], stash_numels: Sequence[int]) -> bytes:
+    """apex amp O2's unscale of fp16 model grads into fp32 master grads, plus the overflow flag.
+
+    Inputs: ``a{i}`` (fp16 model grads whose master grad is new), ``b{j}`` (fp16 model grads whose
+    master grad ``s{j}`` (fp32) already holds an unscaled gradient) and ``inv_scale`` (0-d float32,
+    ``1 / loss_scale``). Outputs: ``o{i} = float(a{i}) * inv_scale`` (apex's ``multi_tensor_scale``),
+    ``s{j}_out = float(b{j}) * inv_scale + s{j}`` (its ``multi_tensor_axpby`` with b = 1, written
+    in place) and ``found_inf`` (bool: some element of the *model* grads is inf/NaN, which is
+    what apex's kernels and its Python fallback check; the outputs are written regardless).
+    """
+    b = _Builder()
+    F16 = TensorProto.FLOAT16
+    inputs = [_scalar("inv_scale", F32)]
+    outputs = [_scalar("found_inf", BOOL)]
+    sums = []
+    for prefix, numels in (("a", new_numels), ("b", stash_numels)):
+        for i, n in enumerate(numels):
+            inputs.append(_vec(f"{prefix}{i}", F16, n))
+            g = b.op("Cast", f"{prefix}{i}", to=F32)
+            # |sum| <= n * 65504: a float32 sum of fp16 values is non-finite iff an element is.
+            sums.append(b.op("ReduceSum", g, keepdims=0))
+            scaled = b.op("Mul", g, "inv_scale")
+            if prefix == "a":
+                outputs.append(_vec(f"o{i}", F32, n))
+                b.op("Identity", scaled, out=f"o{i}")
+            else:
+                inputs.append(_vec(f"s{i}", F32, n))
+                outputs.append(_vec(f"s{i}_out", F32, n))
+                b.op("Add", scaled, f"s{i}", out=f"s{i}_out")
+    total = sums[0] if len(sums) == 1 else b.op("Sum", *sums)
+    b.op("IsNaN", b.op("Mul", total, b.const(0.0, np.float32)), out="found_inf")
+    return b.model(inputs, outputs, "apex_unscale")

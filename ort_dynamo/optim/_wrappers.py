@@ -1,10 +1,13 @@
-"""``FP16_Optimizer`` on DeepSpeed's (and apex's) own fp16 optimizers: patch, don't wrap.
+"""``FP16_Optimizer`` on DeepSpeed's and apex's own fp16 optimizers: patch, don't wrap.
 
 As onnxruntime-training did, DeepSpeed stays in charge of loss scaling, clipping and the step;
 only its per-tensor overflow checks and gradient L2 norms are replaced by one ONNX Runtime
-graph over all gradients (``_graphs.grad_stats_model``). A method is replaced only when its
-source (as an AST, so comments and formatting do not matter) is one we audited and matched our
-replacement against; any other version keeps DeepSpeed's method and a warning says so.
+graph over all gradients (``_graphs.grad_stats_model``). For apex amp (O2, master weights) the
+unscale of fp16 model grads into fp32 master grads with its overflow check is one ORT graph
+(``_graphs.apex_unscale_model``); apex keeps its loss scaler and the step. A method is
+replaced only when its source (as an AST, so comments and formatting do not matter) is one we
+audited and matched our replacement against; any other version keeps the library's method and
+a warning says so.
 """
 
 from __future__ import annotations
@@ -19,15 +22,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ._graphs import grad_stats_model
+from ._graphs import apex_unscale_model, grad_stats_model
 from ._session import BoundSession, input_names, onnx_type
 
-__all__ = ["GradStats", "fingerprint", "patch_external_optimizer", "KNOWN_SOURCES"]
+__all__ = ["ApexUnscale", "GradStats", "fingerprint", "patch_external_optimizer", "KNOWN_SOURCES"]
 
 ZERO_1_2 = "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
 DS_FUSED = "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer"
 DS_UNFUSED = "deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer"
 CHECK_OVERFLOW = "deepspeed.runtime.utils.CheckOverflow"
+APEX_PROCESS = "apex.amp._process_optimizer"
+APEX_SCALER = "apex.amp.scaler"
 
 # method qualname -> {AST fingerprint: DeepSpeed versions it was read from}. Add a version only
 # after checking that the method's contract (arguments, return type and value) is unchanged.
@@ -36,6 +41,19 @@ KNOWN_SOURCES: dict[str, dict[str, str]] = {
     f"{ZERO_1_2}.has_overflow_partitioned_grads_serial": {"6e4825024ce1332f": "0.19.8"},
     f"{ZERO_1_2}.get_grad_norm_direct": {"a042bb54a24d06cf": "0.19.8"},
     f"{CHECK_OVERFLOW}.has_overflow_serial": {"e1fd6729543528ee": "0.19.8"},
+    # apex (NVIDIA/apex commits): the O2 method replaced, then the scaler code it stands in for.
+    # "scale_override" is the later LossScaler API (read from vendored copies of apex; the same
+    # maths when no override is passed, as post_backward_with_master_weights does).
+    f"{APEX_PROCESS}.post_backward_with_master_weights": {"9078ecb64bbb4973": "00dbe4b, f17401f"},
+    f"{APEX_SCALER}.LossScaler.unscale": {"e90b2dc0cd9fd0ea": "b82c6bd", "5de039e596c017ca": "scale_override"},
+    f"{APEX_SCALER}.LossScaler.unscale_with_stashed": {"b42fd18338aff248": "b82c6bd",
+                                                       "c54f15ec84fdeb64": "scale_override"},
+    f"{APEX_SCALER}.LossScaler.unscale_python": {"19815b867ea2da3a": "b82c6bd"},
+    f"{APEX_SCALER}.LossScaler.unscale_with_stashed_python": {"0d04b0ca03e9c691": "b82c6bd",
+                                                              "1208f88525bbccb1": "scale_override"},
+    f"{APEX_SCALER}.LossScaler.update_scale": {"adb37bcee105834e": "b82c6bd"},
+    f"{APEX_SCALER}.scale_check_overflow_python": {"bcc2b7909a4045d6": "b82c6bd"},
+    f"{APEX_SCALER}.axpby_check_overflow_python": {"e891649abf0c05c3": "b82c6bd", "1fc26e248594e0b3": "scale_override"},
 }
 
 
@@ -167,6 +185,61 @@ def _zero_get_grad_norm_direct(orig: Callable, stats: GradStats) -> Callable:
     return get_grad_norm_direct
 
 
+class ApexUnscale:
+    """apex O2's fp16 -> fp32 master-grad unscale and its overflow check: one ORT run per device."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[tuple, BoundSession] = {}
+        self._bufs: dict[torch.device, tuple[float, torch.Tensor, torch.Tensor]] = {}
+        self.ort_runs = 0
+        self.graphs_built = 0
+
+    @staticmethod
+    def supports(model_grads: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> bool:
+        # What apex's CUDA kernels take: dense contiguous fp16 model grads, fp32 masters alike.
+        pairs = list(zip(model_grads, masters))
+        return all(g.dtype == torch.float16 and m.dtype == torch.float32 and g.layout == m.layout == torch.strided
+                   and g.is_contiguous() and m.is_contiguous() and g.numel() == m.numel() and g.device == m.device
+                   and g.device == pairs[0][0].device for g, m in pairs)
+
+    def __call__(self, new_grads: Sequence[torch.Tensor], new_masters: Sequence[torch.Tensor],
+                 stash_grads: Sequence[torch.Tensor], stash_masters: Sequence[torch.Tensor],
+                 loss_scale: float) -> torch.Tensor | None:
+        """``new_masters[i] = float(new_grads[i]) / loss_scale`` and, in place,
+        ``stash_masters[j] += float(stash_grads[j]) / loss_scale``; returns the 0-d bool "some model
+        grad is inf/NaN" (None when all tensors are empty)."""
+        new = [(g, m) for g, m in zip(new_grads, new_masters) if g.numel()]
+        old = [(g, m) for g, m in zip(stash_grads, stash_masters) if g.numel()]
+        if not (new or old):
+            return None
+        device = (new or old)[0][0].device
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = (device, stream, tuple(g.numel() for g, _ in new), tuple(g.numel() for g, _ in old))
+        session = self._sessions.get(key)
+        if session is None:
+            model = apex_unscale_model([g.numel() for g, _ in new], [g.numel() for g, _ in old])
+            session = self._sessions[key] = BoundSession(model, device)
+            self.graphs_built += 1
+        # apex passes 1./scale (a Python float) to its kernels as a C float: the same rounding.
+        inv = 1.0 / loss_scale
+        bufs = self._bufs.get(device)
+        if bufs is None or bufs[0] != inv:
+            found = bufs[2] if bufs else torch.zeros((), dtype=torch.bool, device=device)
+            bufs = self._bufs[device] = (inv, torch.tensor(inv, dtype=torch.float32, device=device), found)
+        session.bind(("inv_scale",), (bufs[1],), output=False)
+        session.bind(("found_inf",), (bufs[2],), output=True)
+        if new:
+            session.bind(input_names("a", len(new)), [g for g, _ in new], output=False)
+            session.bind(input_names("o", len(new)), [m for _, m in new], output=True)
+        if old:
+            session.bind(input_names("b", len(old)), [g for g, _ in old], output=False)
+            session.bind(input_names("s", len(old)), [m for _, m in old], output=False)
+            session.bind(input_names("s", len(old), "_out"), [m for _, m in old], output=True)
+        session.run()
+        self.ort_runs += 1
+        return bufs[2].clone()  # the buffer is rewritten by the next run
+
+
 def _check_overflow_has_overflow_serial(orig: Callable, stats: GradStats) -> Callable:
     def has_overflow_serial(self, params):
         params = list(params)
@@ -175,6 +248,83 @@ def _check_overflow_has_overflow_serial(orig: Callable, stats: GradStats) -> Cal
             return orig(self, params)
         return bool(stats(grads)[1])
     return has_overflow_serial
+
+
+APEX_SCALER_METHODS = ("unscale", "unscale_with_stashed", "unscale_python", "unscale_with_stashed_python",
+                       "update_scale")
+APEX_SCALER_FUNCTIONS = ("scale_check_overflow_python", "axpby_check_overflow_python")
+_apex_scaler_checked: dict[type, list[str]] = {}
+
+
+def _apex_scaler_refusals(cls: type) -> list[str]:
+    """The methods (and the module functions they call) of a loss-scaler class whose source is
+    not one we audited; our replacement stands in for them, so all must be known."""
+    refused = _apex_scaler_checked.get(cls)
+    if refused is None:
+        refused = []
+        for m in APEX_SCALER_METHODS:
+            fn = getattr(cls, m, None)
+            fp = fingerprint(fn) if callable(fn) else None
+            if fp is None or fp not in KNOWN_SOURCES[f"{APEX_SCALER}.LossScaler.{m}"]:
+                refused.append(f"{cls.__name__}.{m} (fingerprint {fp})")
+        module_globals = getattr(getattr(cls, "unscale_python", None), "__globals__", {})
+        for f in APEX_SCALER_FUNCTIONS:
+            fn = module_globals.get(f)
+            fp = fingerprint(fn) if callable(fn) else None
+            if fp is None or fp not in KNOWN_SOURCES[f"{APEX_SCALER}.{f}"]:
+                refused.append(f"{f} (fingerprint {fp})")
+        _apex_scaler_checked[cls] = refused
+        if refused:
+            warnings.warn(f"FP16_Optimizer: apex's loss scaler {_qualname(cls)} has methods whose source differs "
+                          f"from the versions ort_dynamo checked, so apex's own _post_amp_backward runs: {refused}",
+                          UserWarning, stacklevel=4)
+    return refused
+
+
+def _apex_post_backward_with_master_weights(orig: Callable, unscale: ApexUnscale) -> Callable:
+    models_are_masters = orig.__globals__["post_backward_models_are_masters"]
+
+    def post_backward_with_master_weights(self, scaler):
+        # apex's unscale() returns at once when the scaler already saw an overflow (Python
+        # fallback, a second optimizer): leave that, and unknown scalers, to apex.
+        if scaler._has_overflow or _apex_scaler_refusals(type(scaler)):
+            return orig(self, scaler)
+        stash = self._amp_stash
+        self._amp_lazy_init()
+        new, old = [], []  # the same split as apex: master grad to create / to accumulate into
+        for fp16_param, fp32_param in zip(stash.all_fp16_params, stash.all_fp32_from_fp16_params):
+            if fp16_param.grad is not None:
+                (new if fp32_param.grad is None else old).append((fp16_param.grad, fp32_param))
+        if not ApexUnscale.supports([g for g, _ in new + old], [p for _, p in new] + [p.grad for _, p in old]):
+            return orig(self, scaler)
+        for _, fp32_param in new:
+            fp32_param.grad = torch.empty_like(fp32_param)
+        found = unscale([g for g, _ in new], [p.grad for _, p in new], [g for g, _ in old],
+                        [p.grad for _, p in old], scaler._loss_scale)
+        if found is not None:
+            if type(scaler).has_fused_kernel:
+                # apex's kernels set _overflow_buf (read by update_scale) whatever `dynamic` is.
+                scaler._overflow_buf.masked_fill_(found.to(scaler._overflow_buf.device), 1)
+            elif scaler.dynamic:
+                # The Python fallback checks only when dynamic, and a later unscale() then returns.
+                scaler._has_overflow = bool(found)
+        # fp32 params are treated as in the no-master-weights case, by apex itself.
+        models_are_masters(scaler, stash.all_fp32_from_fp32_params, stash.all_fp32_from_fp32_grad_stash)
+    return post_backward_with_master_weights
+
+
+def _patch_apex(optimizer: Any, unscale: ApexUnscale, patched: list[str], refused: list[str]) -> None:
+    post = getattr(optimizer, "_post_amp_backward", None)
+    fn = getattr(post, "__func__", None)
+    name = f"{APEX_PROCESS}.post_backward_with_master_weights"
+    fp = fingerprint(fn) if getattr(post, "__self__", None) is optimizer else None
+    if fp is None or fp not in KNOWN_SOURCES[name]:
+        # O0/O1 (no master weights), FusedSGD or another apex revision.
+        refused.append(f"_post_amp_backward = {getattr(fn, '__qualname__', post)} (fingerprint {fp}; only "
+                       "apex O2's post_backward_with_master_weights is patched)")
+        return
+    optimizer._post_amp_backward = types.MethodType(_apex_post_backward_with_master_weights(fn, unscale), optimizer)
+    patched.append(name)
 
 
 # -- patching --------------------------------------------------------------------------------
@@ -224,10 +374,10 @@ def patch_external_optimizer(optimizer: Any, options: Sequence[str] = ()) -> Any
         return optimizer
     patched: list[str] = []
     refused: list[str] = []
-    stats = GradStats()
+    stats: GradStats | ApexUnscale = GradStats()
     if is_apex:
-        warnings.warn("FP16_Optimizer: apex amp optimizers are returned unchanged (ort_dynamo does not "
-                      "patch apex; its own kernels keep running)", UserWarning, stacklevel=3)
+        stats = ApexUnscale()
+        _patch_apex(optimizer, stats, patched, refused)
     elif ZERO_1_2 in names:
         for method, make in (("has_overflow_serial", _zero_has_overflow_serial),
                              ("has_overflow_partitioned_grads_serial", _zero_has_overflow_partitioned_grads_serial),
@@ -244,7 +394,8 @@ def patch_external_optimizer(optimizer: Any, options: Sequence[str] = ()) -> Any
         warnings.warn(f"FP16_Optimizer: {names[0]} is returned unchanged (ort_dynamo patches "
                       f"{ZERO_1_2}, {DS_FUSED} and {DS_UNFUSED})", UserWarning, stacklevel=3)
     if refused:
-        warnings.warn(f"FP16_Optimizer: DeepSpeed {_deepspeed_version()} has methods whose source differs "
+        library = "apex" if is_apex else f"DeepSpeed {_deepspeed_version()}"
+        warnings.warn(f"FP16_Optimizer: {library} has methods whose source differs "
                       f"from the versions ort_dynamo checked, so they are left as they are: {refused}",
                       UserWarning, stacklevel=3)
     optimizer._ort_dynamo_patched = tuple(patched)

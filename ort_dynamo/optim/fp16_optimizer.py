@@ -31,7 +31,9 @@ class FP16_Optimizer:  # noqa: N801 (the name users know from onnxruntime-traini
     ``FP16_Optimizer``, ``FP16_UnfusedOptimizer``: what ``deepspeed.initialize`` returns), it
     returns that same optimizer with its overflow checks and gradient norms replaced by one ORT
     graph each, as onnxruntime-training's ``FP16_Optimizer`` did; DeepSpeed keeps loss scaling,
-    clipping and the step. See docs/optimizers.md for the versions checked.
+    clipping and the step. Given an apex amp O2 optimizer, its ``_post_amp_backward`` (unscale
+    of fp16 grads into fp32 master grads, with the overflow check) becomes one ORT graph; apex
+    keeps the rest. See docs/optimizers.md for the versions checked.
 
     Args:
         optimizer: the optimizer to wrap (its ``param_groups`` hold the model's parameters).
