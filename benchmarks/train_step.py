@@ -117,7 +117,8 @@ def bench_model(name, args) -> dict:
 
 def peak_memory_mb(name, backend, args) -> float:
     """Peak memory of a few training steps in a fresh child process (CUDA: allocator peak;
-    CPU: peak RSS minus the RSS before the first step, so imports and weights cancel out)."""
+    CPU: peak RSS of steps 2-4 minus the RSS before the first step, so imports and weights
+    cancel out but memory held since the first step, such as allocator arenas, counts)."""
     out = subprocess.run([sys.executable, __file__, "--child-memory", name, backend, "--device", args.device],
                          capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
@@ -136,8 +137,10 @@ def _child_memory(name, backend, args) -> None:
             train_step(fn, opt, batch, "cuda", True)
         print(torch.cuda.max_memory_allocated() / 2**20)
         return
-    train_step(fn, opt, batch, "cpu", False)  # compile first: its memory is not the step's
+    # Base before the first step, so memory an allocator keeps from then on (ORT's arenas,
+    # AdamW state) counts; the peak is reset after it, so compile-time transients do not.
     base = _rss_mb()
+    train_step(fn, opt, batch, "cpu", False)
     _reset_peak_rss()
     for _ in range(3):
         train_step(fn, opt, batch, "cpu", False)

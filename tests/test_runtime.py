@@ -241,3 +241,17 @@ def test_bool_input_next_to_an_empty_tensor_runs_on_ort():
     compiled = torch.compile(fn, backend="ort", options={"fallback_policy": "DISABLE"})
     torch.testing.assert_close(compiled(mask, x, empty), fn(mask, x, empty))
     assert ort_dynamo.report().fallback_nodes == 0, ort_dynamo.report()
+
+
+def test_cpu_sessions_share_one_arena():
+    """Forward and backward sessions peak at different times: one shared CPU arena holds the
+    larger peak instead of each session keeping its own."""
+    from ort_dynamo.run import session_options
+
+    so = session_options(ort_dynamo.OrtOptions())
+    assert so.get_session_config_entry("session.use_env_allocators") == "1"
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    compiled = torch.compile(model, backend="ort")
+    x = torch.randn(4, 8)
+    compiled(x).sum().backward()
+    assert ort_dynamo.report().sessions == 2 and ort_dynamo.report().fallback_nodes == 0
