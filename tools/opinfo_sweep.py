@@ -92,6 +92,10 @@ Approximations accurate to float32 only (the gamma family, Chebyshev polynomials
   (`item`, `allclose`, `equal`, and torch functions that test values, e.g. `cov`,
   `gaussian_nll_loss`) graph-break in Dynamo.
 
+Known and not fixed: ORT 1.31's CPU `Where` returns +0.0 where its true branch holds -0.0 (the
+false branch keeps it), so `torch.where`/`masked_fill` selecting a negative zero can lose its
+sign; `copysign` avoids `Where` for this reason.
+
 The one mismatch, `matrix_exp` sample 1, is float32 rounding on an ill-conditioned element:
 against a float64 reference, eager is off by 2.4e-3 relative there and ORT by 1.1e-3 (same
 algorithm as eager's, different rounding).
