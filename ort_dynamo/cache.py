@@ -25,7 +25,7 @@ from .options import OrtOptions
 __all__ = ["cache_key", "load", "store", "load_json", "store_json", "versions_key"]
 
 log = logging.getLogger("ort_dynamo")
-_FORMAT = 2  # 2: rewrites to fused kernels, view slots
+_FORMAT = 3  # 2: rewrites to fused kernels, view slots; 3: permuted inputs
 
 
 @functools.lru_cache(None)
@@ -56,7 +56,7 @@ def _own_source_digest() -> str:
 
 def _describe(val) -> str:
     if isinstance(val, torch.Tensor):
-        return f"T({val.dtype},{tuple(str(d) for d in val.shape)},{val.device.type})"
+        return f"T({val.dtype},{tuple(str(d) for d in val.shape)},{tuple(str(d) for d in val.stride())},{val.device.type})"
     return f"S({type(val).__name__})"
 
 
@@ -91,6 +91,7 @@ def load(cache_dir: str, key: str) -> tuple[ExportedGraph, bytes] | None:
             input_kinds=meta["input_kinds"],
             returns_tuple=meta["returns_tuple"],
             device=meta["device"],
+            input_permutations=meta["input_permutations"],
         )
         return exported, model_bytes
     except FileNotFoundError:
@@ -116,6 +117,7 @@ def store(cache_dir: str, key: str, exported: ExportedGraph, model_bytes: bytes)
         "input_kinds": exported.input_kinds,
         "returns_tuple": exported.returns_tuple,
         "device": exported.device,
+        "input_permutations": exported.input_permutations,
     }
     for path, data, mode in ((model_path, model_bytes, "wb"), (meta_path, json.dumps(meta), "w")):
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))

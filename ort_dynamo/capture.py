@@ -11,7 +11,6 @@ from typing import Any, Mapping
 
 import torch
 import torch.fx
-from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
 from . import cache as cache_stage
@@ -82,7 +81,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptio
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     graph_report.outputs = len(output_node.args[0]) if isinstance(output_node.args[0], (tuple, list)) else 1
     with graph_report.stage("partition"):
-        parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report, known)
+        segments = options.backward_segments if kind == "backward" else 1
+        parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report, known, segments)
     if graph_key and known is None:
         cache_stage.store_json(options.cache_dir, graph_key, "verdicts", parts.verdicts)
     split = parts.module
@@ -91,11 +91,33 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptio
         runner = _compile_partition(sub, name, options, graph_report)
         if runner is not None:
             setattr(split, name, _RunnerModule(runner))
+    split.graph.set_codegen(_ArgumentListCodeGen())
     split.recompile()
     log.info("compiled %s graph: %d node(s) on ORT, %d in PyTorch, %d partition(s)",
              graph_report.name, graph_report.ort_nodes, graph_report.torch_nodes,
              len(parts.ort_submodules))
-    return watch(make_boxed_func(split))
+    return watch(_boxed(split))
+
+
+class _ArgumentListCodeGen(torch.fx.graph.CodeGen):
+    """The split graph takes AOTAutograd's argument list and empties it. FX code drops each
+    local after its last use, so an input (a saved activation, in backward) is freed after
+    the last partition that reads it, not when the whole graph returns."""
+
+    def gen_fn_def(self, free_vars, maybe_return_annotation, **kwargs):
+        names = [v.split(":")[0].split("=")[0].strip() for v in free_vars if v != "self"]
+        head = f"def {getattr(self, '_func_name', 'forward')}(self, args_list){maybe_return_annotation}:"
+        if names:
+            head += f"\n    {', '.join(names)}, = args_list\n    args_list.clear()"
+        return head
+
+
+def _boxed(split: torch.fx.GraphModule):
+    def run(args: list):
+        return split(args)
+
+    run._boxed_call = True
+    return run
 
 
 class _RunnerModule(torch.nn.Module):

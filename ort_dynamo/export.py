@@ -106,6 +106,9 @@ class ExportedGraph:
     returns_tuple: bool
     #: "cpu" or "cuda": where the graph's tensors live (decides device-specific rewrites).
     device: str = "cpu"
+    #: Per input: None, or the dims that make it contiguous: ORT takes ``t.permute(dims)``
+    #: without a copy and transposes it back inside the graph (see ``_take_permuted_inputs``).
+    input_permutations: list = dataclasses.field(default_factory=list)
 
     def to_bytes(self) -> bytes:
         return ir.serde.serialize_model(self.model).SerializeToString()
@@ -371,6 +374,7 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
     for node in placeholders:
         if "val" not in node.meta:
             raise ValueError(f"input {node.name!r} has no shape/dtype metadata")
+    permutations = _take_permuted_inputs(gm, placeholders)
     values = _core._translate_fx_graph(gm.graph, model, graph_like=model.graph, owned_graphs={},
                                        lower="at_conversion", registry=registry)
 
@@ -415,7 +419,41 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
         input_kinds=input_kinds,
         returns_tuple=returns_tuple,
         device="cuda" if "cuda" in devices else "cpu",
+        input_permutations=permutations,
     )
+
+
+def _contiguous_order(val) -> list[int] | None:
+    """The dims of a transposed/permuted view that make it contiguous (None if it already is,
+    or if it is not a dense permutation, e.g. expanded or sliced)."""
+    if not isinstance(val, torch.Tensor) or val.is_contiguous() or val.numel() < 2:
+        return None
+    if not all(isinstance(d, int) for d in (*val.shape, *val.stride())):
+        return None
+    order = sorted(range(val.dim()), key=lambda d: (-val.stride(d), d))
+    permuted = val.permute(order)
+    return order if permuted.is_contiguous() else None
+
+
+def _take_permuted_inputs(gm: torch.fx.GraphModule, placeholders) -> list:
+    """Saved activations arrive as views (``weight.t()``, transposed attention heads). Instead
+    of copying each into a contiguous tensor per call, ORT takes the underlying contiguous
+    layout and the graph permutes it back; ORT folds such a Transpose into its MatMul/Gemm."""
+    permutations = []
+    for node in placeholders:
+        val = node.meta["val"]
+        order = _contiguous_order(val)
+        permutations.append(order)
+        if order is None:
+            continue
+        inverse = [order.index(d) for d in range(len(order))]
+        node.meta["val"] = val.permute(order)
+        with gm.graph.inserting_after(node):
+            restored = gm.graph.call_function(_aten.permute.default, (node, inverse))
+        restored.meta["val"] = val
+        node.replace_all_uses_with(restored, delete_user_cb=lambda user, r=restored: user is not r)
+    gm.recompile()
+    return permutations
 
 
 def save_debug_files(exported: ExportedGraph, gm, model_bytes: bytes, options, stem: str) -> str:

@@ -124,6 +124,10 @@ class OrtOptions:
     memory_opt_level: int = _field(
         0, "0: keep activations; 1: recompute cheap ops in backward (min-cut rematerialization).",
         "ORTMODULE_MEMORY_OPT_LEVEL")
+    backward_segments: int = _field(
+        8, "Split each backward partition into up to this many ORT runs, so each saved activation "
+        "is freed once its last user has run (as eager's autograd frees it) instead of when the "
+        "whole backward ends; 1 = one run.", "")
     cache_dir: str = _field("", "Folder of an on-disk cache of exported models; empty = off.",
                             "ORTMODULE_CACHE_DIR")
 
@@ -137,6 +141,8 @@ class OrtOptions:
                 f"got {self.graph_optimization_level!r}")
         if self.intra_op_num_threads < 0:
             raise OptionsError(f"intra_op_num_threads must be >= 0, got {self.intra_op_num_threads}")
+        if self.backward_segments < 1:
+            raise OptionsError(f"backward_segments must be >= 1, got {self.backward_segments}")
         if self.memory_opt_level not in (0, 1):
             raise OptionsError(f"memory_opt_level must be 0 or 1, got {self.memory_opt_level}")
         known = {"CPUExecutionProvider", "CUDAExecutionProvider"}

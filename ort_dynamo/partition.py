@@ -10,7 +10,7 @@ import warnings
 
 import torch
 import torch.fx
-from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from .errors import UnsupportedOpError
@@ -65,14 +65,61 @@ def _is_linalg_error_check(node: torch.fx.Node) -> bool:
             and len(node.args) > 1 and node.args[1] is torch.ops.aten._linalg_check_errors.default)
 
 
+_aten = torch.ops.aten
+#: Ops whose result shares its input's memory.
+_VIEW_OPS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.t.default,
+             _aten.permute.default, _aten.transpose.int, _aten.expand.default, _aten.alias.default,
+             _aten.detach.default, _aten.unsqueeze.default, _aten.squeeze.default, _aten.squeeze.dim,
+             _aten.squeeze.dims, _aten.slice.Tensor, _aten.select.int, _aten.as_strided.default,
+             _aten.diagonal.default}
+
+
+def _views_of_outputs(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The chains of view ops that make graph outputs, as nodes of their own. ORT would return
+    each as a copy; PyTorch takes them as free views of the tensor ORT returns anyway, as
+    eager does. Saved activations are often such views (a transposed weight is a view of the
+    parameter), so this keeps their memory at eager's. A chain that also feeds other nodes is
+    duplicated for the output: ORT computes the original for its own users."""
+    graph = gm.graph
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    views: set[torch.fx.Node] = set()
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def output_view(node: torch.fx.Node) -> torch.fx.Node:
+        if node in copies:
+            return copies[node]
+        source = node.args[0]
+        if isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target in _VIEW_OPS:
+            source = output_view(source)
+        with graph.inserting_before(output):
+            copy = graph.node_copy(node, lambda n: source if n is node.args[0] else n)
+        copies[node] = copy
+        views.add(copy)
+        return copy
+
+    def replace(arg):
+        if isinstance(arg, torch.fx.Node) and arg.op == "call_function" and arg.target in _VIEW_OPS:
+            return output_view(arg)
+        return arg
+
+    output.args = (torch.fx.node.map_aggregate(output.args[0], replace),)
+    for node in reversed(list(copies)):  # originals that only made outputs are dead now
+        if not node.users:
+            graph.erase_node(node)
+    gm.recompile()
+    return views
+
+
 class _OnnxSupport(OperatorSupportBase):
-    def __init__(self, registry: Callable, known: dict[str, str] | None) -> None:
+    def __init__(self, registry: Callable, known: dict[str, str] | None,
+                 host_views: set[torch.fx.Node] = frozenset()) -> None:
         from torch.onnx._internal.exporter import _dispatching
 
         self._dispatch = _dispatching.dispatch
         self._registry = registry  # called only when a node needs torchlib's verdict
         self._known = known or {}  # verdicts of an identical graph, from the on-disk cache
         self.verdicts: dict[torch.fx.Node, str] = {}  # node -> "" if supported, else the reason
+        self.host_views = host_views  # taken in PyTorch by design, not fallbacks
 
     def reason(self, node: torch.fx.Node) -> str:
         if node in self.verdicts:
@@ -103,7 +150,7 @@ class _OnnxSupport(OperatorSupportBase):
         return verdict
 
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
-        return node.op == "call_function" and self.reason(node) == ""
+        return node.op == "call_function" and node not in self.host_views and self.reason(node) == ""
 
 
 def _tensor_args(node: torch.fx.Node):
@@ -124,18 +171,21 @@ def _short(message: str) -> str:
 
 
 def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPolicy,
-              graph_report: GraphReport, known: dict[str, str] | None = None) -> Partitioned:
+              graph_report: GraphReport, known: dict[str, str] | None = None,
+              segments: int = 1) -> Partitioned:
     """Split ``gm`` into ORT-bound submodules (``fused_N``) and PyTorch nodes.
 
     ``registry`` is called (once) only if a node needs torchlib's verdict: ``known`` verdicts
     of an identical graph, from the on-disk cache, spare building it.
     Records each node left in PyTorch, with its reason and source line, in ``graph_report``.
     Raises ``UnsupportedOpError`` if that is not allowed by ``policy``.
+    Each ORT partition is cut into up to ``segments`` consecutive runs (see ``_in_segments``).
     """
-    support = _OnnxSupport(registry, known)
+    host_views = _views_of_outputs(gm)
+    support = _OnnxSupport(registry, known, host_views)
     unsupported = []
     for node in gm.graph.nodes:
-        if not is_compute(node):
+        if not is_compute(node) or node in host_views:
             continue
         reason = support.reason(node)
         if reason:
@@ -160,7 +210,10 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     graph_report.torch_nodes += len(unsupported)
 
     partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
-    fused = partitioner.fuse_partitions(partitioner.propose_partitions())
+    proposed = partitioner.propose_partitions()
+    if segments > 1:
+        proposed = _in_segments(proposed, segments, gm)
+    fused = partitioner.fuse_partitions(proposed)
     names = []
     for node in fused.graph.nodes:
         if node.op == "call_module" and node.target.startswith("fused_"):
@@ -169,6 +222,34 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     graph_report.partitions += len(names)
     verdicts = {node.name: reason for node, reason in support.verdicts.items() if is_compute(node)}
     return Partitioned(fused, names, verdicts)
+
+
+#: Below this many nodes a segment's ORT run costs more than the memory it frees.
+_MIN_SEGMENT_NODES = 32
+
+
+def _in_segments(partitions: list[Partition], segments: int, gm: torch.fx.GraphModule) -> list[Partition]:
+    """Cut each partition into up to ``segments`` runs of consecutive nodes (graph order).
+
+    A graph's inputs are freed only after the run that reads them last. In one backward run
+    every saved activation lives until the end; in segments, those of the last layers are
+    gone before the first layers' gradients are computed, as in eager. Pieces that are
+    intervals of one topological order cannot depend on each other in a cycle."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    pieces = []
+    for part in partitions:
+        nodes = sorted(part.nodes, key=order.__getitem__)
+        heads = [n for n in nodes if n.target is not operator.getitem]
+        size = max(_MIN_SEGMENT_NODES, -(-len(heads) // segments))
+        piece_of = {node: i // size for i, node in enumerate(heads)}
+        for node in nodes:  # a tuple's items go with the node that made it
+            if node.target is operator.getitem:
+                piece_of[node] = piece_of.get(node.args[0], 0)
+        for k in range(max(piece_of.values(), default=-1) + 1):
+            members = [n for n in nodes if piece_of[n] == k]
+            if members:
+                pieces.append(Partition(id=len(pieces), nodes=members))
+    return pieces
 
 
 def _copy_placeholder_meta(sub: torch.fx.GraphModule, call: torch.fx.Node) -> None:

@@ -1,0 +1,112 @@
+"""Training memory: saved activations are freed as the backward goes (backward_segments) and
+views that make graph outputs are PyTorch views, not ORT copies."""
+
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ort_dynamo
+from ort_dynamo import run as run_stage
+from parity import assert_all_on_ort
+
+
+def _deep_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.LayerNorm(32)) for _ in range(8)])
+
+
+def _live_saved_tensors_per_backward_run(monkeypatch, segments):
+    """How many of the forward's saved tensors are still alive as each backward ORT run starts."""
+    ort_dynamo.reset()
+    model = _deep_model()
+    compiled = torch.compile(model, backend="ort", options={"backward_segments": segments})
+    x = torch.randn(16, 32, requires_grad=True)
+    compiled(x).sum().backward()  # compile both graphs first
+    saved, alive_at_run = [], []
+    original = run_stage.OrtRunner._run
+
+    def spy(runner, args):
+        if runner.report.kind == "backward":
+            alive_at_run.append(sum(ref() is not None for ref in saved))
+        return original(runner, args)
+
+    monkeypatch.setattr(run_stage.OrtRunner, "_run", spy)
+
+    def pack(tensor):
+        saved.append(weakref.ref(tensor))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = compiled(x).sum()
+    loss.backward()
+    assert_all_on_ort()
+    return alive_at_run, len(saved)
+
+
+def test_segmented_backward_frees_saved_activations_before_it_ends(monkeypatch):
+    whole, n_saved = _live_saved_tensors_per_backward_run(monkeypatch, 1)
+    assert len(whole) == 1 and whole[0] == n_saved  # one run: all saved tensors live to the end
+
+    segmented, _ = _live_saved_tensors_per_backward_run(monkeypatch, 4)
+    assert len(segmented) >= 3, segmented
+    assert segmented == sorted(segmented, reverse=True) and segmented[-1] < n_saved // 2, (segmented, n_saved)
+
+
+def test_segmented_backward_gives_the_same_gradients():
+    grads = {}
+    for segments in (1, 4):
+        ort_dynamo.reset()
+        model = _deep_model()
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        torch.compile(model, backend="ort", options={"backward_segments": segments})(x).square().sum().backward()
+        backward = next(g for g in ort_dynamo.report().graphs if g.kind == "backward")
+        assert backward.partitions == (1 if segments == 1 else 4), backward.partitions
+        grads[segments] = [x.grad, *(p.grad for p in model.parameters())]
+    expected_model = _deep_model()
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    expected_model(x).square().sum().backward()
+    expected = [x.grad, *(p.grad for p in expected_model.parameters())]
+    for got1, got4, want in zip(grads[1], grads[4], expected):
+        torch.testing.assert_close(got4, got1, rtol=0, atol=0)  # same kernels, cut in pieces
+        torch.testing.assert_close(got4, want, rtol=1e-3, atol=1e-4)
+
+
+def test_backward_segments_must_be_positive():
+    with pytest.raises(ort_dynamo.OptionsError, match="backward_segments must be >= 1"):
+        ort_dynamo.OrtOptions(backward_segments=0)
+
+
+def test_output_views_alias_as_in_eager():
+    def f(a, b):
+        y = (a @ b).relu()
+        return y, y.view(-1), y.t(), b.t()
+
+    a, b = torch.randn(4, 6), torch.randn(6, 5)
+    got = torch.compile(f, backend="ort")(a, b)
+    for g, want in zip(got, f(a, b)):
+        torch.testing.assert_close(g, want)
+    y, flat, transposed, b_t = got
+    assert flat.data_ptr() == y.data_ptr() and transposed.data_ptr() == y.data_ptr()
+    assert b_t.data_ptr() == b.data_ptr()  # a view of the input, as eager's
+    assert ort_dynamo.report().fallback_nodes == 0
+
+
+def test_saved_transposed_weight_is_the_parameter_not_a_copy():
+    ort_dynamo.reset()
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    compiled = torch.compile(model, backend="ort")
+    x = torch.randn(8, 16)
+    compiled(x).sum().backward()
+    storages = []
+
+    def pack(tensor):
+        storages.append(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = compiled(x).sum()
+    loss.backward()
+    assert model[2].weight.untyped_storage().data_ptr() in storages
+    assert_all_on_ort()
