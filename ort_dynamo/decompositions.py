@@ -300,6 +300,20 @@ def _antialias_matrix(in_size: int, out_size: int, align_corners: bool, scale_ar
     return torch.where(total != 0, weight / total, weight)
 
 
+def _unit_slice(sizes, dim, start, end, step):
+    """(dim, start, end) of a step-1 slice with static bounds, clamped as Python slices are;
+    None otherwise."""
+    dim = dim % len(sizes)
+    size = sizes[dim]
+    if step != 1 or not all(isinstance(v, int) for v in (size, start or 0, end if end is not None else 0)):
+        return None
+    start = 0 if start is None else start
+    end = size if end is None else end
+    start = min(max(start + size if start < 0 else start, 0), size)
+    end = min(max(end + size if end < 0 else end, start), size)
+    return dim, start, end
+
+
 @functools.lru_cache(None)
 def own_decompositions() -> dict:
     table = {}
@@ -368,6 +382,30 @@ def own_decompositions() -> dict:
     @register(aten._adaptive_avg_pool3d.default)
     def adaptive_avg_pool3d(x, output_size):
         return _adaptive_avg_pool(x, output_size)
+
+    # Slicing's backward (RoPE's rotate_half, chunked projections): torchlib writes a slice
+    # into a tensor as Transpose + ScatterND + Transpose, three full copies. A contiguous
+    # slice (step 1) is a Pad of zeros, or a Concat around the slice.
+    @register(aten.slice_backward.default)
+    def slice_backward(grad, input_sizes, dim, start, end, step):
+        span = _unit_slice(input_sizes, dim, start, end, step)
+        if span is None:  # torch's: zeros + slice_scatter
+            return _torch_decompositions[aten.slice_backward.default](grad, input_sizes, dim, start, end, step)
+        dim, start, end = span
+        pads = [0, 0] * (grad.dim() - 1 - dim) + [start, input_sizes[dim] - end]
+        return aten.constant_pad_nd(grad, pads, 0.0)
+
+    @register(aten.slice_scatter.default)
+    def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+        span = _unit_slice(x.shape, dim, start, end, step)
+        if span is None:
+            return NotImplemented
+        dim, start, end = span
+        pieces = [x.narrow(dim, 0, start)] if start > 0 else []
+        pieces.append(src.to(x.dtype))
+        if end < x.shape[dim]:
+            pieces.append(x.narrow(dim, end, x.shape[dim] - end))
+        return aten.cat(pieces, dim) if len(pieces) > 1 else pieces[0].clone()
 
     # Reductions of a 0-d tensor: torchlib's lowerings emit Reduce*/ArgMax with an axis,
     # which ONNX rejects on rank 0. Reducing a scalar over its only "dim" is the identity.

@@ -273,3 +273,29 @@ def test_uniform_range_and_mean():
     assert sample.min() >= -2.0 and sample.max() <= 4.0
     assert abs(sample.mean().item() - 1.0) < 0.05
     assert abs(sample.var().item() - 3.0) < 0.15  # (4 - -2)^2 / 12
+
+
+def test_slice_backward_and_slice_scatter_without_scatter_nd(tmp_path):
+    """Slicing's backward is a Pad and slice_scatter a Concat (torchlib: Transpose, ScatterND,
+    Transpose); negative and out-of-range bounds clamp as Python slices do; steps other than 1
+    keep torchlib's lowering."""
+    import glob
+
+    import onnx
+
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    check(lambda t: torch.cat((-t[..., 4:], t[..., :4]), dim=-1) * 2, x)  # RoPE's rotate_half
+    check(lambda t: t[:, -2:, 1:100].exp() + t[:, :1, :-3].sum(), x)
+    check(lambda t: t[..., ::3].square(), x)
+    src = torch.randn(2, 3, 3)
+    check(lambda t, s: torch.slice_scatter(t, s, dim=2, start=2, end=5), x, src)
+    check(lambda t, s: torch.slice_scatter(t, s, dim=-1, start=-3), x, src)
+    check(lambda t, s: torch.slice_scatter(t, s[:, :2], dim=1, end=2), x, src[:, :, :1].expand(2, 3, 8))
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: torch.cat((-t[..., 4:], t[..., :4]), dim=-1), backend="ort",
+                             options={"save_onnx": True, "save_path": str(tmp_path)})
+    compiled(x).sum().backward()
+    backward = onnx.load(glob.glob(str(tmp_path / "*backward*.onnx"))[0])
+    ops = {node.op_type for node in backward.graph.node}
+    assert "ScatterND" not in ops and "Pad" in ops, ops
