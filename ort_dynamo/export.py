@@ -374,7 +374,6 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
     for node in placeholders:
         if "val" not in node.meta:
             raise ValueError(f"input {node.name!r} has no shape/dtype metadata")
-    permutations = _take_permuted_inputs(gm, placeholders)
     values = _core._translate_fx_graph(gm.graph, model, graph_like=model.graph, owned_graphs={},
                                        lower="at_conversion", registry=registry)
 
@@ -406,6 +405,7 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
                 output_dtypes.append(out.meta["val"].dtype)
             slots.append(OutputSlot("ort", ort_index[out.name]))
 
+    permutations = _take_permuted_inputs(model.graph, [_contiguous_order(n.meta["val"]) for n in placeholders])
     _ir_passes.add_opset_imports(model)
     model.opset_imports[""] = opset
     input_kinds = ["tensor" if isinstance(n.meta["val"], torch.Tensor) else "scalar" for n in placeholders]
@@ -435,25 +435,31 @@ def _contiguous_order(val) -> list[int] | None:
     return order if permuted.is_contiguous() else None
 
 
-def _take_permuted_inputs(gm: torch.fx.GraphModule, placeholders) -> list:
+def _take_permuted_inputs(graph: "ir.Graph", permutations: list) -> list:
     """Saved activations arrive as views (``weight.t()``, transposed attention heads). Instead
     of copying each into a contiguous tensor per call, ORT takes the underlying contiguous
-    layout and the graph permutes it back; ORT folds such a Transpose into its MatMul/Gemm."""
-    permutations = []
-    for node in placeholders:
-        val = node.meta["val"]
-        order = _contiguous_order(val)
-        permutations.append(order)
-        if order is None:
+    layout (``t.permute(order)``, see run.py) and a Transpose at the top of the graph restores
+    the logical tensor; ORT folds such a Transpose into its MatMul/Gemm. Done on the ONNX
+    graph: the FX graph stays the PyTorch fallback, with its own calling convention."""
+    first = next(iter(graph), None)
+    applied = []
+    for index, order in enumerate(permutations):
+        logical = graph.inputs[index]
+        if order is None or first is None or not logical.uses():
+            applied.append(None)
             continue
+        dims = list(logical.shape.dims)
+        contiguous = ir.Value(name=logical.name, type=logical.type, shape=ir.Shape([dims[d] for d in order]))
+        logical.name = f"{contiguous.name}_replaced"
         inverse = [order.index(d) for d in range(len(order))]
-        node.meta["val"] = val.permute(order)
-        with gm.graph.inserting_after(node):
-            restored = gm.graph.call_function(_aten.permute.default, (node, inverse))
-        restored.meta["val"] = val
-        node.replace_all_uses_with(restored, delete_user_cb=lambda user, r=restored: user is not r)
-    gm.recompile()
-    return permutations
+        restore = ir.node("Transpose", [contiguous], attributes={"perm": inverse})
+        graph.insert_before(first, restore)
+        logical.replace_all_uses_with(restore.outputs[0])
+        restore.outputs[0].name = f"{contiguous.name}_logical"
+        restore.outputs[0].dtype, restore.outputs[0].shape = logical.dtype, logical.shape
+        graph.inputs[index] = contiguous
+        applied.append(order)
+    return applied
 
 
 def save_debug_files(exported: ExportedGraph, gm, model_bytes: bytes, options, stem: str) -> str:

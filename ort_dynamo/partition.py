@@ -74,7 +74,7 @@ _VIEW_OPS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.defau
              _aten.diagonal.default}
 
 
-def _views_of_outputs(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+def _split_off_output_views(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """The chains of view ops that make graph outputs, as nodes of their own. ORT would return
     each as a copy; PyTorch takes them as free views of the tensor ORT returns anyway, as
     eager does. Saved activations are often such views (a transposed weight is a view of the
@@ -181,7 +181,7 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     Raises ``UnsupportedOpError`` if that is not allowed by ``policy``.
     Each ORT partition is cut into up to ``segments`` consecutive runs (see ``_in_segments``).
     """
-    host_views = _views_of_outputs(gm)
+    host_views = _split_off_output_views(gm)
     support = _OnnxSupport(registry, known, host_views)
     unsupported = []
     for node in gm.graph.nodes:

@@ -110,3 +110,32 @@ def test_saved_transposed_weight_is_the_parameter_not_a_copy():
     loss.backward()
     assert model[2].weight.untyped_storage().data_ptr() in storages
     assert_all_on_ort()
+
+
+def test_transposed_inputs_reach_ort_without_a_copy_and_fallback_still_sees_views(monkeypatch):
+    from onnxruntime.capi import _pybind_state as C
+
+    a, b = torch.randn(6, 4), torch.randn(5, 6)
+    x, y = a.t(), b.t()  # non-contiguous views, as saved `weight.t()` activations arrive
+
+    def f(x, y):
+        return (x @ y).tanh()
+
+    handed = []
+    original = C.OrtValueVector.push_back_batch
+
+    def spy(self, tensors, pointers, *rest):
+        handed.extend(pointers)
+        return original(self, tensors, pointers, *rest)
+
+    monkeypatch.setattr(C.OrtValueVector, "push_back_batch", spy)
+    compiled = torch.compile(f, backend="ort")
+    torch.testing.assert_close(compiled(x, y), f(x, y))
+    assert a.data_ptr() in handed and b.data_ptr() in handed  # the views' own memory, no copies
+
+    def broken(runner, args):
+        raise RuntimeError("simulated ORT failure")
+
+    monkeypatch.setattr(run_stage.OrtRunner, "_run", broken)
+    with pytest.warns(UserWarning, match="running it in PyTorch"):
+        torch.testing.assert_close(compiled(x, y), f(x, y))  # the FX fallback takes the views as they are

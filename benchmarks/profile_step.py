@@ -1,0 +1,106 @@
+"""Where a training step's time goes on ORT: kernel milliseconds per ONNX op type and the
+heaviest nodes (ORT's profiler), next to the wall time of forward, backward and optimizer
+for ort and eager, each measured in its own run of this script.
+
+    .venv/bin/python benchmarks/profile_step.py --model llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from train_step import build, compiled_copy, train_step  # noqa: E402
+
+from ort_dynamo import run as run_stage  # noqa: E402
+
+
+def phase_times(name: str, backend: str, steps: int) -> dict:
+    """Mean wall ms of forward, backward and optimizer step, after 3 warm-up steps."""
+    model, batch = build(name, "cpu")
+    _, fn = compiled_copy(model, backend)
+    opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
+    for _ in range(3):
+        train_step(fn, opt, batch, "cpu", False)
+    totals = collections.Counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        loss = fn(**batch).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        totals.update(forward=t1 - t0, backward=t2 - t1, optimizer=t3 - t2)
+    return {k: v / steps * 1e3 for k, v in totals.items()}
+
+
+def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
+    runners = []
+    make_options, make_runner = run_stage.session_options, run_stage.OrtRunner.__init__
+
+    def profiled_options(options, device_type="cpu"):
+        so = make_options(options, device_type)
+        so.enable_profiling = True
+        so.profile_file_prefix = os.path.join(folder, "ort")
+        return so
+
+    def recorded_runner(self, *args, **kwargs):
+        make_runner(self, *args, **kwargs)
+        runners.append(self)
+
+    run_stage.session_options, run_stage.OrtRunner.__init__ = profiled_options, recorded_runner
+    torch._dynamo.reset()  # compile again, into profiled sessions
+    model, batch = build(name, "cpu")
+    _, fn = compiled_copy(model, "ort")
+    opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
+    for _ in range(steps):
+        train_step(fn, opt, batch, "cpu", False)
+    for runner in runners:
+        for session, *_ in runner._sessions.values():
+            session.end_profiling()
+    per_op, calls, per_node = collections.Counter(), collections.Counter(), collections.Counter()
+    for path in glob.glob(os.path.join(folder, "*.json")):
+        with open(path) as fh:
+            for event in json.load(fh):
+                if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+                    op = event["args"].get("op_name")
+                    per_op[op] += event["dur"] / 1e3 / steps
+                    calls[op] += 1 / steps
+                    shapes = json.dumps(event["args"].get("output_type_shape", ""))[:70]
+                    per_node[f"{op} {shapes}"] += event["dur"] / 1e3 / steps
+    return per_op, calls, per_node
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="llama", choices=["gpt2", "bert", "llama"])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+    for backend in ("eager", "ort"):
+        t = phase_times(args.model, backend, args.steps)
+        print(f"{backend:6s} forward {t['forward']:6.1f} ms  backward {t['backward']:6.1f} ms  "
+              f"optimizer {t['optimizer']:5.1f} ms")
+    with tempfile.TemporaryDirectory() as folder:
+        per_op, calls, per_node = ort_kernel_profile(args.model, args.steps, folder)
+    print(f"ORT kernel time per step: {sum(per_op.values()):.1f} ms (profiling adds overhead)")
+    for op, ms in per_op.most_common(args.top):
+        print(f"  {op:30s} {ms:7.2f} ms  {calls[op]:5.0f} calls")
+    print("heaviest nodes (op, output shape):")
+    for node, ms in per_node.most_common(args.top):
+        print(f"  {ms:7.2f} ms  {node}")
+
+
+if __name__ == "__main__":
+    main()
