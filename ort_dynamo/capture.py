@@ -45,7 +45,8 @@ class OrtBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
         if kwargs:
             raise OptionsError(f"OrtBackend takes its options at construction, got {sorted(kwargs)}")
-        lower_stage.lower_graph(gm)
+        options = self.options
+        lower_stage.lower_graph(gm, fuse=options.enable_compute_optimizer and not options.deterministic_compute)
         compiler = functools.partial(compile_graph, options=self.options)
         kwargs = {}
         if self.options.memory_opt_level >= 1:

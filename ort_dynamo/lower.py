@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import torch
 import torch.fx
@@ -191,19 +192,108 @@ for _name, _math in (("_linear_cross_entropy_batch_chunked", linear_cross_entrop
         pass
 
 
-def lower_graph(gm: torch.fx.GraphModule) -> int:
-    """Replace torch-level calls that would leave ORT-less backward kernels. Returns the count."""
+def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True) -> int:
+    """Replace torch-level calls that would leave ORT-less backward kernels, and (``fuse``)
+    tanh-GELU written out in Python by one ``F.gelu`` call. Returns the count."""
     replaced = 0
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
+        changed = _tanh_gelu_as_one_op(module.graph) if fuse else 0
         for node in module.graph.nodes:
             if node.op == "call_function" and node.target in _DYNAMO_REWRITES:
                 node.target = _DYNAMO_REWRITES[node.target]
-                replaced += 1
-        if replaced:
+                changed += 1
+        if changed:
             module.recompile()
+        replaced += changed
     return replaced
+
+
+_ELEMENTWISE_FUNCTIONS = {operator.mul, operator.add, operator.sub, operator.truediv, operator.pow,
+                          torch.mul, torch.add, torch.sub, torch.div, torch.pow, torch.tanh}
+_ELEMENTWISE_METHODS = {"mul", "add", "sub", "div", "pow", "tanh", "__mul__", "__add__", "__rmul__",
+                        "__radd__", "__sub__", "__truediv__", "__pow__"}
+_TANH = {torch.tanh, "tanh"}
+
+
+def _elementwise(node) -> bool:
+    """An elementwise node whose other operands are Python numbers."""
+    if not isinstance(node, torch.fx.Node) or node.kwargs:
+        return False
+    if not ((node.op == "call_function" and node.target in _ELEMENTWISE_FUNCTIONS)
+            or (node.op == "call_method" and node.target in _ELEMENTWISE_METHODS)):
+        return False
+    tensors = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    return len(tensors) + sum(isinstance(a, (int, float)) for a in node.args) == len(node.args) and tensors
+
+
+def _single_source(out: torch.fx.Node, limit: int = 12):
+    """(x, region): the one tensor an elementwise expression ending at ``out`` is computed from,
+    and the expression's nodes in graph order; None if it reads more than one tensor."""
+    region, leaves, stack = set(), set(), [out]
+    while stack:
+        node = stack.pop()
+        if node in region or node in leaves:
+            continue
+        if not _elementwise(node):
+            leaves.add(node)
+            continue
+        region.add(node)
+        if len(region) > limit:
+            return None
+        stack.extend(a for a in node.args if isinstance(a, torch.fx.Node))
+    if len(leaves) != 1:
+        return None
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    return next(iter(leaves)), sorted(region, key=order.__getitem__)
+
+
+def _evaluate(region, x, probe):
+    values = {x: probe}
+    for node in region:
+        args = [values[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
+        values[node] = node.target(*args) if node.op == "call_function" else getattr(args[0], node.target)(*args[1:])
+    return values[region[-1]]
+
+
+def _tanh_gelu_as_one_op(graph: torch.fx.Graph) -> int:
+    """GPT-2's ``gelu_new`` (and its kin) is tanh-GELU spelled out: ~8 elementwise ops whose
+    intermediates autograd saves for backward. As one ``F.gelu(x, approximate="tanh")`` only x
+    is saved, and the forward becomes one fused ORT kernel (FastGelu). An expression qualifies
+    if it reads one tensor and computes tanh-GELU on a probe, whatever its spelling."""
+    probe = torch.linspace(-8.0, 8.0, 161, dtype=torch.float64)
+    want = torch.nn.functional.gelu(probe, approximate="tanh")
+    count = 0
+    for tanh in [n for n in graph.nodes if _elementwise(n) and n.target in _TANH]:
+        out = tanh
+        for _ in range(3):  # (1 + tanh(...)) * (0.5 * x): at most a few ops below the tanh
+            users = list(out.users)
+            if len(users) != 1 or not _elementwise(users[0]):
+                break
+            out = users[0]
+            found = _single_source(out)
+            if found is None:
+                continue
+            x, region = found
+            val = x.meta.get("example_value", x.meta.get("val"))
+            if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
+                break
+            try:
+                got = _evaluate(region, x, probe)
+            except Exception:  # an op that does not take a float64 probe: not ours to judge
+                break
+            if isinstance(got, torch.Tensor) and got.shape == probe.shape and torch.allclose(got, want, rtol=1e-6, atol=1e-7):
+                with graph.inserting_after(out):
+                    gelu = graph.call_function(torch.nn.functional.gelu, (x,), {"approximate": "tanh"})
+                gelu.meta = dict(out.meta)
+                out.replace_all_uses_with(gelu)
+                for node in reversed(region):
+                    if not node.users:
+                        graph.erase_node(node)
+                count += 1
+                break
+    return count
 
 
 @functools.lru_cache(None)
