@@ -225,7 +225,7 @@ def _elementwise(node) -> bool:
             or (node.op == "call_method" and node.target in _ELEMENTWISE_METHODS)):
         return False
     tensors = [a for a in node.args if isinstance(a, torch.fx.Node)]
-    return len(tensors) + sum(isinstance(a, (int, float)) for a in node.args) == len(node.args) and tensors
+    return bool(tensors) and len(tensors) + sum(isinstance(a, (int, float)) for a in node.args) == len(node.args)
 
 
 def _single_source(out: torch.fx.Node, limit: int = 12):
