@@ -236,12 +236,13 @@ def _first_bad_node(runner, args: tuple, atol: float, rtol: float) -> NodeDiverg
     compute = [n for n in gm.graph.nodes if n.op == "call_function"]
     model_bytes, producers = _onnx_with_intermediates(runner.model_bytes, {n.name for n in compute})
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-    session = ort.InferenceSession(model_bytes, run_stage.session_options(runner.options),
+    session = ort.InferenceSession(model_bytes, run_stage.session_options(runner.options, device.type),
                                    providers=run_stage.providers_for(device, runner.options))
     feeds = {}
-    for name, arg, kind in zip(runner.exported.input_names, args, runner.exported.input_kinds):
-        tensor = arg if kind == "tensor" else run_stage._scalar_tensor(arg, device)
-        feeds[name] = tensor.detach().cpu().numpy()
+    exported = runner.exported
+    for index, (name, arg, kind) in enumerate(zip(exported.input_names, args, exported.input_kinds)):
+        tensor = exported.ort_layout(index, arg) if kind == "tensor" else run_stage._scalar_tensor(arg, device)
+        feeds[name] = tensor.detach().cpu().contiguous().numpy()
     output_names = [o.name for o in session.get_outputs()]
     onnx_values = dict(zip(output_names, session.run(output_names, feeds)))
     for node in compute:

@@ -110,6 +110,12 @@ class ExportedGraph:
     #: without a copy and transposes it back inside the graph (see ``_take_permuted_inputs``).
     input_permutations: list = dataclasses.field(default_factory=list)
 
+    def ort_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """Input ``index`` as the ONNX graph takes it: a permuted view (see
+        ``_take_permuted_inputs``), or the tensor as it is."""
+        order = self.input_permutations[index] if self.input_permutations else None
+        return tensor if order is None else tensor.permute(order)
+
     def to_bytes(self) -> bytes:
         return ir.serde.serialize_model(self.model).SerializeToString()
 

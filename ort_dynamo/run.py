@@ -7,7 +7,6 @@ ORT allocates outputs, which come back to PyTorch through DLPack. Nothing goes v
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import warnings
 from typing import Callable, Sequence
@@ -160,12 +159,11 @@ class OrtRunner:
         exported = self.exported
         tensors = []
         device = None
-        for arg, kind, order in zip(args, exported.input_kinds, exported.input_permutations or _NONE):
+        for index, (arg, kind) in enumerate(zip(args, exported.input_kinds)):
             if kind == "tensor":
                 if device is None:
                     device = arg.device
-                if order is not None:  # export.py: the graph permutes it back
-                    arg = arg.permute(order)
+                arg = exported.ort_layout(index, arg)
                 tensors.append(arg if arg.is_contiguous() else arg.contiguous())
             else:
                 tensors.append(arg)
@@ -208,9 +206,6 @@ class OrtRunner:
             else:
                 out.append(slot.value)
         return tuple(out) if exported.returns_tuple else out[0]
-
-
-_NONE = itertools.repeat(None)
 
 
 def _wrap(t: torch.Tensor, pointer: int, ort_device):

@@ -90,3 +90,17 @@ def test_bad_arguments_are_explained(tmp_path, capsys):
     script.write_text("x = 1\n")
     assert main_compare([str(script)]) == 2
     assert "must define get_model and get_inputs" in capsys.readouterr().err
+
+
+def test_node_replay_feeds_transposed_inputs_as_the_graph_takes_them():
+    """A partition takes a transposed input in its contiguous layout (export.py); replaying it
+    node by node must feed that layout too, or a square input would look like a divergence."""
+    from ort_dynamo.debug import _first_bad_node, _recording_runner_calls
+
+    a, x = torch.randn(8, 8), torch.randn(4, 8)
+    calls = []
+    with _recording_runner_calls(calls):
+        torch.compile(lambda x, w: (x @ w).tanh(), backend="ort")(x, a.t())
+    (runner, args), = calls
+    assert any(order is not None for order in runner.exported.input_permutations)
+    assert _first_bad_node(runner, args, atol=1e-5, rtol=1e-5) is None

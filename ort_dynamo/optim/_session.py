@@ -51,7 +51,7 @@ class BoundSession:
 
     def __init__(self, model_bytes: bytes, device: torch.device) -> None:
         options = resolve_options(None)
-        so = session_options(options)
+        so = session_options(options, device.type)
         # Basic level: constant folding and Identity removal; the graph is already minimal.
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         try:
