@@ -25,7 +25,7 @@ from .options import OrtOptions
 __all__ = ["cache_key", "load", "store", "load_json", "store_json", "versions_key"]
 
 log = logging.getLogger("ort_dynamo")
-_FORMAT = 3  # 2: rewrites to fused kernels, view slots; 3: permuted inputs
+_FORMAT = 4  # 2: rewrites to fused kernels, view slots; 3: permuted inputs; 4: pointwise kernels
 
 
 @functools.lru_cache(None)
@@ -48,7 +48,7 @@ def _own_source_digest() -> str:
     package = os.path.dirname(os.path.abspath(__file__))
     for folder, dirs, files in sorted(os.walk(package)):
         dirs.sort()
-        for name in sorted(f for f in files if f.endswith(".py")):
+        for name in sorted(f for f in files if f.endswith((".py", ".h"))):
             with open(os.path.join(folder, name), "rb") as fh:
                 digest.update(name.encode() + fh.read())
     return digest.hexdigest()[:16]
@@ -62,7 +62,8 @@ def _describe(val) -> str:
 
 def cache_key(gm: torch.fx.GraphModule, options: OrtOptions) -> str:
     inputs = [_describe(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
-    relevant = (options.opset, options.enable_compute_optimizer, options.deterministic_compute)
+    relevant = (options.opset, options.enable_compute_optimizer, options.deterministic_compute,
+                options.pointwise_kernels)
     text = "\n".join([_versions(), repr(relevant), ";".join(inputs), gm.code])
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -92,6 +93,7 @@ def load(cache_dir: str, key: str) -> tuple[ExportedGraph, bytes] | None:
             returns_tuple=meta["returns_tuple"],
             device=meta["device"],
             input_permutations=meta["input_permutations"],
+            kernels=meta["kernels"],
         )
         return exported, model_bytes
     except FileNotFoundError:
@@ -118,6 +120,7 @@ def store(cache_dir: str, key: str, exported: ExportedGraph, model_bytes: bytes)
         "returns_tuple": exported.returns_tuple,
         "device": exported.device,
         "input_permutations": exported.input_permutations,
+        "kernels": exported.kernels,
     }
     for path, data, mode in ((model_path, model_bytes, "wb"), (meta_path, json.dumps(meta), "w")):
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))

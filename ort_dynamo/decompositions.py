@@ -441,6 +441,32 @@ def own_decompositions() -> dict:
     def scatter_add_scalar(x, dim, index, src):
         return x + src.reshape([]).to(x.dtype) if x.dim() == 0 else NotImplemented
 
+    # Accumulating writes: torchlib lowers them to ScatterND(reduction="add"), whose ORT CPU
+    # kernel sums repeated indices from several threads without synchronization (measured on
+    # onnxruntime 1.31: an embedding gradient off by 7%, differing run to run). ScatterElements
+    # sums them correctly, so these become scatter_add (tests/test_op_gaps.py).
+    @register(aten.index_put.default)
+    @register(aten._unsafe_index_put.default)
+    def index_put_accumulate(x, indices, values, accumulate=False):
+        index = indices[0] if indices else None
+        if (not accumulate or x.dim() == 0 or any(i is not None for i in indices[1:]) or index is None
+                or index.dtype in (torch.bool, torch.uint8)):
+            return NotImplemented
+        index = index.reshape(-1)
+        index = torch.where(index < 0, index + x.shape[0], index)
+        rows = values.expand(*indices[0].shape, *x.shape[1:]).reshape(index.shape[0], *x.shape[1:])
+        spread = index.reshape(-1, *[1] * (x.dim() - 1)).expand(rows.shape)
+        return aten.scatter_add(x, 0, spread, rows.to(x.dtype))
+
+    @register(aten.index_add.default)
+    def index_add_as_scatter_add(x, dim, index, source, alpha=1):
+        if x.dim() == 0:
+            return NotImplemented
+        dim = dim % x.dim()
+        source = source * alpha if alpha != 1 else source
+        spread = index.reshape([-1 if d == dim else 1 for d in range(x.dim())]).expand(source.shape)
+        return aten.scatter_add(x, dim, spread, source)
+
     @register(aten.gather.default)
     def gather_scalar(x, dim, index, sparse_grad=False):
         return x.clone() if x.dim() == 0 else NotImplemented

@@ -109,6 +109,8 @@ class ExportedGraph:
     #: Per input: None, or the dims that make it contiguous: ORT takes ``t.permute(dims)``
     #: without a copy and transposes it back inside the graph (see ``_take_permuted_inputs``).
     input_permutations: list = dataclasses.field(default_factory=list)
+    #: C source of each ``ort_dynamo.pointwise`` kernel the model uses (``_pointwise``).
+    kernels: list = dataclasses.field(default_factory=list)
 
     def ort_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """Input ``index`` as the ONNX graph takes it: a permuted view (see
@@ -470,11 +472,22 @@ def _take_permuted_inputs(graph: "ir.Graph", permutations: list) -> list:
 
 def save_debug_files(exported: ExportedGraph, gm, model_bytes: bytes, options, stem: str) -> str:
     """``save_onnx``: write ``<prefix>_<stem>.onnx`` (as ORT runs it, after rewrite) and the FX
-    graph it came from; returns the ONNX path."""
+    graph it came from; returns the ONNX path. A model with pointwise kernels needs their
+    library to load: it is written beside it as ``.pointwise.so`` (and its source, ``.c``);
+    ``SessionOptions.register_custom_ops_library(path)`` registers it."""
     os.makedirs(options.save_path, exist_ok=True)
     base = os.path.join(options.save_path, f"{options.onnx_prefix}_{stem}")
     with open(base + ".onnx", "wb") as fh:
         fh.write(model_bytes)
+    if exported.kernels:
+        import shutil
+
+        from . import _kernels, _pointwise
+
+        source = _pointwise.kernel_source(exported.kernels)
+        with open(base + ".pointwise.c", "w") as fh:
+            fh.write(source)
+        shutil.copyfile(_kernels.library(source, options.cache_dir), base + ".pointwise.so")
     with open(base + ".fx.txt", "w") as fh:
         fh.write(gm.print_readable(print_output=False))
     return base + ".onnx"

@@ -128,6 +128,10 @@ class OrtOptions:
         8, "Split each backward partition into up to this many ORT runs, so each saved activation "
         "is freed once its last user has run (as eager's autograd frees it) instead of when the "
         "whole backward ends; 1 = one run.", "")
+    pointwise_kernels: bool = _field(
+        True, "On CPU, fuse chains of elementwise ops into C kernels generated and compiled (with the "
+        "machine's C compiler, once, cached on disk) as an ORT custom-op library; without a compiler "
+        "they run as ORT's separate kernels.", "")
     cache_dir: str = _field("", "Folder of an on-disk cache of exported models; empty = off.",
                             "ORTMODULE_CACHE_DIR")
 

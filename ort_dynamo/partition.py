@@ -133,6 +133,10 @@ class _OnnxSupport(OperatorSupportBase):
             verdict = f"{node.target} is not an ATen op"
         elif node.target in TORCHLIB_WRONG:
             verdict = "torchlib's lowering of this op is wrong for training"
+        elif node.target in _ACCUMULATING_INDEX_PUT and _accumulates(node):
+            # Those with one leading index tensor became scatter_add (decompositions.py).
+            verdict = ("ORT's ScatterND(reduction=add) sums repeated indices from racing threads "
+                       "(wrong results)")
         elif any(isinstance(t, torch.Tensor) and (t.is_complex() or t.is_sparse or t.is_quantized)
                  for t in (*_tensor_args(node), *_tensor_outputs(node))):
             verdict = "complex, sparse or quantized tensors are not supported by ORT"
@@ -151,6 +155,13 @@ class _OnnxSupport(OperatorSupportBase):
 
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
         return node.op == "call_function" and node not in self.host_views and self.reason(node) == ""
+
+
+_ACCUMULATING_INDEX_PUT = {_aten.index_put.default, _aten._unsafe_index_put.default}
+
+
+def _accumulates(node: torch.fx.Node) -> bool:
+    return bool(node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False))
 
 
 def _tensor_args(node: torch.fx.Node):

@@ -44,6 +44,8 @@ class GraphReport:
     sessions: int = 0
     exports: int = 0
     cache_hits: int = 0
+    #: Generated pointwise kernels (fused elementwise chains) the graph's partitions use.
+    kernels: int = 0
     runs: int = 0
     #: Values the graph returns; for a forward graph, user outputs plus what backward saves.
     outputs: int = 0
@@ -115,6 +117,10 @@ class Report:
         return sum(g.exports for g in self.graphs)
 
     @property
+    def kernels(self) -> int:
+        return sum(g.kernels for g in self.graphs)
+
+    @property
     def runs(self) -> int:
         return sum(g.runs for g in self.graphs)
 
@@ -131,6 +137,7 @@ class Report:
             "fallback_nodes": self.fallback_nodes,
             "sessions": self.sessions,
             "exports": self.exports,
+            "kernels": self.kernels,
             "graph_breaks": self.graph_breaks,
             "graphs": [
                 {f.name: getattr(g, f.name) for f in dataclasses.fields(g) if f.name not in ("fallbacks", "stage_seconds")}
@@ -146,7 +153,7 @@ class Report:
     def __str__(self) -> str:
         lines = [
             f"ort_dynamo report: {len(self.graphs)} graph(s), {self.ort_nodes} node(s) on ORT, "
-            f"{self.fallback_nodes} in PyTorch, {self.sessions} session(s), {self.exports} export(s)",
+            f"{self.fallback_nodes} in PyTorch, {self.sessions} session(s), {self.exports} export(s), {self.kernels} pointwise kernel(s)",
         ]
         header = f"{'graph':<14}{'kind':<11}{'on ORT':>8}{'PyTorch':>9}{'parts':>7}{'sessions':>10}{'runs':>7}"
         lines += [header, "-" * len(header)]

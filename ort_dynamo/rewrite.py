@@ -7,7 +7,7 @@ import math
 
 import onnx_ir as ir
 
-from . import _fusions
+from . import _fusions, _kernels, _pointwise
 from .export import ExportedGraph, OutputSlot
 from .options import OrtOptions
 
@@ -50,6 +50,8 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         if exported.device == "cpu":
             # Chains ORT's optimizer misses -> its fused CPU kernels (Gelu, FastGelu, RMSNorm).
             _fusions.fuse(model)
+            if options.pointwise_kernels and _kernels.available():
+                exported.kernels = _pointwise.fuse_pointwise(model)
     _reshaped_outputs_as_views(exported)
     ir.passes.common.RemoveUnusedNodesPass()(model)  # what the passes above left dead
     ir.passes.common.RemoveUnusedFunctionsPass()(model)

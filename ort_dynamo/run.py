@@ -16,6 +16,7 @@ import onnxruntime as ort
 import torch
 from onnxruntime.capi import _pybind_state as C
 
+from . import _kernels, _pointwise
 from .errors import OrtRuntimeError
 from .export import ExportedGraph
 from .options import FallbackPolicy, OrtOptions
@@ -43,8 +44,11 @@ _OPT_LEVELS = {
 }
 
 
-def session_options(options: OrtOptions, device_type: str = "cpu") -> ort.SessionOptions:
+def session_options(options: OrtOptions, device_type: str = "cpu", kernel_library: str = "") -> ort.SessionOptions:
+    """``kernel_library``: a compiled ``_kernels`` library the model's custom ops come from."""
     so = ort.SessionOptions()
+    if kernel_library:
+        so.register_custom_ops_library(kernel_library)
     # Spinning ORT threads would starve PyTorch's own threads between our runs.
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.add_session_config_entry("session.inter_op.allow_spinning", "0")
@@ -118,14 +122,24 @@ class OrtRunner:
         self.name = name
         self._sessions: dict[torch.device, tuple] = {}
         self._failed: str | None = None
+        #: The compiled library of ``exported.kernels``, if any: a future, built in the
+        #: background (while the next partitions export); the first run waits for it.
+        self.kernel_library = None
+        if exported.kernels:
+            self.kernel_library = _kernels.build(_pointwise.kernel_source(exported.kernels), options.cache_dir)
+            graph_report.kernels += len(exported.kernels)
 
     # -- sessions ---------------------------------------------------------------------------------
 
     def _session(self, device: torch.device):
         entry = self._sessions.get(device)
         if entry is None:
+            library = ""
+            if self.kernel_library is not None:
+                with self.report.stage("kernels"):
+                    library = self.kernel_library.result()
             with self.report.stage("session"):
-                sess = ort.InferenceSession(self.model_bytes, session_options(self.options, device.type),
+                sess = ort.InferenceSession(self.model_bytes, session_options(self.options, device.type, library),
                                             providers=providers_for(device, self.options))
             if device.type == "cuda" and "CUDAExecutionProvider" not in sess.get_providers():
                 raise OrtRuntimeError(f"CUDA EP was not enabled for {self.name}: {sess.get_providers()}")

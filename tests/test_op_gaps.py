@@ -299,3 +299,40 @@ def test_slice_backward_and_slice_scatter_without_scatter_nd(tmp_path):
     backward = onnx.load(glob.glob(str(tmp_path / "*backward*.onnx"))[0])
     ops = {node.op_type for node in backward.graph.node}
     assert "ScatterND" not in ops and "Pad" in ops, ops
+
+
+# -- accumulating writes with repeated indices (ORT's ScatterND add races) ----------------------
+
+@pytest.mark.parametrize("write", ["embedding", "index_put", "index_add"])
+def test_accumulating_writes_to_repeated_rows_sum_exactly(write):
+    """Many writes land on few rows, as an embedding's gradient does for repeated tokens. Run
+    several times: the race this avoids gave different wrong sums from run to run."""
+    torch.manual_seed(0)
+    rows = torch.randint(0, 8, (4096,))
+    table = torch.randn(1024, 64, requires_grad=True)
+    values = torch.randn(4096, 64)
+
+    def fn(table, values):
+        if write == "embedding":
+            return F.embedding(rows, table) * values
+        if write == "index_put":
+            return table.index_put((rows,), values, accumulate=True)
+        return table.index_add(0, rows, values, alpha=0.5)
+
+    want = _outputs_and_grads(fn, (table, values))
+    for _ in range(3):
+        got = run_on_ort(fn, table, values)
+        for g, w in zip([*got[0], *got[1]], [*want[0], *want[1]]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
+
+
+def test_accumulating_write_with_several_index_tensors_stays_in_pytorch():
+    torch.manual_seed(0)
+    i, j, values = torch.randint(0, 4, (2048,)), torch.randint(0, 4, (2048,)), torch.randn(2048)
+    fn = lambda v: torch.zeros(4, 4).index_put((i, j), v, accumulate=True)  # noqa: E731
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="ScatterND"):
+        got = torch.compile(fn, backend="ort")(values)
+    torch.testing.assert_close(got, fn(values), rtol=0, atol=0)
+    assert [f.op for f in ort_dynamo.report().fallbacks] == ["aten.index_put.default"]

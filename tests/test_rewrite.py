@@ -17,7 +17,8 @@ from ort_dynamo.run import session_options
 
 
 def _optimized_op_types(path):
-    so = session_options(OrtOptions())
+    kernels = path.replace(".onnx", ".pointwise.so")  # saved beside a model that uses them
+    so = session_options(OrtOptions(), kernel_library=kernels if os.path.exists(kernels) else "")
     so.optimized_model_filepath = path + ".optimized"
     ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
     return collections.Counter(n.op_type for n in onnx.load(path + ".optimized").graph.node)
@@ -60,11 +61,13 @@ def test_bfloat16_ops_run_on_cpu_in_float32_with_bf16_rounding(tmp_path):
 
 # -- fusions into ORT's fused CPU kernels (ort_dynamo/_fusions.py) ---------------------------------
 
-def _train_fused_and_plain(model, x, tmp_path):
+def _train_fused_and_plain(model, x, tmp_path, fused_options=None):
     """One training step with the rewrites on and off (``enable_compute_optimizer=False``);
-    returns {"fused"|"plain": [output, *grads]} and the op counts of each saved fused graph."""
+    returns {"fused"|"plain": [output, *grads]} and the op counts of each saved fused graph.
+    ``fused_options`` default to the ORT-kernel fusions alone (no pointwise kernels)."""
     results, ops = {}, {}
-    for name, options in (("fused", {}), ("plain", {"enable_compute_optimizer": False})):
+    fused_options = {"pointwise_kernels": False} if fused_options is None else fused_options
+    for name, options in (("fused", fused_options), ("plain", {"enable_compute_optimizer": False})):
         ort_dynamo.reset()
         model.zero_grad()
         out = torch.compile(model, backend="ort",

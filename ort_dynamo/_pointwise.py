@@ -1,0 +1,494 @@
+"""Pointwise fusion: chains of elementwise ONNX ops -> one generated C kernel each.
+
+Stock ONNX Runtime has no gradient kernels, so a training graph's elementwise chains (SiLU and
+GELU backward, softmax backward, residual adds, RoPE) run one kernel per op, each a full pass
+over memory. Inductor fuses them into loops; this does the same for ORT: each group of
+elementwise nodes of one iteration shape becomes one node of the ``ort_dynamo.pointwise``
+domain, whose C source is generated here and compiled by ``_kernels`` into a custom-op
+library the session registers.
+
+Groups are formed in topological order: a node joins the group of one of its inputs when it
+iterates over the same shape and joining creates no cycle. Every value a group computes that
+something outside needs (another node, a graph output) becomes one of its outputs, so what
+autograd saves for backward stays computed. Arithmetic is float32, op by op, in ONNX's order
+(no reassociation, no FMA contraction); exp/tanh/erf come from the C library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+__all__ = ["DOMAIN", "fuse_pointwise", "kernel_source"]
+
+DOMAIN = "ort_dynamo.pointwise"
+_MAX_RANK = 8
+_MAX_ARGS = 32  # inputs or outputs per kernel; the C side has arrays of this size
+#: Groups iterating over fewer elements (static shapes) stay ORT ops: a few ORT kernel launches
+#: on small tensors cost microseconds, a compiled kernel costs the compiler's time.
+MIN_ELEMENTS = 16384
+
+_UNARY = {
+    "Neg": "(-{0})", "Abs": "fabsf({0})", "Exp": "expf({0})", "Log": "logf({0})", "Sqrt": "sqrtf({0})",
+    "Reciprocal": "(1.0f / {0})", "Sigmoid": "(1.0f / (1.0f + expf(-{0})))", "Tanh": "tanhf({0})",
+    "Erf": "erff({0})", "Relu": "({0} < 0.0f ? 0.0f : {0})", "Identity": "{0}", "Expand": "{0}",
+}
+_BINARY = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/"}
+_ELEMENTWISE = set(_UNARY) | set(_BINARY) | {"Where", "Pow"}
+#: Reductions over the last axis that a kernel computes row by row, between elementwise phases.
+_ROW_REDUCTIONS = {"ReduceSum", "ReduceMean", "ReduceMax"}
+#: Single ops worth a kernel of their own: ORT's broadcasting Where is a slow generic loop.
+_ALONE_OK = {"Where"}
+
+
+# -- what a node is -------------------------------------------------------------------------------
+
+def _scalar_of(value: ir.Value | None) -> float | None:
+    if value is None:
+        return None
+    tensor = value.const_value
+    if tensor is None:
+        producer = value.producer()
+        if producer is None or producer.op_type != "Constant" or "value" not in producer.attributes:
+            return None
+        tensor = producer.attributes["value"].value
+    array = tensor.numpy()
+    return float(array.reshape(-1)[0]) if array.size == 1 else None
+
+
+def _dims(shape) -> tuple | None:
+    """Static ints and named symbols; None if any dim is unknown."""
+    if shape is None:
+        return None
+    out = []
+    for d in shape.dims:
+        if isinstance(d, int):
+            out.append(d)
+        elif isinstance(d, ir.SymbolicDim) and d.value is not None:
+            out.append(str(d.value))
+        else:
+            return None
+    return tuple(out)
+
+
+def _broadcast(shapes: list[tuple]) -> tuple | None:
+    rank = max(len(s) for s in shapes)
+    out = []
+    for axis in range(rank):
+        sizes = {s[axis - rank + len(s)] for s in shapes if axis - rank + len(s) >= 0}
+        sizes.discard(1)
+        if len(sizes) > 1:
+            return None  # unequal symbols or sizes: not provably broadcastable
+        out.append(sizes.pop() if sizes else 1)
+    return tuple(out)
+
+
+class _Graph:
+    """Shapes and dtypes of the values the pass looks at, filled in where the exporter left
+    them empty (values inside inlined torchlib functions)."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self.graph = graph
+        self.shape: dict[ir.Value, tuple | None] = {}
+        self.dtype: dict[ir.Value, ir.DataType | None] = {}
+
+    def dims(self, value: ir.Value) -> tuple | None:
+        if value not in self.shape:
+            self.shape[value] = _dims(value.shape)
+        return self.shape[value]
+
+    def elementwise_shape(self, node: ir.Node) -> tuple | None:
+        """The node's output shape if it is a float32 elementwise op the kernels compute."""
+        if node.domain not in ("", "ai.onnx") or node.op_type not in _ELEMENTWISE or len(node.outputs) != 1:
+            return None
+        out = node.outputs[0]
+        if out.dtype not in (None, ir.DataType.FLOAT):
+            return None
+        if node.op_type == "Pow" and _scalar_of(node.inputs[1]) is None:
+            return None
+        if node.op_type == "Where":
+            cond, *data = node.inputs
+            if cond is None or cond.dtype != ir.DataType.BOOL:
+                return None
+        else:
+            data = list(node.inputs)
+        operands = [v for v in (data if node.op_type not in ("Pow", "Expand") else data[:1])]
+        if any(v is None or v.dtype != ir.DataType.FLOAT for v in operands):
+            return None
+        inputs = operands + ([node.inputs[0]] if node.op_type == "Where" else [])
+        shapes = [self.dims(v) for v in inputs]
+        if any(s is None for s in shapes):
+            return None
+        if node.op_type == "Expand":
+            target = self.dims(out)
+            if target is None or _broadcast([shapes[0], target]) != target:
+                return None
+            shape = target
+        else:
+            shape = _broadcast(shapes)
+        if shape is None or len(shape) > _MAX_RANK:
+            return None
+        known = self.dims(out)
+        if known is not None and known != shape:
+            return None
+        self.shape[out] = shape
+        out.dtype = ir.DataType.FLOAT  # inside inlined torchlib functions, often left unset
+        return shape
+
+    def row_reduction_shape(self, node: ir.Node) -> tuple | None:
+        """For a float32 sum or mean over the last axis that keeps it (a softmax or norm
+        backward's row sums), the shape it iterates over: its input's."""
+        if node.domain not in ("", "ai.onnx") or node.op_type not in _ROW_REDUCTIONS or len(node.inputs) != 2:
+            return None
+        data, axes = node.inputs
+        keepdims = node.attributes["keepdims"].value if "keepdims" in node.attributes else 1
+        if data is None or data.dtype != ir.DataType.FLOAT or axes is None or axes.const_value is None or not keepdims:
+            return None
+        shape = self.dims(data)
+        if not shape or shape[-1] == 1 or len(shape) > _MAX_RANK:
+            return None
+        if [int(a) for a in axes.const_value.numpy().reshape(-1)] not in ([-1], [len(shape) - 1]):
+            return None
+        out = node.outputs[0]
+        if self.dims(out) not in (None, shape[:-1] + (1,)):
+            return None
+        self.shape[out] = shape[:-1] + (1,)
+        out.dtype = ir.DataType.FLOAT
+        return shape
+
+
+# -- grouping -------------------------------------------------------------------------------------
+
+class _Group:
+    def __init__(self, shape: tuple, first: int) -> None:
+        self.shape = shape
+        self.nodes: list[ir.Node] = []
+        self.first = first
+        self.last = first
+
+
+def _groups(graph: ir.Graph) -> tuple[list[_Group], _Graph]:
+    info = _Graph(graph)
+    order: dict[ir.Node, int] = {}
+    group_of: dict[ir.Node, _Group] = {}
+    groups: list[_Group] = []
+
+    def predecessors(unit_nodes):
+        for member in unit_nodes:
+            for value in member.inputs:
+                producer = value.producer() if value is not None else None
+                if producer is not None and producer in order:
+                    yield producer
+
+    def depends_on(start: ir.Node, group: _Group) -> bool:
+        """Whether ``start`` (outside ``group``) reads, through any path of the graph as
+        fused so far, a value ``group`` computes: then ``group`` cannot also read ``start``."""
+        seen, stack = set(), [start]
+        while stack:
+            node = stack.pop()
+            unit = group_of.get(node)
+            key = id(unit) if unit is not None else id(node)
+            if key in seen:
+                continue
+            seen.add(key)
+            if unit is group:
+                return True
+            last = unit.last if unit is not None else order[node]
+            if last < group.first:
+                continue  # everything there was computed before the group's first node
+            stack.extend(predecessors(unit.nodes if unit is not None else [node]))
+        return False
+
+    for index, node in enumerate(graph):
+        order[node] = index
+        shape = info.elementwise_shape(node) or info.row_reduction_shape(node)
+        if shape is None:
+            continue
+        producers = [v.producer() for v in node.inputs if v is not None and v.producer() in order]
+        chosen = None
+        for candidate in dict.fromkeys(group_of[p] for p in producers if p in group_of):
+            if candidate.shape != shape or len(candidate.nodes) >= 64:
+                continue
+            outside = [p for p in producers if group_of.get(p) is not candidate]
+            if not any(depends_on(p, candidate) for p in outside):
+                chosen = candidate
+                break
+        if chosen is None:
+            chosen = _Group(shape, index)
+            groups.append(chosen)
+        chosen.nodes.append(node)
+        chosen.last = index
+        group_of[node] = chosen
+    return groups, info
+
+
+# -- code generation ------------------------------------------------------------------------------
+
+def _literal(number: float) -> str:
+    number = float(np.float32(number))
+    if math.isnan(number):
+        return "NAN"
+    if math.isinf(number):
+        return "INFINITY" if number > 0 else "(-INFINITY)"
+    return f"{number.hex()}f"
+
+
+def _kind(shape: tuple, out: tuple) -> str:
+    """How an input of ``shape`` is read while iterating over ``out`` (static, so the inner
+    loop has constant strides): full, scalar, suffix (broadcast over leading axes only, like
+    a bias or RoPE's tables), col (constant along the last axis, full elsewhere, like a
+    reduction's result), or general (strided)."""
+    shape = (1,) * (len(out) - len(shape)) + shape
+    if shape == out:
+        return "full"
+    if all(d == 1 for d in shape):
+        return "scalar"
+    if len(out) >= 1 and out[-1] != 1:
+        lead = next(i for i, d in enumerate(shape) if d != 1)
+        if all(d == 1 for d in shape[:lead]) and shape[lead:] == out[lead:]:
+            return "suffix"
+        if shape[-1] == 1 and shape[:-1] == out[:-1]:
+            return "col"
+    return "general"
+
+
+def _phases(group: _Group) -> dict[ir.Node, int]:
+    """Loop over a row each node is computed in: a node reading a row sum (a reduction of
+    phase p) is computed in phase p + 1, after that sum is complete."""
+    phase: dict[ir.Node, int] = {}
+    for node in group.nodes:
+        after = [phase[v.producer()] + (v.producer().op_type in _ROW_REDUCTIONS)
+                 for v in node.inputs if v is not None and v.producer() in phase]
+        phase[node] = max(after, default=0)
+    return phase
+
+
+def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.Value], name: str) -> str:
+    """C source of one kernel: ``<name>_fast`` with static read patterns and ``<name>_any``
+    with runtime strides (used when the actual shapes do not fit the static ones). Each row is
+    walked once per phase: a phase ends with the row sums the next one reads; nodes of earlier
+    phases are recomputed where a later phase needs them rather than stored."""
+    arg = {v: f"x{i}" for i, v in enumerate(inputs)}
+    local = {node.outputs[0]: (f"s{i}" if node.op_type in _ROW_REDUCTIONS else f"t{i}")
+             for i, node in enumerate(group.nodes)}
+
+    def ref(value):
+        if value in local:
+            return local[value]
+        if value in arg:
+            return f"{arg[value]}v"
+        return _literal(_scalar_of(value))
+
+    def statement(node):
+        op = node.op_type
+        if op in _BINARY:
+            expr = f"({ref(node.inputs[0])} {_BINARY[op]} {ref(node.inputs[1])})"
+        elif op == "Where":
+            expr = f"({ref(node.inputs[0])} ? {ref(node.inputs[1])} : {ref(node.inputs[2])})"
+        elif op == "Pow":
+            exponent = _scalar_of(node.inputs[1])
+            base = ref(node.inputs[0])
+            expr = {2.0: f"({base} * {base})", 1.0: base, 0.5: f"sqrtf({base})",
+                    -1.0: f"(1.0f / {base})"}.get(exponent, f"powf({base}, {_literal(exponent)})")
+        elif op == "ReduceMax":  # a NaN is not kept, but it makes the row's exp() NaN anyway
+            acc = local[node.outputs[0]]
+            return f"{acc} = {ref(node.inputs[0])} > {acc} ? {ref(node.inputs[0])} : {acc};"
+        elif op in _ROW_REDUCTIONS:
+            return f"{local[node.outputs[0]]} += {ref(node.inputs[0])};"
+        else:
+            expr = _UNARY[op].format(ref(node.inputs[0]))
+        return f"const float {local[node.outputs[0]]} = {expr};"
+
+    phase = _phases(group)
+    reductions = [n for n in group.nodes if n.op_type in _ROW_REDUCTIONS]
+    last = max(phase.values())
+    ctype = {v: ("bool" if v.dtype == ir.DataType.BOOL else "float") for v in inputs}
+    kinds = [_kind(info.dims(v), group.shape) for v in inputs]
+    col_out = [v.producer().op_type in _ROW_REDUCTIONS for v in outputs]
+
+    def needed(targets):
+        """Non-reduction nodes ``targets`` read, transitively within the phase, in order."""
+        want, stack = set(), list(targets)
+        while stack:
+            node = stack.pop()
+            for v in node.inputs:
+                p = v.producer() if v is not None else None
+                if p in phase and p.op_type not in _ROW_REDUCTIONS and p not in want:
+                    want.add(p)
+                    stack.append(p)
+        return [n for n in group.nodes if n in want]
+
+    def loops(loads):
+        lines = []
+        for k in range(last + 1):
+            closing = [n for n in reductions if phase[n] == k]
+            if k == last:
+                finals = [v.producer() for v, col in zip(outputs, col_out) if not col]
+                wanted = set(needed(finals + closing)) | set(finals)
+                nodes = [n for n in group.nodes if n in wanted]
+            else:
+                nodes = needed(closing)
+            body = [statement(n) for n in nodes]
+            if closing:
+                lines += [f"float {local[n.outputs[0]]} = {'-INFINITY' if n.op_type == 'ReduceMax' else '0.0f'};"
+                          for n in closing]
+                clauses = [f"reduction({kind}:{', '.join(names)})" for kind, names in (
+                    ("max", [local[n.outputs[0]] for n in closing if n.op_type == "ReduceMax"]),
+                    ("+", [local[n.outputs[0]] for n in closing if n.op_type != "ReduceMax"])) if names]
+                lines.append("#pragma omp simd " + " ".join(clauses))
+            if k < last or closing or nodes:
+                lines += ["for (int64_t i = 0; i < n; ++i) {"]
+                lines += ["  " + x for x in loads + body + [statement(n) for n in closing]]
+                if k == last:
+                    lines += [f"  o{j}[i] = {local[v]};" for j, v in enumerate(outputs) if not col_out[j]]
+                lines += ["}"]
+            for n in closing:
+                s_ = local[n.outputs[0]]
+                if n.op_type == "ReduceMean":
+                    lines.append(f"{s_} /= (float)n;")
+            lines += [f"o{j}[0] = {local[v]};" for j, v in enumerate(outputs)
+                      if col_out[j] and phase[v.producer()] == k]
+        return lines
+
+    offsets = {"full": "r * inner", "suffix": "(r * inner) % a->numel_in[{i}]", "col": "r", "scalar": "0",
+               "general": "pw_offset(a, {i}, r)"}
+    fast_setup = [f"const {ctype[v]}* restrict {arg[v]} = (const {ctype[v]}*)a->in[{i}] + {offsets[k].format(i=i)};"
+                  for i, (v, k) in enumerate(zip(inputs, kinds))]
+    out_setup = [f"float* restrict o{j} = (float*)a->out[{j}] + r{'' if col else ' * inner'};"
+                 for j, col in enumerate(col_out)]
+    reads = {"full": "i", "suffix": "i", "col": "0", "scalar": "0", "general": "i * a->inner_stride[{i}]"}
+    fast_loads = [f"const {ctype[v]} {arg[v]}v = {arg[v]}[{reads[k].format(i=i)}];"
+                  for i, (v, k) in enumerate(zip(inputs, kinds))]
+    any_setup = [f"const {ctype[v]}* restrict {arg[v]} = (const {ctype[v]}*)a->in[{i}] + pw_offset(a, {i}, r);"
+                 for i, v in enumerate(inputs)]
+    any_loads = [f"const {ctype[v]} {arg[v]}v = {arg[v]}[i * a->inner_stride[{i}]];" for i, v in enumerate(inputs)]
+    # Rows of PW_BLOCK elements when every read is full or scalar; a row sum needs real rows.
+    flat = all(k in ("full", "scalar") for k in kinds) and not reductions
+
+    def function(suffix, setup, loads):
+        # The strided version only runs when run-time shapes defeat the static read pattern:
+        # compiled for size, it halves the compiler's time.
+        attributes = "PW_RARELY " if suffix == "any" else ""
+        lines = [f"{attributes}static void {name}_{suffix}(const PwArgs* a, int64_t r0, int64_t r1) {{",
+                 "  const int64_t inner = a->inner;",
+                 "  for (int64_t r = r0; r < r1; ++r) {",
+                 "    const int64_t n = pw_row_length(a, r);"]
+        lines += ["    " + x for x in setup + out_setup + loops(loads)]
+        lines += ["  }", "}"]
+        return "\n".join(lines)
+
+    kind_codes = ", ".join(f"PW_{k.upper()}" for k in kinds) or "0"
+    types = ", ".join("PW_BOOL" if ctype[v] == "bool" else "PW_FLOAT" for v in inputs)
+    cols = ", ".join(str(int(c)) for c in col_out)
+    return "\n".join([
+        function("fast", fast_setup, fast_loads),
+        function("any", any_setup, any_loads),
+        f"static const int {name}_kinds[] = {{{kind_codes}}};",
+        f"static const int {name}_types[] = {{{types}}};",
+        f"static const int {name}_row_sums[] = {{{cols}}};",
+        f"#define {name.upper()}_DEF {{\"{name}\", {len(inputs)}, {name}_types, {name}_kinds, {len(outputs)}, "
+        f"{name}_row_sums, {len(group.shape)}, {1 if flat else 0}, {name}_fast, {name}_any}}",
+    ])
+
+
+def kernel_source(kernels: list[str]) -> str:
+    """One C translation unit holding ``kernels`` (as ``fuse_pointwise`` emitted them)."""
+    names = [k.split("#define ", 1)[1].split("_DEF", 1)[0] for k in kernels]
+    table = ", ".join([f"{n}_DEF" for n in names] + ["{0}"])
+    return "\n\n".join(['#include "pointwise.h"', *kernels,
+                        f"static const PwKernelDef PW_KERNELS[] = {{{table}}};",
+                        "PW_DEFINE_REGISTRATION(PW_KERNELS)"]) + "\n"
+
+
+# -- the pass -------------------------------------------------------------------------------------
+
+def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
+    """Softmax and LogSoftmax over the last axis -> their row-wise steps (max, exp, sum), so
+    that they fuse with the ops around them (attention's scale and mask) into one kernel of
+    three passes over each row. ORT's own Softmax kernel is slow on short rows."""
+    axes = None
+    for node in list(graph):
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ("Softmax", "LogSoftmax"):
+            continue
+        x = node.inputs[0]
+        shape = info.dims(x)
+        axis = node.attributes["axis"].value if "axis" in node.attributes else -1
+        if x.dtype != ir.DataType.FLOAT or not shape or shape[-1] == 1 or axis not in (-1, len(shape) - 1) \
+                or len(shape) > _MAX_RANK or (all(isinstance(d, int) for d in shape)
+                                               and math.prod(shape) < MIN_ELEMENTS):
+            continue
+        if axes is None:
+            axes = ir.Value(name="pointwise_last_axis", shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64),
+                            const_value=ir.tensor(np.array([-1], dtype=np.int64)))
+            graph.register_initializer(axes)
+        peak = ir.node("ReduceMax", [x, axes], attributes={"keepdims": 1})
+        shifted = ir.node("Sub", [x, peak.outputs[0]])
+        exp = ir.node("Exp", [shifted.outputs[0]])
+        total = ir.node("ReduceSum", [exp.outputs[0], axes], attributes={"keepdims": 1})
+        if node.op_type == "Softmax":
+            steps = [peak, shifted, exp, total, ir.node("Div", [exp.outputs[0], total.outputs[0]])]
+        else:
+            log = ir.node("Log", [total.outputs[0]])
+            steps = [peak, shifted, exp, total, log, ir.node("Sub", [shifted.outputs[0], log.outputs[0]])]
+        for step in steps:
+            step.outputs[0].dtype = ir.DataType.FLOAT
+            graph.insert_before(node, step)
+        result, old = steps[-1].outputs[0], node.outputs[0]
+        name, old.name = old.name, f"{old.name}_unexpanded"
+        result.name, result.shape = name, old.shape
+        old.replace_all_uses_with(result, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+
+
+def fuse_pointwise(model: ir.Model) -> list[str]:
+    """Replace elementwise groups of ``model``'s main graph by ``ort_dynamo.pointwise`` nodes.
+    Returns each new kernel's C code (an empty list if nothing was fused)."""
+    graph = model.graph
+    _expand_softmax(graph, _Graph(graph))
+    groups, info = _groups(graph)
+    kernels = []
+    for group in groups:
+        if len(group.nodes) < 2 and group.nodes[0].op_type not in _ALONE_OK:
+            continue
+        if all(isinstance(d, int) for d in group.shape) and math.prod(group.shape) < MIN_ELEMENTS:
+            continue
+        members = set(group.nodes)
+        produced = {node.outputs[0] for node in group.nodes}
+        inputs: list[ir.Value] = []
+        for node in group.nodes:
+            for position, value in enumerate(node.inputs):
+                if value is None or value in produced or value in inputs:
+                    continue
+                is_operand = not (position == 1 and node.op_type in ("Pow", "Expand", *_ROW_REDUCTIONS))
+                if not is_operand:
+                    continue
+                if value.dtype == ir.DataType.FLOAT and _scalar_of(value) is not None and \
+                        (info.dims(value) is None or all(d == 1 for d in info.dims(value))):
+                    continue  # a literal in the C code
+                inputs.append(value)
+        outputs = [v for v in produced if v.is_graph_output() or any(u.node not in members for u in v.uses())]
+        outputs.sort(key=lambda v: group.nodes.index(v.producer()))
+        if not inputs or not outputs or len(inputs) > _MAX_ARGS or len(outputs) > _MAX_ARGS:
+            continue
+        if _broadcast([info.dims(v) for v in inputs]) != group.shape:
+            continue  # the iteration shape must follow from the inputs at run time
+        text = "|".join(f"{n.op_type}" for n in group.nodes)
+        name = "pw_" + hashlib.sha256(_emit(group, info, inputs, outputs, "k").encode()).hexdigest()[:16]
+        kernels.append(_emit(group, info, inputs, outputs, name))
+        fused = ir.node(name, inputs, domain=DOMAIN, num_outputs=len(outputs), doc_string=text)
+        graph.insert_after(group.nodes[-1], fused)
+        for old, new in zip(outputs, fused.outputs):
+            old_name = old.name
+            old.name = f"{old_name}_unfused"
+            new.name, new.dtype = old_name, ir.DataType.FLOAT
+            new.shape = old.shape if old.shape is not None else None
+            old.replace_all_uses_with(new, replace_graph_outputs=True)
+        for node in reversed(group.nodes):
+            graph.remove(node, safe=True)
+    if kernels:
+        model.opset_imports[DOMAIN] = 1
+        graph.sort()
+    return list(dict.fromkeys(kernels))

@@ -1,0 +1,209 @@
+"""Pointwise kernels: elementwise chains run as one generated C kernel each, with the results
+of ORT's separate kernels (ort_dynamo/_pointwise.py, _kernels.py, csrc/pointwise.h)."""
+
+import glob
+import os
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn as nn
+
+import ort_dynamo
+from ort_dynamo import _kernels, _pointwise
+
+pytestmark = pytest.mark.skipif(not _kernels.available(), reason="no C compiler to build kernels with")
+
+
+class _SwiGluAttention(nn.Module):
+    """Llama's elementwise chains: SiLU-gated MLP, masked softmax, a residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(64, 96), nn.Linear(64, 96), nn.Linear(96, 64)
+
+    def forward(self, x):
+        scores = x @ x.transpose(-1, -2) / 8.0
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        attention = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ x
+        return x + self.down(nn.functional.silu(self.gate(attention)) * self.up(attention))
+
+
+def _step(model, x, options, tmp_path=None):
+    ort_dynamo.reset()
+    model.zero_grad()
+    if tmp_path is not None:
+        options = {**options, "save_onnx": True, "save_path": str(tmp_path)}
+    out = torch.compile(model, backend="ort", options=options)(x)
+    out.square().sum().backward()
+    assert ort_dynamo.report().fallback_nodes == 0
+    return [out.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+def _pointwise_nodes(path):
+    return [n for n in onnx.load(path).graph.node if n.domain == _pointwise.DOMAIN]
+
+
+def test_elementwise_chains_train_as_generated_kernels_with_the_same_results(tmp_path):
+    torch.manual_seed(0)
+    model, x = _SwiGluAttention(), torch.randn(4, 64, 64)
+    fused = _step(model, x, {}, tmp_path)
+    kernels = ort_dynamo.report().kernels
+    plain = _step(model, x, {"pointwise_kernels": False})
+    eager = [model(x).detach()]
+    model.zero_grad()
+    model(x).square().sum().backward()
+    eager += [p.grad.clone() for p in model.parameters()]
+    assert kernels >= 2
+    backward = glob.glob(str(tmp_path / "*backward*.onnx"))
+    assert any(len(n.doc_string.split("|")) >= 3 for path in backward for n in _pointwise_nodes(path))
+    for got, unfused, want in zip(fused, plain, eager):
+        torch.testing.assert_close(got, unfused, rtol=1e-5, atol=1e-5 * unfused.abs().max().item())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_without_kernels_the_chains_stay_ort_ops(tmp_path):
+    torch.manual_seed(0)
+    _step(_SwiGluAttention(), torch.randn(4, 64, 64), {"pointwise_kernels": False}, tmp_path)
+    assert ort_dynamo.report().kernels == 0
+    assert not any(_pointwise_nodes(p) for p in glob.glob(str(tmp_path / "*.onnx")))
+
+
+# Kernels are made for groups of at least _pointwise.MIN_ELEMENTS (16384) elements.
+@pytest.mark.parametrize("shapes", [
+    [(16, 32, 48), (16, 32, 48)],                # full
+    [(16, 32, 48), ()],                          # scalar tensor
+    [(16, 32, 48), (32, 48)],                    # suffix (a bias, RoPE's tables)
+    [(16, 32, 48), (16, 32, 1)],                 # col (a reduction's result)
+    [(16, 32, 48), (16, 1, 48), (1, 32, 1)],     # general: strided reads
+])
+def test_broadcast_read_patterns_match_eager(shapes):
+    def fn(*xs):
+        y = xs[0]
+        for other in xs[1:]:
+            y = torch.sigmoid(y * other) - other / 3.0
+        return y.exp().tanh() + y
+
+    xs = [torch.randn(s) for s in shapes]
+    ort_dynamo.reset()
+    got = torch.compile(fn, backend="ort")(*xs)
+    assert ort_dynamo.report().kernels == 1
+    torch.testing.assert_close(got, fn(*xs), rtol=1e-5, atol=1e-6)
+
+
+def test_where_keeps_eager_semantics_for_masks_and_infinities():
+    def fn(scores, mask, x):
+        filled = scores.masked_fill(mask, float("-inf"))
+        return torch.where(filled > 0, x, filled * 2), filled.exp()
+
+    scores, mask, x = torch.randn(4, 64, 128), torch.rand(4, 1, 128) > 0.5, torch.randn(128)
+    got = torch.compile(fn, backend="ort")(scores, mask, x)
+    for g, want in zip(got, fn(scores, mask, x)):
+        torch.testing.assert_close(g, want, rtol=1e-6, atol=0)
+
+
+def _kernel_model(x_shape, y_shape, build=None):
+    """An ONNX model with one pointwise kernel (default: x * y + x) generated for these shapes,
+    then stripped of its input shapes so that ORT feeds whatever shapes it is given."""
+    x = ir.Value(name="x", shape=ir.Shape(x_shape), type=ir.TensorType(ir.DataType.FLOAT))
+    y = ir.Value(name="y", shape=ir.Shape(y_shape), type=ir.TensorType(ir.DataType.FLOAT))
+    nodes = (build or (lambda x, y: [ir.node("Mul", [x, y]), None]))(x, y)
+    if nodes[-1] is None:
+        nodes[-1] = ir.node("Add", [nodes[0].outputs[0], x])
+    outputs = [n.outputs[0] for n in nodes[-1:]]
+    outputs[0].name = "out"
+    graph = ir.Graph([x, y], outputs, nodes=nodes, opset_imports={"": 18})
+    model = ir.Model(graph, ir_version=10)
+    kernels = _pointwise.fuse_pointwise(model)
+    assert len(kernels) == 1 and len([n for n in model.graph if n.op_type != "Constant"]) == 1
+    for value in (x, y):
+        value.shape = None
+    library = _kernels.library(_pointwise.kernel_source(kernels))
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(library)
+    return ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def test_kernel_takes_its_strided_path_when_run_time_shapes_differ_from_the_static_ones():
+    session = _kernel_model([128, 256], [128, 256])  # generated for full reads of both inputs
+    x, y = np.random.randn(128, 256).astype(np.float32), np.random.randn(1, 256).astype(np.float32)
+    np.testing.assert_allclose(session.run(None, {"x": x, "y": y})[0], x * y + x, rtol=1e-6)
+
+
+def test_kernel_rejects_shapes_that_do_not_broadcast_with_a_clear_error():
+    session = _kernel_model([128, 256], [128, 256])
+    x, y = np.ones((2, 3), np.float32), np.ones((4, 3), np.float32)
+    with pytest.raises(Exception, match="input shapes do not broadcast"):
+        session.run(None, {"x": x, "y": y})
+
+
+def test_kernel_library_is_built_once_and_reused_from_disk(tmp_path):
+    source = _pointwise.kernel_source([])
+    first = _kernels.library(source, str(tmp_path))
+    assert first.startswith(str(tmp_path / "kernels"))
+    mtime = os.path.getmtime(first)
+    assert _kernels.library(source, str(tmp_path)) == first
+    assert os.path.getmtime(first) == mtime
+
+
+def test_without_a_compiler_training_runs_on_ort_kernels(monkeypatch, tmp_path):
+    monkeypatch.setattr(_kernels, "available", lambda: False)
+    torch.manual_seed(0)
+    _step(_SwiGluAttention(), torch.randn(4, 64, 64), {}, tmp_path)
+    assert ort_dynamo.report().kernels == 0
+    assert not any(_pointwise_nodes(p) for p in glob.glob(str(tmp_path / "*.onnx")))
+
+
+def test_missing_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(_kernels, "_compiler", lambda: None)
+    with pytest.raises(_kernels.KernelBuildError, match="no C compiler"):
+        _kernels.library(_pointwise.kernel_source([]), "")
+
+
+def test_row_sums_and_softmax_fuse_with_their_neighbours_and_match_eager(tmp_path):
+    """Softmax's max/exp/sum and a norm's sum over the last axis are phases of one kernel: each
+    row is walked once per phase, values of earlier phases recomputed, not stored."""
+    def fn(x, w):
+        probs = (x * w).masked_fill(x > 2, float("-inf")).softmax(-1)
+        norm = (x * x).mean(-1, keepdim=True)
+        return probs * 3 - x.log_softmax(-1), x / (norm + 1e-5), norm
+
+    x = torch.randn(8, 32, 128, requires_grad=True)
+    w = torch.randn(128, requires_grad=True)
+    got = _step_fn(fn, x, w, tmp_path)
+    want = _step_fn(fn, x, w)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
+    forward = glob.glob(str(tmp_path / "*forward*.onnx"))[0]
+    fused = "|".join(n.doc_string for n in _pointwise_nodes(forward))
+    assert "ReduceMax" in fused and "ReduceSum" in fused and "ReduceMean" in fused
+    assert not [n for n in onnx.load(forward).graph.node if n.op_type in ("Softmax", "LogSoftmax")]
+
+
+def _step_fn(fn, x, w, tmp_path=None):
+    """Outputs and gradients of ``fn`` (eager when no ``tmp_path``, else ort, saving models)."""
+    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    if tmp_path is not None:
+        ort_dynamo.reset()
+        fn = torch.compile(fn, backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
+    outs = fn(x, w)
+    sum(o.sin().sum() for o in outs).backward()
+    return [o.detach() for o in outs] + [x.grad, w.grad]
+
+
+def test_row_sums_over_an_empty_last_axis_are_zero():
+    def row_sum(x, y):
+        axes = ir.Value(name="axes", const_value=ir.tensor(np.array([-1], dtype=np.int64)),
+                        shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64))
+        mul = ir.node("Mul", [x, y])
+        return [mul, ir.node("ReduceSum", [mul.outputs[0], axes], attributes={"keepdims": 1})]
+
+    session = _kernel_model([128, 256], [128, 256], row_sum)
+    x = np.random.randn(4, 5).astype(np.float32)
+    np.testing.assert_allclose(session.run(None, {"x": x, "y": x})[0], (x * x).sum(-1, keepdims=True), rtol=1e-6)
+    empty = np.ones((4, 0), np.float32)
+    np.testing.assert_array_equal(session.run(None, {"x": empty, "y": empty})[0], np.zeros((4, 1), np.float32))
