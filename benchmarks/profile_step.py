@@ -49,8 +49,8 @@ def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple[collections.
     runners = []
     make_options, make_runner = run_stage.session_options, run_stage.OrtRunner.__init__
 
-    def profiled_options(options, device_type="cpu"):
-        so = make_options(options, device_type)
+    def profiled_options(*args, **kwargs):
+        so = make_options(*args, **kwargs)
         so.enable_profiling = True
         so.profile_file_prefix = os.path.join(folder, "ort")
         return so

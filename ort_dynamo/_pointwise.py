@@ -11,7 +11,8 @@ Groups are formed in topological order: a node joins the group of one of its inp
 iterates over the same shape and joining creates no cycle. Every value a group computes that
 something outside needs (another node, a graph output) becomes one of its outputs, so what
 autograd saves for backward stays computed. Arithmetic is float32, op by op, in ONNX's order
-(no reassociation, no FMA contraction); exp/tanh/erf come from the C library.
+(no reassociation, no FMA contraction); exp is ``pw_expf`` (csrc/pointwise.h, within 1 ulp),
+log/tanh/erf come from the C library.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ _MAX_ARGS = 32  # inputs or outputs per kernel; the C side has arrays of this si
 MIN_ELEMENTS = 16384
 
 _UNARY = {
-    "Neg": "(-{0})", "Abs": "fabsf({0})", "Exp": "expf({0})", "Log": "logf({0})", "Sqrt": "sqrtf({0})",
-    "Reciprocal": "(1.0f / {0})", "Sigmoid": "(1.0f / (1.0f + expf(-{0})))", "Tanh": "tanhf({0})",
+    "Neg": "(-{0})", "Abs": "fabsf({0})", "Exp": "pw_expf({0})", "Log": "logf({0})", "Sqrt": "sqrtf({0})",
+    "Reciprocal": "(1.0f / {0})", "Sigmoid": "(1.0f / (1.0f + pw_expf(-{0})))", "Tanh": "tanhf({0})",
     "Erf": "erff({0})", "Relu": "({0} < 0.0f ? 0.0f : {0})", "Identity": "{0}", "Expand": "{0}",
 }
 _BINARY = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/"}
@@ -240,7 +241,8 @@ def _kind(shape: tuple, out: tuple) -> str:
     """How an input of ``shape`` is read while iterating over ``out`` (static, so the inner
     loop has constant strides): full, scalar, suffix (broadcast over leading axes only, like
     a bias or RoPE's tables), col (constant along the last axis, full elsewhere, like a
-    reduction's result), or general (strided)."""
+    reduction's result); otherwise each row starts at a strided offset and is read along the
+    last axis (strided_row: an attention mask shared by the heads) or not (strided_col)."""
     shape = (1,) * (len(out) - len(shape)) + shape
     if shape == out:
         return "full"
@@ -252,6 +254,7 @@ def _kind(shape: tuple, out: tuple) -> str:
             return "suffix"
         if shape[-1] == 1 and shape[:-1] == out[:-1]:
             return "col"
+        return "strided_row" if shape[-1] == out[-1] else "strided_col"
     return "general"
 
 
@@ -305,7 +308,9 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
     phase = _phases(group)
     reductions = [n for n in group.nodes if n.op_type in _ROW_REDUCTIONS]
     last = max(phase.values())
-    ctype = {v: ("bool" if v.dtype == ir.DataType.BOOL else "float") for v in inputs}
+    # ONNX bools are bytes of 0 or 1; read as uint8_t, not C's bool, which gcc will not
+    # vectorize next to float stores.
+    ctype = {v: ("uint8_t" if v.dtype == ir.DataType.BOOL else "float") for v in inputs}
     kinds = [_kind(info.dims(v), group.shape) for v in inputs]
     col_out = [v.producer().op_type in _ROW_REDUCTIONS for v in outputs]
 
@@ -354,12 +359,14 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
         return lines
 
     offsets = {"full": "r * inner", "suffix": "(r * inner) % a->numel_in[{i}]", "col": "r", "scalar": "0",
+               "strided_row": "pw_offset(a, {i}, r)", "strided_col": "pw_offset(a, {i}, r)",
                "general": "pw_offset(a, {i}, r)"}
     fast_setup = [f"const {ctype[v]}* restrict {arg[v]} = (const {ctype[v]}*)a->in[{i}] + {offsets[k].format(i=i)};"
                   for i, (v, k) in enumerate(zip(inputs, kinds))]
     out_setup = [f"float* restrict o{j} = (float*)a->out[{j}] + r{'' if col else ' * inner'};"
                  for j, col in enumerate(col_out)]
-    reads = {"full": "i", "suffix": "i", "col": "0", "scalar": "0", "general": "i * a->inner_stride[{i}]"}
+    reads = {"full": "i", "suffix": "i", "col": "0", "scalar": "0", "strided_row": "i", "strided_col": "0",
+             "general": "i * a->inner_stride[{i}]"}
     fast_loads = [f"const {ctype[v]} {arg[v]}v = {arg[v]}[{reads[k].format(i=i)}];"
                   for i, (v, k) in enumerate(zip(inputs, kinds))]
     any_setup = [f"const {ctype[v]}* restrict {arg[v]} = (const {ctype[v]}*)a->in[{i}] + pw_offset(a, {i}, r);"
@@ -381,7 +388,7 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
         return "\n".join(lines)
 
     kind_codes = ", ".join(f"PW_{k.upper()}" for k in kinds) or "0"
-    types = ", ".join("PW_BOOL" if ctype[v] == "bool" else "PW_FLOAT" for v in inputs)
+    types = ", ".join("PW_BOOL" if ctype[v] == "uint8_t" else "PW_FLOAT" for v in inputs)
     cols = ", ".join(str(int(c)) for c in col_out)
     return "\n".join([
         function("fast", fast_setup, fast_loads),
