@@ -482,16 +482,17 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
             continue
         if _broadcast([info.dims(v) for v in inputs]) != group.shape:
             continue  # the iteration shape must follow from the inputs at run time
-        text = "|".join(f"{n.op_type}" for n in group.nodes)
-        name = "pw_" + hashlib.sha256(_emit(group, info, inputs, outputs, "k").encode()).hexdigest()[:16]
-        kernels.append(_emit(group, info, inputs, outputs, name))
-        fused = ir.node(name, inputs, domain=DOMAIN, num_outputs=len(outputs), doc_string=text)
+        # Named by the hash of its code: identical chains (one per layer) share one kernel.
+        code = _emit(group, info, inputs, outputs, "pw_@")
+        name = "pw_" + hashlib.sha256(code.encode()).hexdigest()[:16]
+        kernels.append(code.replace("pw_@", name).replace("PW_@", name.upper()))
+        fused = ir.node(name, inputs, domain=DOMAIN, num_outputs=len(outputs),
+                        doc_string="|".join(n.op_type for n in group.nodes))
         graph.insert_after(group.nodes[-1], fused)
         for old, new in zip(outputs, fused.outputs):
             old_name = old.name
             old.name = f"{old_name}_unfused"
-            new.name, new.dtype = old_name, ir.DataType.FLOAT
-            new.shape = old.shape if old.shape is not None else None
+            new.name, new.dtype, new.shape = old_name, ir.DataType.FLOAT, old.shape
             old.replace_all_uses_with(new, replace_graph_outputs=True)
         for node in reversed(group.nodes):
             graph.remove(node, safe=True)

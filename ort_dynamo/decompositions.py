@@ -448,20 +448,27 @@ def own_decompositions() -> dict:
     @register(aten.index_put.default)
     @register(aten._unsafe_index_put.default)
     def index_put_accumulate(x, indices, values, accumulate=False):
-        index = indices[0] if indices else None
-        if (not accumulate or x.dim() == 0 or any(i is not None for i in indices[1:]) or index is None
-                or index.dtype in (torch.bool, torch.uint8)):
+        # Index tensors on adjacent dims p..p+k-1 (an embedding's rows; interpolate's and
+        # grid_sample's backward) address one flattened dim: scatter_add along it.
+        at = [d for d, i in enumerate(indices) if i is not None]
+        if (not accumulate or not at or at != list(range(at[0], at[0] + len(at)))
+                or any(indices[d].dtype in (torch.bool, torch.uint8) for d in at)):
             return NotImplemented
-        index = index.reshape(-1)
-        index = torch.where(index < 0, index + x.shape[0], index)
-        rows = values.expand(*indices[0].shape, *x.shape[1:]).reshape(index.shape[0], *x.shape[1:])
-        spread = index.reshape(-1, *[1] * (x.dim() - 1)).expand(rows.shape)
-        return aten.scatter_add(x, 0, spread, rows.to(x.dtype))
+        p, k = at[0], len(at)
+        lead, sizes, rest = x.shape[:p], x.shape[p:p + k], x.shape[p + k:]
+        linear = 0
+        for index, size in zip(torch.broadcast_tensors(*[indices[d] for d in at]), sizes):
+            linear = linear * size + torch.where(index < 0, index + size, index)
+        count = linear.numel()
+        rows = values.expand(*lead, *linear.shape, *rest).reshape(*lead, count, *rest)
+        spread = linear.reshape([1] * p + [count] + [1] * len(rest)).expand(rows.shape)
+        flat = x.reshape(*lead, -1, *rest)
+        return aten.scatter_add(flat, p, spread, rows.to(x.dtype)).reshape(x.shape)
 
     @register(aten.index_add.default)
     def index_add_as_scatter_add(x, dim, index, source, alpha=1):
         if x.dim() == 0:
-            return NotImplemented
+            return _torch_decompositions[aten.index_add.default](x, dim, index, source, alpha=alpha)
         dim = dim % x.dim()
         source = source * alpha if alpha != 1 else source
         spread = index.reshape([-1 if d == dim else 1 for d in range(x.dim())]).expand(source.shape)

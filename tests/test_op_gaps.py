@@ -326,10 +326,23 @@ def test_accumulating_writes_to_repeated_rows_sum_exactly(write):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4)
 
 
-def test_accumulating_write_with_several_index_tensors_stays_in_pytorch():
+def test_accumulating_write_through_several_index_tensors_sums_exactly():
+    """Adjacent index tensors address one flattened dim (interpolate's and grid_sample's
+    backward write this way)."""
     torch.manual_seed(0)
-    i, j, values = torch.randint(0, 4, (2048,)), torch.randint(0, 4, (2048,)), torch.randn(2048)
-    fn = lambda v: torch.zeros(4, 4).index_put((i, j), v, accumulate=True)  # noqa: E731
+    i, j, values = torch.randint(-4, 4, (2048,)), torch.randint(0, 4, (2048,)), torch.randn(3, 2048, 5)
+    fn = lambda v: torch.ops.aten.index_put(torch.zeros(3, 4, 4, 5), [None, i, j], v, True)  # noqa: E731
+    for _ in range(3):
+        got = run_on_ort(fn, values)
+        torch.testing.assert_close(got[0][0], fn(values), rtol=1e-5, atol=1e-4)
+
+
+def test_accumulating_write_through_index_tensors_apart_stays_in_pytorch():
+    """Index tensors with a sliced dim between them move the indexed dims first (numpy's rule);
+    that case stays in PyTorch, with the reason, rather than on ORT's racing ScatterND."""
+    torch.manual_seed(0)
+    i, j, values = torch.randint(0, 4, (2048,)), torch.randint(0, 4, (2048,)), torch.randn(2048, 3)
+    fn = lambda v: torch.ops.aten.index_put(torch.zeros(4, 3, 4), [i, None, j], v, True)  # noqa: E731
     ort_dynamo.reset()
     torch._dynamo.reset()
     with pytest.warns(UserWarning, match="ScatterND"):
