@@ -17,8 +17,11 @@ import os
 import shutil
 import subprocess
 import tempfile
+import weakref
 
-__all__ = ["available", "build", "library", "KernelBuildError"]
+from . import _pointwise
+
+__all__ = ["available", "build", "library", "wait", "KernelBuildError"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -26,7 +29,7 @@ _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # No -ffast-math: results must match op-by-op float32 arithmetic. -fno-math-errno lets the
 # vectorizer use libmvec's SIMD expf/tanhf/erff (declared in pointwise.h).
 # -fopenmp-simd: only the `omp simd` pragmas of row sums (vectorized partial sums); no OpenMP runtime.
-_FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off",
+_FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-fno-math-errno", "-ffp-contract=off",
           "-fopenmp-simd", "-fvisibility=hidden", "-w"]
 _LIBS = ["-lmvec", "-lm"]
 
@@ -65,40 +68,89 @@ def _folder(cache_dir: str) -> str:
     return os.path.join(base, "ort_dynamo", "kernels")
 
 
-def library(source: str, cache_dir: str = "") -> str:
-    """Path of the compiled library for ``source`` (compiled now if not on disk yet)."""
+def _run(commands: list[list[str]]) -> None:
+    """Run the compiler commands, on all cores but the one this process exports on."""
+    pending, running = list(commands), []
+    while pending or running:
+        while pending and len(running) < max(1, (os.cpu_count() or 1) - 1):
+            command = pending.pop()
+            running.append((command, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                      text=True)))
+        command, process = running.pop(0)
+        output = process.communicate(timeout=600)[0]
+        if process.returncode != 0:
+            raise KernelBuildError(f"{command[0]} failed on {command[-1]}:\n{output[-2000:]}")
+
+
+def library(kernels: list[str], cache_dir: str = "") -> str:
+    """Path of the library of ``kernels`` (as ``_pointwise.fuse_pointwise`` emits them).
+    Each kernel is compiled once into an object file kept on disk by its hash, so a kernel
+    shared by several partitions, graphs or processes costs one compiler run; a library only
+    links them."""
     compiler = _compiler()
     if compiler is None:
         raise KernelBuildError("no C compiler found (set CC, or install gcc)")
-    key = hashlib.sha256("\n".join([source, _header_digest(), *compiler, *_FLAGS, *_LIBS]).encode()).hexdigest()
+    setup = "\n".join([_header_digest(), *compiler, *_FLAGS, *_LIBS])
+    with open(os.path.join(_CSRC, "pointwise_runtime.c")) as fh:
+        units = [fh.read(), *kernels]
+    table = _pointwise.table_source(kernels)
     folder = _folder(cache_dir)
+    key = hashlib.sha256("\n".join([setup, table]).encode()).hexdigest()
     path = os.path.join(folder, f"pointwise_{key[:24]}.so")
     if os.path.exists(path):
         return path
-    os.makedirs(folder, exist_ok=True)
+    objects = [os.path.join(folder, "objects", hashlib.sha256((setup + unit).encode()).hexdigest()[:24] + ".o")
+               for unit in units]
+    os.makedirs(os.path.dirname(objects[0]), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as work:
-        src = os.path.join(work, "kernels.c")
+        commands, done = [], []
+        for index, (unit, obj) in enumerate(zip(units, objects)):
+            if os.path.exists(obj) or obj in done:
+                continue
+            src = os.path.join(work, f"unit{index}.c")
+            with open(src, "w") as fh:
+                fh.write(unit)
+            commands.append([compiler[0], *_FLAGS, "-c", "-I", _CSRC, "-o", os.path.join(work, f"unit{index}.o"), src])
+            done.append(obj)
+        _run(commands)
+        for command, obj in zip(commands, done):
+            os.replace(command[-2], obj)  # atomic: a concurrent build sees the whole object or none
+        src = os.path.join(work, "table.c")
         with open(src, "w") as fh:
-            fh.write(source)
+            fh.write(table)
         out = os.path.join(work, "kernels.so")
-        result = subprocess.run([compiler[0], *_FLAGS, "-I", _CSRC, src, "-o", out, *_LIBS],
-                                capture_output=True, text=True, timeout=600)
-        if result.returncode != 0:
-            raise KernelBuildError(f"{compiler[0]} failed on the generated kernels:\n{result.stderr[-2000:]}")
-        os.replace(out, path)  # atomic: a concurrent process sees the whole file or none
-    log.debug("compiled pointwise kernels into %s", path)
+        _run([[compiler[0], *_FLAGS, "-shared", "-I", _CSRC, "-o", out, *dict.fromkeys(objects), *_LIBS, src]])
+        os.replace(out, path)
+    log.debug("linked %d pointwise kernel(s) into %s", len(kernels), path)
     return path
 
 
 @functools.lru_cache(None)
 def _builder() -> concurrent.futures.ThreadPoolExecutor:
-    # The compiler runs as a child process: while it works, this process goes on exporting.
-    return concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="ort_dynamo_kernels")
+    # The compiler runs as child processes (``_run``): while they work, this process goes on
+    # exporting. One library at a time, so they never take the exporting core too.
+    return concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ort_dynamo_kernels")
 
 
-def build(source: str, cache_dir: str = "") -> concurrent.futures.Future:
-    """``library(source, cache_dir)`` in the background: a future of the library's path."""
-    return _builder().submit(library, source, cache_dir)
+# A forked child (DDP workers started by fork) has none of its parent's threads: a new pool.
+os.register_at_fork(after_in_child=_builder.cache_clear)
+
+
+def build(kernels: list[str], cache_dir: str = "") -> concurrent.futures.Future:
+    """``library(kernels, cache_dir)`` in the background: a future of the library's path."""
+    future = _builder().submit(library, kernels, cache_dir)
+    _building.add(future)
+    return future
+
+
+_building: "weakref.WeakSet[concurrent.futures.Future]" = weakref.WeakSet()
+
+
+def wait() -> None:
+    """Until every library being built is done (built or failed): after this, every compiled
+    partition runs with its kernels, or knows it cannot."""
+    for future in list(_building):
+        concurrent.futures.wait([future])
 
 
 @functools.lru_cache(None)
@@ -111,10 +163,8 @@ def available() -> bool:
     try:
         import onnxruntime as ort
 
-        from ._pointwise import kernel_source
-
         so = ort.SessionOptions()
-        so.register_custom_ops_library(library(kernel_source([])))
+        so.register_custom_ops_library(library([]))
         return True
     except Exception as exc:  # noqa: BLE001 - any failure means: do without
         log.warning("ort_dynamo: pointwise kernels unavailable, elementwise chains run unfused (%s)", exc)

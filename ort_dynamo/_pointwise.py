@@ -23,7 +23,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["DOMAIN", "fuse_pointwise", "kernel_source"]
+__all__ = ["DOMAIN", "fuse_pointwise", "kernel_name", "table_source"]
 
 DOMAIN = "ort_dynamo.pointwise"
 _MAX_RANK = 8
@@ -88,13 +88,11 @@ def _broadcast(shapes: list[tuple]) -> tuple | None:
 
 
 class _Graph:
-    """Shapes and dtypes of the values the pass looks at, filled in where the exporter left
-    them empty (values inside inlined torchlib functions)."""
+    """Shapes of the values the pass looks at, inferred for elementwise results where the
+    exporter left them empty (values inside inlined torchlib functions)."""
 
-    def __init__(self, graph: ir.Graph) -> None:
-        self.graph = graph
+    def __init__(self) -> None:
         self.shape: dict[ir.Value, tuple | None] = {}
-        self.dtype: dict[ir.Value, ir.DataType | None] = {}
 
     def dims(self, value: ir.Value) -> tuple | None:
         if value not in self.shape:
@@ -172,7 +170,7 @@ class _Group:
 
 
 def _groups(graph: ir.Graph) -> tuple[list[_Group], _Graph]:
-    info = _Graph(graph)
+    info = _Graph()
     order: dict[ir.Node, int] = {}
     group_of: dict[ir.Node, _Group] = {}
     groups: list[_Group] = []
@@ -391,23 +389,29 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
     types = ", ".join("PW_BOOL" if ctype[v] == "uint8_t" else "PW_FLOAT" for v in inputs)
     cols = ", ".join(str(int(c)) for c in col_out)
     return "\n".join([
+        '#include "pointwise.h"',
         function("fast", fast_setup, fast_loads),
         function("any", any_setup, any_loads),
         f"static const int {name}_kinds[] = {{{kind_codes}}};",
         f"static const int {name}_types[] = {{{types}}};",
         f"static const int {name}_row_sums[] = {{{cols}}};",
-        f"#define {name.upper()}_DEF {{\"{name}\", {len(inputs)}, {name}_types, {name}_kinds, {len(outputs)}, "
-        f"{name}_row_sums, {len(group.shape)}, {1 if flat else 0}, {name}_fast, {name}_any}}",
-    ])
+        f"PW_KERNEL({name}, {len(inputs)}, {name}_types, {name}_kinds, {len(outputs)}, {name}_row_sums, "
+        f"{len(group.shape)}, {1 if flat else 0}, {name}_fast, {name}_any);",
+    ]) + "\n"
 
 
-def kernel_source(kernels: list[str]) -> str:
-    """One C translation unit holding ``kernels`` (as ``fuse_pointwise`` emitted them)."""
-    names = [k.split("#define ", 1)[1].split("_DEF", 1)[0] for k in kernels]
-    table = ", ".join([f"{n}_DEF" for n in names] + ["{0}"])
-    return "\n\n".join(['#include "pointwise.h"', *kernels,
-                        f"static const PwKernelDef PW_KERNELS[] = {{{table}}};",
-                        "PW_DEFINE_REGISTRATION(PW_KERNELS)"]) + "\n"
+def kernel_name(kernel: str) -> str:
+    """The name of a kernel ``fuse_pointwise`` emitted (its op type in the model)."""
+    return kernel.rsplit("PW_KERNEL(", 1)[1].split(",", 1)[0]
+
+
+def table_source(kernels: list[str]) -> str:
+    """The translation unit that registers ``kernels`` with ONNX Runtime: a library is this,
+    the kernels' own units and ``csrc/pointwise_runtime.c``."""
+    names = [kernel_name(k) for k in kernels]
+    return "\n".join(['#include "pointwise.h"', *[f"PW_HIDDEN extern const PwKernelDef {n}_def;" for n in names],
+                      f"static const PwKernelDef* const kernels[] = {{{''.join(f'&{n}_def, ' for n in names)}0}};",
+                      "PW_DEFINE_REGISTRATION(kernels)"]) + "\n"
 
 
 # -- the pass -------------------------------------------------------------------------------------
@@ -454,7 +458,7 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
     """Replace elementwise groups of ``model``'s main graph by ``ort_dynamo.pointwise`` nodes.
     Returns each new kernel's C code (an empty list if nothing was fused)."""
     graph = model.graph
-    _expand_softmax(graph, _Graph(graph))
+    _expand_softmax(graph, _Graph())
     groups, info = _groups(graph)
     kernels = []
     for group in groups:
@@ -485,7 +489,7 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
         # Named by the hash of its code: identical chains (one per layer) share one kernel.
         code = _emit(group, info, inputs, outputs, "pw_@")
         name = "pw_" + hashlib.sha256(code.encode()).hexdigest()[:16]
-        kernels.append(code.replace("pw_@", name).replace("PW_@", name.upper()))
+        kernels.append(code.replace("pw_@", name))
         fused = ir.node(name, inputs, domain=DOMAIN, num_outputs=len(outputs),
                         doc_string="|".join(n.op_type for n in group.nodes))
         graph.insert_after(group.nodes[-1], fused)

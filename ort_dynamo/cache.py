@@ -48,7 +48,7 @@ def _own_source_digest() -> str:
     package = os.path.dirname(os.path.abspath(__file__))
     for folder, dirs, files in sorted(os.walk(package)):
         dirs.sort()
-        for name in sorted(f for f in files if f.endswith((".py", ".h"))):
+        for name in sorted(f for f in files if f.endswith((".py", ".h", ".c"))):
             with open(os.path.join(folder, name), "rb") as fh:
                 digest.update(name.encode() + fh.read())
     return digest.hexdigest()[:16]

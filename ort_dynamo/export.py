@@ -111,6 +111,9 @@ class ExportedGraph:
     input_permutations: list = dataclasses.field(default_factory=list)
     #: C source of each ``ort_dynamo.pointwise`` kernel the model uses (``_pointwise``).
     kernels: list = dataclasses.field(default_factory=list)
+    #: The model as it was before those kernels replaced its elementwise chains: it runs
+    #: while they compile. In memory only (a cached model's kernels are normally on disk).
+    unfused: bytes = b""
 
     def ort_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """Input ``index`` as the ONNX graph takes it: a permuted view (see
@@ -473,8 +476,9 @@ def _take_permuted_inputs(graph: "ir.Graph", permutations: list) -> list:
 def save_debug_files(exported: ExportedGraph, gm, model_bytes: bytes, options, stem: str) -> str:
     """``save_onnx``: write ``<prefix>_<stem>.onnx`` (as ORT runs it, after rewrite) and the FX
     graph it came from; returns the ONNX path. A model with pointwise kernels needs their
-    library to load: it is written beside it as ``.pointwise.so`` (and its source, ``.c``);
-    ``SessionOptions.register_custom_ops_library(path)`` registers it."""
+    library to load: it is written beside it as ``.pointwise.so``, which
+    ``SessionOptions.register_custom_ops_library(path)`` registers, with the kernels' C source
+    (``.pointwise.c``, to read)."""
     os.makedirs(options.save_path, exist_ok=True)
     base = os.path.join(options.save_path, f"{options.onnx_prefix}_{stem}")
     with open(base + ".onnx", "wb") as fh:
@@ -484,10 +488,9 @@ def save_debug_files(exported: ExportedGraph, gm, model_bytes: bytes, options, s
 
         from . import _kernels, _pointwise
 
-        source = _pointwise.kernel_source(exported.kernels)
         with open(base + ".pointwise.c", "w") as fh:
-            fh.write(source)
-        shutil.copyfile(_kernels.library(source, options.cache_dir), base + ".pointwise.so")
+            fh.write("\n".join([*exported.kernels, _pointwise.table_source(exported.kernels)]))
+        shutil.copyfile(_kernels.library(exported.kernels, options.cache_dir), base + ".pointwise.so")
     with open(base + ".fx.txt", "w") as fh:
         fh.write(gm.print_readable(print_output=False))
     return base + ".onnx"

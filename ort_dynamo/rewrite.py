@@ -50,11 +50,18 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         if exported.device == "cpu":
             # Chains ORT's optimizer misses -> its fused CPU kernels (Gelu, FastGelu, RMSNorm).
             _fusions.fuse(model)
-            if options.pointwise_kernels and _kernels.available():
-                exported.kernels = _pointwise.fuse_pointwise(model)
     _reshaped_outputs_as_views(exported)
     ir.passes.common.RemoveUnusedNodesPass()(model)  # what the passes above left dead
     ir.passes.common.RemoveUnusedFunctionsPass()(model)
+    if (exported.device == "cpu" and options.pointwise_kernels and options.enable_compute_optimizer
+            and not options.deterministic_compute and _kernels.available()):
+        # Last, so that the model without the kernels (run while they compile) is the same
+        # model in every other respect: same inputs, outputs and names.
+        unfused = ir.serde.serialize_model(model).SerializeToString()
+        exported.kernels = _pointwise.fuse_pointwise(model)
+        if exported.kernels:
+            exported.unfused = unfused
+            ir.passes.common.RemoveUnusedNodesPass()(model)  # constants that became C literals
     return ir.serde.serialize_model(model).SerializeToString()
 
 

@@ -16,7 +16,7 @@ import onnxruntime as ort
 import torch
 from onnxruntime.capi import _pybind_state as C
 
-from . import _kernels, _pointwise
+from . import _kernels
 from .errors import OrtRuntimeError
 from .export import ExportedGraph
 from .options import FallbackPolicy, OrtOptions
@@ -123,32 +123,52 @@ class OrtRunner:
         self._sessions: dict[torch.device, tuple] = {}
         self._failed: str | None = None
         #: The compiled library of ``exported.kernels``, if any: a future, built in the
-        #: background (while the next partitions export); the first run waits for it.
+        #: background. Until it is ready the model without the kernels runs (if there is
+        #: one: ``exported.unfused``), so the compiler's time never holds up a step.
         self.kernel_library = None
         if exported.kernels:
-            self.kernel_library = _kernels.build(_pointwise.kernel_source(exported.kernels), options.cache_dir)
+            self.kernel_library = _kernels.build(exported.kernels, options.cache_dir)
             graph_report.kernels += len(exported.kernels)
 
     # -- sessions ---------------------------------------------------------------------------------
 
     def _session(self, device: torch.device):
         entry = self._sessions.get(device)
+        if entry is not None and entry[-1] and self.kernel_library.done():
+            entry = None  # the kernels are ready: the interim session makes way
         if entry is None:
-            library = ""
+            model, library, interim = self.model_bytes, "", False
             if self.kernel_library is not None:
-                with self.report.stage("kernels"):
-                    library = self.kernel_library.result()
+                if self.kernel_library.done() or not self.exported.unfused:
+                    model, library = self._with_kernels()
+                else:
+                    model, interim = self.exported.unfused, True
             with self.report.stage("session"):
-                sess = ort.InferenceSession(self.model_bytes, session_options(self.options, device.type, library),
+                sess = ort.InferenceSession(model, session_options(self.options, device.type, library),
                                             providers=providers_for(device, self.options))
             if device.type == "cuda" and "CUDAExecutionProvider" not in sess.get_providers():
                 raise OrtRuntimeError(f"CUDA EP was not enabled for {self.name}: {sess.get_providers()}")
             ort_device = _ort_device(device)
-            entry = (sess, ort_device, [ort_device] * len(self.exported.output_names), C.RunOptions())
+            entry = (sess, ort_device, [ort_device] * len(self.exported.output_names), C.RunOptions(), interim)
             self._sessions[device] = entry
             self.report.sessions += 1
             self.report.providers.append(sess.get_providers()[0])
         return entry
+
+    def _with_kernels(self) -> tuple[bytes, str]:
+        """(model, library) once the kernels are built. If they cannot be, the model without
+        them runs from then on (said once); without that model the error stands."""
+        try:
+            with self.report.stage("kernels"):
+                return self.model_bytes, self.kernel_library.result()
+        except _kernels.KernelBuildError as exc:
+            if not self.exported.unfused:
+                raise
+            warnings.warn(f"ort_dynamo: {self.report.name}/{self.name} runs without its pointwise kernels: "
+                          f"{str(exc)[:300]}", stacklevel=3)
+            self.report.kernels -= len(self.exported.kernels)
+            self.model_bytes, self.kernel_library = self.exported.unfused, None
+            return self.model_bytes, ""
 
     # -- running ----------------------------------------------------------------------------------
 
@@ -186,7 +206,7 @@ class OrtRunner:
         # would promote it); wrapping its host pointer as device memory would be garbage.
         tensors = [(t if t.device == device else t.to(device)) if isinstance(t, torch.Tensor)
                    else _scalar_tensor(t, device) for t in tensors]
-        sess, ort_device, out_devices, run_options = self._session(device)
+        sess, ort_device, out_devices, run_options, _ = self._session(device)
         inputs = C.OrtValueVector()
         inputs.reserve(len(tensors))
         np_types = [_NUMPY_DTYPES.get(t.dtype) for t in tensors]

@@ -33,11 +33,15 @@ class _SwiGluAttention(nn.Module):
 
 
 def _step(model, x, options, tmp_path=None):
+    """A training step on ORT once the kernels are built (the steps before run without them)."""
     ort_dynamo.reset()
-    model.zero_grad()
     if tmp_path is not None:
         options = {**options, "save_onnx": True, "save_path": str(tmp_path)}
-    out = torch.compile(model, backend="ort", options=options)(x)
+    compiled = torch.compile(model, backend="ort", options=options)
+    compiled(x).square().sum().backward()
+    _kernels.wait()
+    model.zero_grad()
+    out = compiled(x)
     out.square().sum().backward()
     assert ort_dynamo.report().fallback_nodes == 0
     return [out.detach()] + [p.grad.clone() for p in model.parameters()]
@@ -89,7 +93,10 @@ def test_broadcast_read_patterns_match_eager(shapes):
 
     xs = [torch.randn(s) for s in shapes]
     ort_dynamo.reset()
-    got = torch.compile(fn, backend="ort")(*xs)
+    compiled = torch.compile(fn, backend="ort")
+    compiled(*xs)
+    _kernels.wait()
+    got = compiled(*xs)
     assert ort_dynamo.report().kernels == 1
     torch.testing.assert_close(got, fn(*xs), rtol=1e-5, atol=1e-6)
 
@@ -100,7 +107,10 @@ def test_where_keeps_eager_semantics_for_masks_and_infinities():
         return torch.where(filled > 0, x, filled * 2), filled.exp()
 
     scores, mask, x = torch.randn(4, 64, 128), torch.rand(4, 1, 128) > 0.5, torch.randn(128)
-    got = torch.compile(fn, backend="ort")(scores, mask, x)
+    compiled = torch.compile(fn, backend="ort")
+    compiled(scores, mask, x)
+    _kernels.wait()
+    got = compiled(scores, mask, x)
     for g, want in zip(got, fn(scores, mask, x)):
         torch.testing.assert_close(g, want, rtol=1e-6, atol=0)
 
@@ -121,7 +131,7 @@ def _kernel_model(x_shape, y_shape, build=None):
     assert len(kernels) == 1 and len([n for n in model.graph if n.op_type != "Constant"]) == 1
     for value in (x, y):
         value.shape = None
-    library = _kernels.library(_pointwise.kernel_source(kernels))
+    library = _kernels.library(kernels)
     so = ort.SessionOptions()
     so.register_custom_ops_library(library)
     return ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
@@ -142,11 +152,10 @@ def test_kernel_rejects_shapes_that_do_not_broadcast_with_a_clear_error():
 
 
 def test_kernel_library_is_built_once_and_reused_from_disk(tmp_path):
-    source = _pointwise.kernel_source([])
-    first = _kernels.library(source, str(tmp_path))
+    first = _kernels.library([], str(tmp_path))
     assert first.startswith(str(tmp_path / "kernels"))
     mtime = os.path.getmtime(first)
-    assert _kernels.library(source, str(tmp_path)) == first
+    assert _kernels.library([], str(tmp_path)) == first
     assert os.path.getmtime(first) == mtime
 
 
@@ -161,7 +170,7 @@ def test_without_a_compiler_training_runs_on_ort_kernels(monkeypatch, tmp_path):
 def test_missing_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(_kernels, "_compiler", lambda: None)
     with pytest.raises(_kernels.KernelBuildError, match="no C compiler"):
-        _kernels.library(_pointwise.kernel_source([]), "")
+        _kernels.library([], "")
 
 
 def test_row_sums_and_softmax_fuse_with_their_neighbours_and_match_eager(tmp_path):
@@ -190,6 +199,9 @@ def _step_fn(fn, x, w, tmp_path=None):
     if tmp_path is not None:
         ort_dynamo.reset()
         fn = torch.compile(fn, backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
+        sum(o.sin().sum() for o in fn(x, w)).backward()
+        _kernels.wait()
+        x.grad = w.grad = None
     outs = fn(x, w)
     sum(o.sin().sum() for o in outs).backward()
     return [o.detach() for o in outs] + [x.grad, w.grad]
@@ -218,8 +230,67 @@ def test_exp_is_within_two_ulp_of_eager_and_keeps_infinities_and_nan(tmp_path):
     def fn(x):
         return (x * 1.5).exp(), torch.sigmoid(x) * 2
 
-    got = torch.compile(fn, backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})(x)
+    compiled = torch.compile(fn, backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
+    compiled(x)
+    _kernels.wait()
+    got = compiled(x)
     fused = [n.doc_string for p in glob.glob(str(tmp_path / "*.onnx")) for n in _pointwise_nodes(p)]
     assert sorted(fused) == ["Mul|Exp", "Sigmoid|Mul"]
     for g, want in zip(got, fn(x)):
         torch.testing.assert_close(g, want, rtol=2.4e-7, atol=1.2e-38, equal_nan=True)
+
+
+def _pending_builds(monkeypatch):
+    """Kernel builds that finish when the test says so: [(kernels, future), ...]."""
+    import concurrent.futures
+
+    builds = []
+
+    def build(kernels, cache_dir=""):
+        builds.append((kernels, concurrent.futures.Future()))
+        return builds[-1][1]
+
+    monkeypatch.setattr(_kernels, "build", build)
+    return builds
+
+
+def test_steps_run_without_the_kernels_until_the_compiler_is_done(monkeypatch):
+    """The compiler's time never holds up a step: until a partition's kernels are built, its
+    model without them runs; the step after they are ready uses them. Same results."""
+    builds = _pending_builds(monkeypatch)
+    torch.manual_seed(0)
+    model, x = _SwiGluAttention(), torch.randn(4, 64, 64)
+    first = _step(model, x, {})
+    assert builds and not any(future.done() for _, future in builds)
+    sessions = ort_dynamo.report().sessions
+    for kernels, future in builds:
+        future.set_result(_kernels.library(kernels))
+    compiled = torch.compile(model, backend="ort")
+    model.zero_grad()
+    out = compiled(x)
+    out.square().sum().backward()
+    assert ort_dynamo.report().sessions == 2 * sessions  # each partition's session, now with kernels
+    second = [out.detach()] + [p.grad.clone() for p in model.parameters()]
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+def test_kernels_that_fail_to_build_leave_the_model_without_them_running(monkeypatch):
+    builds = _pending_builds(monkeypatch)
+    torch.manual_seed(0)
+    model, x = _SwiGluAttention(), torch.randn(4, 64, 64)
+    plain = _step(model, x, {"pointwise_kernels": False})
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ort")
+    model.zero_grad()
+    compiled(x).square().sum().backward()  # compiles; the builds are pending
+    for _, future in builds:
+        future.set_exception(_kernels.KernelBuildError("cc failed on the generated kernels"))
+    model.zero_grad()
+    with pytest.warns(UserWarning, match="runs without its pointwise kernels: cc failed"):
+        out = compiled(x)
+        out.square().sum().backward()
+    assert ort_dynamo.report().kernels == 0
+    for got, want in zip([out.detach()] + [p.grad for p in model.parameters()], plain):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

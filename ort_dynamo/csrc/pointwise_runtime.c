@@ -1,0 +1,229 @@
+/* pointwise_runtime.c -- the ONNX Runtime side of ort_dynamo's generated kernels.
+ *
+ * Turns each kernel definition (pointwise.h) into a custom op of the "ort_dynamo.pointwise"
+ * domain: reads the inputs' shapes, broadcasts them to the output shape, checks that the read
+ * patterns the fast function was generated for hold (else runs the strided one, or reports
+ * shapes that do not broadcast), allocates the outputs and splits the rows over the session's
+ * intra-op threads. Compiled once per compiler and flags, linked into every kernel library.
+ *
+ * Part of ort_dynamo; MIT licensed.
+ */
+#include "pointwise.h"
+
+typedef struct PwKernel {
+  const OrtApiTable* api;
+  const PwKernelDef* def;
+} PwKernel;
+
+typedef struct PwOp {
+  OrtCustomOp op; /* first: ORT hands back a pointer to it */
+  const PwKernelDef* def;
+} PwOp;
+
+static OrtStatus* pw_error(const PwKernel* k, const char* what) {
+  char message[256];
+  snprintf(message, sizeof message, "ort_dynamo pointwise kernel %s: %s", k->def->name, what);
+  return ORTD_CALL(k->api, CreateStatus)(ORTD_INVALID_ARGUMENT, message);
+}
+
+#define PW_TRY(call)             \
+  do {                           \
+    OrtStatus* status_ = (call); \
+    if (status_) return status_; \
+  } while (0)
+
+static void pw_task(void* user, size_t t) {
+  const PwArgs* a = (const PwArgs*)user;
+  const int64_t r0 = (int64_t)t * a->rows_per_task;
+  const int64_t r1 = r0 + a->rows_per_task < a->rows ? r0 + a->rows_per_task : a->rows;
+  a->rows_fn(a, r0, r1);
+}
+
+/* Whether input i, of padded shape `shape`, is read the way the fast function assumes. */
+static int pw_kind_holds(int kind, const int64_t* shape, const PwArgs* a, int64_t numel_in) {
+  const int64_t rank = a->rank;
+  int64_t lead = 0;
+  switch (kind) {
+    case PW_FULL:
+      return numel_in == a->numel;
+    case PW_SCALAR:
+      return numel_in == 1;
+    case PW_SUFFIX:
+      while (lead < rank && shape[lead] == 1) ++lead;
+      for (int64_t d = lead; d < rank; ++d)
+        if (shape[d] != a->dims[d]) return 0;
+      return rank > 0;
+    case PW_COL:
+      if (rank == 0 || shape[rank - 1] != 1) return 0;
+      for (int64_t d = 0; d < rank - 1; ++d)
+        if (shape[d] != a->dims[d]) return 0;
+      return 1;
+    case PW_STRIDED_ROW: /* row offsets from the strides; read along the last axis */
+      return rank > 0 && shape[rank - 1] == a->dims[rank - 1];
+    case PW_STRIDED_COL:
+      return rank > 0 && shape[rank - 1] == 1;
+    default:
+      return 1;
+  }
+}
+
+static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
+  const PwKernel* k = (const PwKernel*)kernel;
+  const PwKernelDef* def = k->def;
+  const OrtApiTable* api = k->api;
+  PwArgs a;
+  int64_t shapes[PW_MAX_ARGS][PW_MAX_RANK];
+  a.rank = def->rank;
+  for (int64_t d = 0; d < a.rank; ++d) a.dims[d] = 1;
+  for (int i = 0; i < def->n_in; ++i) {
+    const OrtValue* value;
+    OrtTensorTypeAndShapeInfo* info;
+    size_t rank;
+    int64_t dims[PW_MAX_RANK];
+    PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, (size_t)i, &value));
+    PW_TRY(ORTD_CALL(api, GetTensorTypeAndShape)(value, &info));
+    OrtStatus* status = ORTD_CALL(api, GetDimensionsCount)(info, &rank);
+    if (!status && rank <= (size_t)a.rank) status = ORTD_CALL(api, GetDimensions)(info, dims, rank);
+    ORTD_CALL(api, ReleaseTensorTypeAndShapeInfo)(info);
+    if (status) return status;
+    if (rank > (size_t)a.rank) return pw_error(k, "an input has more axes than the output");
+    a.numel_in[i] = 1;
+    for (int64_t d = 0; d < a.rank; ++d) {
+      const int64_t pad = a.rank - (int64_t)rank;
+      const int64_t size = d < pad ? 1 : dims[d - pad];
+      shapes[i][d] = size;
+      a.numel_in[i] *= size;
+      if (size != 1) {
+        if (a.dims[d] != 1 && a.dims[d] != size) return pw_error(k, "input shapes do not broadcast");
+        a.dims[d] = size;
+      }
+    }
+    void* data;
+    PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)value, &data));
+    a.in[i] = data;
+  }
+  a.numel = 1;
+  for (int64_t d = 0; d < a.rank; ++d) a.numel *= a.dims[d];
+  int64_t row_sum_dims[PW_MAX_RANK];
+  for (int64_t d = 0; d < a.rank; ++d) row_sum_dims[d] = d == a.rank - 1 ? 1 : a.dims[d];
+  for (int j = 0; j < def->n_out; ++j) {
+    OrtValue* value;
+    void* data;
+    const int64_t* dims = def->row_sums[j] ? row_sum_dims : a.dims;
+    PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, (size_t)j, dims, (size_t)a.rank, &value));
+    PW_TRY(ORTD_CALL(api, GetTensorMutableData)(value, &data));
+    a.out[j] = data;
+  }
+  int fast = 1;
+  for (int i = 0; i < def->n_in; ++i) {
+    int64_t stride = 1;
+    for (int64_t d = a.rank - 1; d >= 0; --d) {
+      a.strides[i][d] = shapes[i][d] == 1 ? 0 : stride;
+      stride *= shapes[i][d];
+    }
+    a.inner_stride[i] = a.rank ? a.strides[i][a.rank - 1] : 0;
+    fast = fast && pw_kind_holds(def->kinds[i], shapes[i], &a, a.numel_in[i]);
+  }
+  if (a.numel == 0) {
+    /* Nothing to compute, except row sums over an empty last axis: 0 (mean: NaN, as torch). */
+    int has_row_sums = 0;
+    for (int j = 0; j < def->n_out; ++j) has_row_sums |= def->row_sums[j];
+    int64_t rows = 1;
+    for (int64_t d = 0; d + 1 < a.rank; ++d) rows *= a.dims[d];
+    if (has_row_sums && rows > 0) {
+      a.inner = 0;
+      a.rows = rows;
+      def->any(&a, 0, rows);
+    }
+    return NULL;
+  }
+  a.rows_fn = fast ? def->fast : def->any;
+  if (fast && def->flat) {
+    a.inner = PW_BLOCK;
+  } else {
+    a.inner = a.rank ? a.dims[a.rank - 1] : 1;
+  }
+  a.rows = (a.numel + a.inner - 1) / a.inner;
+  a.rows_per_task = PW_TASK_ELEMENTS / a.inner > 1 ? PW_TASK_ELEMENTS / a.inner : 1;
+  const int64_t tasks = (a.rows + a.rows_per_task - 1) / a.rows_per_task;
+  if (tasks <= 1) {
+    a.rows_fn(&a, 0, a.rows);
+    return NULL;
+  }
+  return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, pw_task, (size_t)tasks, 0, &a);
+}
+
+static const PwKernelDef* pw_def(const OrtCustomOp* op) { return ((const PwOp*)op)->def; }
+
+static OrtStatus* pw_create(const OrtCustomOp* op, const OrtApiTable* api, const OrtKernelInfo* info, void** out) {
+  (void)info;
+  PwKernel* k = (PwKernel*)malloc(sizeof(PwKernel));
+  if (!k) return ORTD_CALL(api, CreateStatus)(ORTD_FAIL, "ort_dynamo pointwise kernel: out of memory");
+  k->api = api;
+  k->def = pw_def(op);
+  *out = k;
+  return NULL;
+}
+
+static void* pw_create_v1(const OrtCustomOp* op, const OrtApiTable* api, const OrtKernelInfo* info) {
+  void* kernel = NULL;
+  OrtStatus* status = pw_create(op, api, info, &kernel);
+  if (status) ORTD_CALL(api, ReleaseStatus)(status);
+  return kernel;
+}
+
+static void pw_compute_v1(void* kernel, OrtKernelContext* ctx) {
+  /* Not called: ORT uses KernelComputeV2, which can report errors. */
+  OrtStatus* status = pw_compute(kernel, ctx);
+  if (status) ORTD_CALL(((PwKernel*)kernel)->api, ReleaseStatus)(status);
+}
+
+static void pw_destroy(void* kernel) { free(kernel); }
+static const char* pw_name(const OrtCustomOp* op) { return pw_def(op)->name; }
+static const char* pw_provider(const OrtCustomOp* op) { (void)op; return NULL; }
+static int pw_input_type(const OrtCustomOp* op, size_t i) {
+  return pw_def(op)->types[i] == PW_BOOL ? ORTD_ELEM_BOOL : ORTD_ELEM_FLOAT;
+}
+static size_t pw_input_count(const OrtCustomOp* op) { return (size_t)pw_def(op)->n_in; }
+static int pw_output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORTD_ELEM_FLOAT; }
+static size_t pw_output_count(const OrtCustomOp* op) { return (size_t)pw_def(op)->n_out; }
+static int pw_required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORTD_IO_REQUIRED; }
+static int pw_default_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORTD_MEM_DEFAULT; }
+
+static void pw_init_op(PwOp* p, const PwKernelDef* def) {
+  p->def = def;
+  p->op.version = ORTD_CUSTOM_OP_VERSION;
+  p->op.CreateKernel = pw_create_v1;
+  p->op.GetName = pw_name;
+  p->op.GetExecutionProviderType = pw_provider;
+  p->op.GetInputType = pw_input_type;
+  p->op.GetInputTypeCount = pw_input_count;
+  p->op.GetOutputType = pw_output_type;
+  p->op.GetOutputTypeCount = pw_output_count;
+  p->op.KernelCompute = pw_compute_v1;
+  p->op.KernelDestroy = pw_destroy;
+  p->op.GetInputCharacteristic = pw_required;
+  p->op.GetOutputCharacteristic = pw_required;
+  p->op.GetInputMemoryType = pw_default_memory;
+  p->op.CreateKernelV2 = pw_create;
+  p->op.KernelComputeV2 = pw_compute;
+}
+
+OrtStatus* pw_register(OrtSessionOptions* options, const OrtApiBase* base, const PwKernelDef* const* defs) {
+  static PwOp* ops; /* one per kernel, filled on the first registration; later sessions share them */
+  const OrtApiTable* api = base->GetApi(ORTD_API_VERSION);
+  if (!api) return NULL; /* unreachable on ORT >= 1.17; nothing we can report through */
+  size_t count = 0;
+  while (defs[count]) ++count;
+  if (!ops) {
+    ops = (PwOp*)calloc(count ? count : 1, sizeof(PwOp));
+    if (!ops) return ORTD_CALL(api, CreateStatus)(ORTD_FAIL, "ort_dynamo pointwise kernels: out of memory");
+    for (size_t i = 0; i < count; ++i) pw_init_op(&ops[i], defs[i]);
+  }
+  OrtCustomOpDomain* domain;
+  PW_TRY(ORTD_CALL(api, CreateCustomOpDomain)("ort_dynamo.pointwise", &domain));
+  for (size_t i = 0; i < count; ++i) PW_TRY(ORTD_CALL(api, CustomOpDomain_Add)(domain, &ops[i].op));
+  /* The domain must outlive every session using it: it is never released. */
+  return ORTD_CALL(api, AddCustomOpDomain)(options, domain);
+}
+
