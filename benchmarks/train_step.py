@@ -100,6 +100,8 @@ def bench_model(name, args) -> dict:
         runners[backend] = (fn, torch.optim.AdamW(clone.parameters(), lr=1e-4))
     first, times = {}, {b: [] for b in runners}
     for step in range(args.warmup + args.steps):
+        if step == max(args.warmup, 1):
+            ort_dynamo.wait_for_kernels()  # steady state: the background compiler is done
         for backend, (fn, opt) in runners.items():
             seconds = train_step(fn, opt, batch, args.device, autocast)
             if step == 0:
@@ -140,6 +142,7 @@ def _child_memory(name, backend, args) -> None:
     opt = torch.optim.AdamW(clone.parameters(), lr=1e-4)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+        ort_dynamo.wait_for_kernels()
         for _ in range(3):
             train_step(fn, opt, batch, "cuda", True)
         print(torch.cuda.max_memory_allocated() / 2**20)
@@ -148,6 +151,7 @@ def _child_memory(name, backend, args) -> None:
     # AdamW state) counts; the peak is reset after it, so compile-time transients do not.
     base = _rss_mb()
     train_step(fn, opt, batch, "cpu", False)
+    ort_dynamo.wait_for_kernels()
     _reset_peak_rss()
     for _ in range(3):
         train_step(fn, opt, batch, "cpu", False)

@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ExportFailedError", "FallbackNode", "OptionsError", "OrtDynamoError", "FallbackPolicy", "GraphReport", "LogLevel",
     "OrtBackend", "OrtOptions", "OrtRuntimeError", "Report", "UnsupportedOpError",
-    "ort_backend", "report", "reset",
+    "ort_backend", "report", "reset", "wait_for_kernels",
 ]
 
 
@@ -36,6 +36,15 @@ def report() -> Report:
     from .report import current_report
 
     return current_report()
+
+
+def wait_for_kernels() -> None:
+    """Block until the pointwise kernels being compiled in the background are built. Steps
+    before that run each partition without its kernels (same results within rounding, less
+    speed); call this after a warm-up step to measure, or to pin the numerics, from the start."""
+    from ._kernels import wait
+
+    wait()
 
 
 def reset() -> None:

@@ -39,7 +39,7 @@ def _step(model, x, options, tmp_path=None):
         options = {**options, "save_onnx": True, "save_path": str(tmp_path)}
     compiled = torch.compile(model, backend="ort", options=options)
     compiled(x).square().sum().backward()
-    _kernels.wait()
+    ort_dynamo.wait_for_kernels()
     model.zero_grad()
     out = compiled(x)
     out.square().sum().backward()
@@ -95,7 +95,7 @@ def test_broadcast_read_patterns_match_eager(shapes):
     ort_dynamo.reset()
     compiled = torch.compile(fn, backend="ort")
     compiled(*xs)
-    _kernels.wait()
+    ort_dynamo.wait_for_kernels()
     got = compiled(*xs)
     assert ort_dynamo.report().kernels == 1
     torch.testing.assert_close(got, fn(*xs), rtol=1e-5, atol=1e-6)
@@ -109,7 +109,7 @@ def test_where_keeps_eager_semantics_for_masks_and_infinities():
     scores, mask, x = torch.randn(4, 64, 128), torch.rand(4, 1, 128) > 0.5, torch.randn(128)
     compiled = torch.compile(fn, backend="ort")
     compiled(scores, mask, x)
-    _kernels.wait()
+    ort_dynamo.wait_for_kernels()
     got = compiled(scores, mask, x)
     for g, want in zip(got, fn(scores, mask, x)):
         torch.testing.assert_close(g, want, rtol=1e-6, atol=0)
@@ -200,7 +200,7 @@ def _step_fn(fn, x, w, tmp_path=None):
         ort_dynamo.reset()
         fn = torch.compile(fn, backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
         sum(o.sin().sum() for o in fn(x, w)).backward()
-        _kernels.wait()
+        ort_dynamo.wait_for_kernels()
         x.grad = w.grad = None
     outs = fn(x, w)
     sum(o.sin().sum() for o in outs).backward()
@@ -232,7 +232,7 @@ def test_exp_is_within_two_ulp_of_eager_and_keeps_infinities_and_nan(tmp_path):
 
     compiled = torch.compile(fn, backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
     compiled(x)
-    _kernels.wait()
+    ort_dynamo.wait_for_kernels()
     got = compiled(x)
     fused = [n.doc_string for p in glob.glob(str(tmp_path / "*.onnx")) for n in _pointwise_nodes(p)]
     assert sorted(fused) == ["Mul|Exp", "Sigmoid|Mul"]
