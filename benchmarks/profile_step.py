@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import os
 import sys
@@ -70,11 +69,10 @@ def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple[collections.
     ort_dynamo.wait_for_kernels()  # the kernels' sessions replace the interim ones from here
     for _ in range(steps):
         train_step(fn, opt, batch, "cpu", False)
-    for runner in runners:
-        for session, *_ in runner._sessions.values():
-            session.end_profiling()
+    # Only the sessions that ran these steps (not the interim ones the kernels replaced).
+    paths = [session.end_profiling() for runner in runners for session, *_ in runner._sessions.values()]
     per_op, calls, per_node = collections.Counter(), collections.Counter(), collections.Counter()
-    for path in glob.glob(os.path.join(folder, "*.json")):
+    for path in paths:
         with open(path) as fh:
             for event in json.load(fh):
                 if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
