@@ -74,13 +74,16 @@ def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple[collections.
     per_op, calls, per_node = collections.Counter(), collections.Counter(), collections.Counter()
     for path in paths:
         with open(path) as fh:
-            for event in json.load(fh):
-                if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
-                    op = event["args"].get("op_name")
-                    per_op[op] += event["dur"] / 1e3 / steps
-                    calls[op] += 1 / steps
-                    shapes = json.dumps(event["args"].get("output_type_shape", ""))[:70]
-                    per_node[f"{op} {shapes}"] += event["dur"] / 1e3 / steps
+            events = json.load(fh)
+        # Per run of this session: one without kernels to wait for also ran the warm-up step.
+        runs = max(1, sum(1 for e in events if e.get("cat") == "Session" and e["name"] == "model_run"))
+        for event in events:
+            if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+                op = event["args"].get("op_name")
+                per_op[op] += event["dur"] / 1e3 / runs
+                calls[op] += 1 / runs
+                shapes = json.dumps(event["args"].get("output_type_shape", ""))[:70]
+                per_node[f"{op} {shapes}"] += event["dur"] / 1e3 / runs
     return per_op, calls, per_node
 
 
