@@ -134,6 +134,8 @@ class _RunnerModule(torch.nn.Module):
 
 def _compile_partition(sub: torch.fx.GraphModule, name: str, options: OrtOptions, graph_report):
     stem = f"{graph_report.name}_{name}"
+    # Counted before export, which adds casts to ``sub``: what the report counted as on ORT.
+    nodes = sum(1 for n in sub.graph.nodes if partition_stage.is_compute(n))
     try:
         cached = key = None
         if options.cache_dir:
@@ -151,7 +153,6 @@ def _compile_partition(sub: torch.fx.GraphModule, name: str, options: OrtOptions
             if key is not None:
                 cache_stage.store(options.cache_dir, key, exported, model_bytes)
     except Exception as exc:
-        nodes = sum(1 for n in sub.graph.nodes if partition_stage.is_compute(n))
         root = exc
         while root.__cause__ is not None:  # the exporter wraps a lowering's own message
             root = root.__cause__
@@ -164,4 +165,4 @@ def _compile_partition(sub: torch.fx.GraphModule, name: str, options: OrtOptions
     if options.save_onnx:
         path = export_stage.save_debug_files(exported, sub, model_bytes, options, stem)
         graph_report.onnx_paths.append(path)
-    return run_stage.OrtRunner(exported, model_bytes, options, graph_report, sub, name)
+    return run_stage.OrtRunner(exported, model_bytes, options, graph_report, sub, name, nodes)

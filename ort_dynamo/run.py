@@ -113,13 +113,15 @@ class OrtRunner:
     """Runs one exported partition; falls back to ``torch_fn`` where the policy allows."""
 
     def __init__(self, exported: ExportedGraph, model_bytes: bytes, options: OrtOptions,
-                 graph_report: GraphReport, torch_fn: Callable, name: str) -> None:
+                 graph_report: GraphReport, torch_fn: Callable, name: str, nodes: int | None = None) -> None:
         self.exported = exported
         self.model_bytes = model_bytes
         self.options = options
         self.report = graph_report
         self.torch_fn = torch_fn
         self.name = name
+        #: Compute nodes the report counts on ORT for this partition (moved to PyTorch on failure).
+        self.nodes = nodes if nodes is not None else sum(1 for n in torch_fn.graph.nodes if is_compute(n))
         self._sessions: dict[torch.device, tuple] = {}
         self._failed: str | None = None
         #: The compiled library of ``exported.kernels``, if any: a future, built in the
@@ -185,8 +187,7 @@ class OrtRunner:
             self._failed = f"{type(exc).__name__}: {exc}"
             warnings.warn(f"ort_dynamo: ONNX Runtime failed on {self.report.name}/{self.name}; "
                           f"running it in PyTorch from now on ({self._failed[:200]})", stacklevel=2)
-            nodes = sum(1 for n in self.torch_fn.graph.nodes if is_compute(n))
-            self.report.partition_to_pytorch(self.name, "runtime failure: " + self._failed[:300], nodes)
+            self.report.partition_to_pytorch(self.name, "runtime failure: " + self._failed[:300], self.nodes)
             return self.torch_fn(*args)
 
     def _run(self, args: Sequence):

@@ -121,6 +121,28 @@ def test_runtime_failure_warns_once_and_stays_in_pytorch(monkeypatch):
     assert ort_dynamo.report().fallback_nodes > 0
 
 
+def test_a_partition_failing_at_run_time_moves_exactly_its_nodes_to_pytorch(monkeypatch):
+    """Export adds casts to the partition it translates (here: the int64 sum); the report
+    moves the nodes it counted on ORT, never more, so no count goes negative."""
+    import ort_dynamo.run as run_stage
+
+    def failing_run(self, args):
+        raise RuntimeError("simulated ORT crash")
+
+    def fn(x, n):
+        return (x * x).sum(-1, keepdim=True) * x + n.sum()
+
+    ort_dynamo.reset()
+    compiled = torch.compile(fn, backend="ort")
+    x, n = torch.randn(4, 8), torch.arange(3)
+    expected = fn(x, n)
+    monkeypatch.setattr(run_stage.OrtRunner, "_run", failing_run)
+    with pytest.warns(UserWarning, match="simulated ORT crash"):
+        torch.testing.assert_close(compiled(x, n), expected)
+    report = ort_dynamo.report()
+    assert report.ort_nodes == 0 and report.fallback_nodes > 0
+
+
 def test_fallback_policy_parsing():
     assert FallbackPolicy.parse("DISABLE") == FallbackPolicy.DISABLE
     assert FallbackPolicy.parse("FALLBACK_DISABLE") == FallbackPolicy.DISABLE
