@@ -23,6 +23,8 @@ import math
 import numpy as np
 import onnx_ir as ir
 
+from ._fusions import _scalar  # a one-element constant's value, or None
+
 __all__ = ["DOMAIN", "fuse_pointwise", "kernel_name", "table_source"]
 
 DOMAIN = "ort_dynamo.pointwise"
@@ -46,19 +48,6 @@ _ALONE_OK = {"Where"}
 
 
 # -- what a node is -------------------------------------------------------------------------------
-
-def _scalar_of(value: ir.Value | None) -> float | None:
-    if value is None:
-        return None
-    tensor = value.const_value
-    if tensor is None:
-        producer = value.producer()
-        if producer is None or producer.op_type != "Constant" or "value" not in producer.attributes:
-            return None
-        tensor = producer.attributes["value"].value
-    array = tensor.numpy()
-    return float(array.reshape(-1)[0]) if array.size == 1 else None
-
 
 def _dims(shape) -> tuple | None:
     """Static ints and named symbols; None if any dim is unknown."""
@@ -106,7 +95,7 @@ class _Graph:
         out = node.outputs[0]
         if out.dtype not in (None, ir.DataType.FLOAT):
             return None
-        if node.op_type == "Pow" and _scalar_of(node.inputs[1]) is None:
+        if node.op_type == "Pow" and _scalar(node.inputs[1]) is None:
             return None
         if node.op_type == "Where":
             cond, *data = node.inputs
@@ -281,7 +270,7 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
             return local[value]
         if value in arg:
             return f"{arg[value]}v"
-        return _literal(_scalar_of(value))
+        return _literal(_scalar(value))
 
     def statement(node):
         op = node.op_type
@@ -290,7 +279,7 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
         elif op == "Where":
             expr = f"({ref(node.inputs[0])} ? {ref(node.inputs[1])} : {ref(node.inputs[2])})"
         elif op == "Pow":
-            exponent = _scalar_of(node.inputs[1])
+            exponent = _scalar(node.inputs[1])
             base = ref(node.inputs[0])
             expr = {2.0: f"({base} * {base})", 1.0: base, 0.5: f"sqrtf({base})",
                     -1.0: f"(1.0f / {base})"}.get(exponent, f"powf({base}, {_literal(exponent)})")
@@ -476,7 +465,7 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
                 is_operand = not (position == 1 and node.op_type in ("Pow", "Expand", *_ROW_REDUCTIONS))
                 if not is_operand:
                     continue
-                if value.dtype == ir.DataType.FLOAT and _scalar_of(value) is not None and \
+                if value.dtype == ir.DataType.FLOAT and _scalar(value) is not None and \
                         (info.dims(value) is None or all(d == 1 for d in info.dims(value))):
                     continue  # a literal in the C code
                 inputs.append(value)
