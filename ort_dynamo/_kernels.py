@@ -1,10 +1,10 @@
 """Kernels: generated C (``_pointwise``) -> an ONNX Runtime custom-op library.
 
-Compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``) for this CPU, once per
-source: libraries are kept on disk under ``<cache_dir>/kernels`` (or the user's cache folder,
-``$XDG_CACHE_HOME/ort_dynamo/kernels``) by the hash of everything that shapes them. Stock
-onnxruntime ships no C headers; ``csrc/ort_abi.h`` declares the few parts of its stable C ABI
-the library uses.
+Compiled with the machine's C compiler (``$CC``, else ``cc``/``gcc``/``clang``) for this CPU:
+each kernel once, into an object file kept on disk under ``<cache_dir>/kernels`` (or the
+user's cache folder, ``$XDG_CACHE_HOME/ort_dynamo/kernels``) by the hash of everything that
+shapes it; a library links the objects a partition needs. Stock onnxruntime ships no C
+headers; ``csrc/ort_abi.h`` declares the few parts of its stable C ABI the library uses.
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ log = logging.getLogger("ort_dynamo")
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # No -ffast-math: results must match op-by-op float32 arithmetic. -fno-math-errno lets the
-# vectorizer use libmvec's SIMD expf/tanhf/erff (declared in pointwise.h).
+# vectorizer use libmvec's SIMD logf/tanhf/erff/powf (declared in pointwise.h).
 # -fopenmp-simd: only the `omp simd` pragmas of row sums (vectorized partial sums); no OpenMP runtime.
 _FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-fno-math-errno", "-ffp-contract=off",
           "-fopenmp-simd", "-fvisibility=hidden", "-w"]
-_LIBS = ["-lmvec", "-lm"]
 
 
 class KernelBuildError(RuntimeError):
@@ -53,6 +52,30 @@ def _compiler() -> tuple[str, str] | None:
     return None
 
 
+def _toolchain() -> tuple[str, str, tuple, tuple]:
+    """(compiler, version, flags, libraries) to build kernels with."""
+    compiler = _compiler()
+    if compiler is None:
+        raise KernelBuildError("no C compiler found (set CC, or install gcc)")
+    return _probe(*compiler)
+
+
+@functools.lru_cache(None)
+def _probe(compiler: str, version: str) -> tuple[str, str, tuple, tuple]:
+    """With glibc's libmvec when a library links against it here, else without (the kernels
+    then call scalar log/tanh/erf)."""
+    with tempfile.TemporaryDirectory() as work:
+        src = os.path.join(work, "probe.c")
+        with open(src, "w") as fh:
+            fh.write('#include "pointwise.h"\nfloat probe(const float* x) { return logf(x[0]) + tanhf(x[1]); }\n')
+        for extra, libs in (([], ["-lmvec", "-lm"]), (["-DPW_NO_MVEC"], ["-lm"])):
+            command = [compiler, *_FLAGS, *extra, "-shared", "-I", _CSRC, src, "-o", os.path.join(work, "p.so"), *libs]
+            if subprocess.run(command, capture_output=True, timeout=120).returncode == 0:
+                return compiler, version, (*_FLAGS, *extra), tuple(libs)
+    raise KernelBuildError(f"{compiler} cannot build a shared library here ({version})")
+
+
+@functools.lru_cache(None)
 def _header_digest() -> str:
     digest = hashlib.sha256()
     for name in sorted(os.listdir(_CSRC)):
@@ -87,10 +110,8 @@ def library(kernels: list[str], cache_dir: str = "") -> str:
     Each kernel is compiled once into an object file kept on disk by its hash, so a kernel
     shared by several partitions, graphs or processes costs one compiler run; a library only
     links them."""
-    compiler = _compiler()
-    if compiler is None:
-        raise KernelBuildError("no C compiler found (set CC, or install gcc)")
-    setup = "\n".join([_header_digest(), *compiler, *_FLAGS, *_LIBS])
+    compiler, version, flags, libs = _toolchain()
+    setup = "\n".join([_header_digest(), compiler, version, *flags, *libs])
     with open(os.path.join(_CSRC, "pointwise_runtime.c")) as fh:
         units = [fh.read(), *kernels]
     table = _pointwise.table_source(kernels)
@@ -110,7 +131,7 @@ def library(kernels: list[str], cache_dir: str = "") -> str:
             src = os.path.join(work, f"unit{index}.c")
             with open(src, "w") as fh:
                 fh.write(unit)
-            commands.append([compiler[0], *_FLAGS, "-c", "-I", _CSRC, "-o", os.path.join(work, f"unit{index}.o"), src])
+            commands.append([compiler, *flags, "-c", "-I", _CSRC, "-o", os.path.join(work, f"unit{index}.o"), src])
             done.append(obj)
         _run(commands)
         for command, obj in zip(commands, done):
@@ -119,7 +140,7 @@ def library(kernels: list[str], cache_dir: str = "") -> str:
         with open(src, "w") as fh:
             fh.write(table)
         out = os.path.join(work, "kernels.so")
-        _run([[compiler[0], *_FLAGS, "-shared", "-I", _CSRC, "-o", out, *dict.fromkeys(objects), *_LIBS, src]])
+        _run([[compiler, *flags, "-shared", "-I", _CSRC, "-o", out, *dict.fromkeys(objects), *libs, src]])
         os.replace(out, path)
     log.debug("linked %d pointwise kernel(s) into %s", len(kernels), path)
     return path

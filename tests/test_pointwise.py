@@ -318,3 +318,21 @@ def test_kernels_of_symbolic_shapes_serve_every_batch_and_sequence_length():
         for g, p in zip(grads, model.parameters()):
             torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5 * p.grad.abs().max().item())
     assert ort_dynamo.report().kernels > 0
+
+
+def test_kernels_build_without_glibcs_simd_math_library(monkeypatch, tmp_path):
+    """Where no libmvec links (another libc, another CPU), kernels call scalar log/tanh/erf."""
+    compiler, version, flags, _ = _kernels._toolchain()
+    monkeypatch.setattr(_kernels, "_toolchain", lambda: (compiler, version, (*flags, "-DPW_NO_MVEC"), ("-lm",)))
+
+    def fn(x):
+        return torch.tanh(x * 2) + torch.special.erf(x).abs().log()
+
+    x = torch.randn(64, 512)
+    ort_dynamo.reset()
+    compiled = torch.compile(fn, backend="ort", options={"cache_dir": str(tmp_path)})
+    compiled(x)
+    ort_dynamo.wait_for_kernels()
+    got = compiled(x)
+    assert ort_dynamo.report().kernels >= 1 and glob.glob(str(tmp_path / "kernels" / "*.so"))
+    torch.testing.assert_close(got, fn(x), rtol=2e-6, atol=1e-6)
