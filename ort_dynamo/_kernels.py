@@ -21,7 +21,7 @@ import weakref
 
 from . import _pointwise
 
-__all__ = ["available", "build", "library", "wait", "KernelBuildError"]
+__all__ = ["available", "build", "describe", "library", "wait", "KernelBuildError"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -172,6 +172,15 @@ def wait() -> None:
     partition runs with its kernels, or knows it cannot."""
     for future in list(_building):
         concurrent.futures.wait([future])
+
+
+def describe() -> str:
+    """One line for ``python -m ort_dynamo info``: whether kernels build here, and with what."""
+    if not available():
+        return "no: " + ("no C compiler (install gcc, or set CC)" if _compiler() is None
+                         else "the compiler or onnxruntime refused a probe library (see the log)")
+    compiler, version, flags, libs = _toolchain()
+    return f"yes ({version}; {'with' if '-lmvec' in libs else 'without'} libmvec)"
 
 
 @functools.lru_cache(None)

@@ -33,6 +33,10 @@ def test_info_prints_versions_real_providers_and_gpu_verdict():
     assert f"CUDA GPU usable: {'yes' if gpu_ready else 'no'}" in out
     if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
         assert "pip uninstall -y onnxruntime && pip install onnxruntime-gpu" in out
+    from ort_dynamo import _kernels
+
+    kernels_line = next(line for line in out.splitlines() if line.startswith("CPU pointwise kernels:"))
+    assert kernels_line.split(": ", 1)[1].startswith("yes (" if _kernels.available() else "no: ")
 
 
 def test_report_prints_what_a_run_saved(tmp_path):
