@@ -486,6 +486,7 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
             old_name = old.name
             old.name = f"{old_name}_unfused"
             new.name, new.dtype, new.shape = old_name, ir.DataType.FLOAT, old.shape
+            info.shape[new] = info.dims(old)  # for later groups reading it: inferred, if not annotated
             old.replace_all_uses_with(new, replace_graph_outputs=True)
         for node in reversed(group.nodes):
             graph.remove(node, safe=True)

@@ -336,3 +336,26 @@ def test_kernels_build_without_glibcs_simd_math_library(monkeypatch, tmp_path):
     got = compiled(x)
     assert ort_dynamo.report().kernels >= 1 and glob.glob(str(tmp_path / "kernels" / "*.so"))
     torch.testing.assert_close(got, fn(x), rtol=2e-6, atol=1e-6)
+
+
+def test_a_group_reading_another_groups_unannotated_output_is_fused_too():
+    """Values inside inlined torchlib functions carry no shape; the pass infers them, and a
+    later group reading one through an earlier kernel's output keeps that inferred shape."""
+    x = ir.Value(name="x", shape=ir.Shape([128, 256]), type=ir.TensorType(ir.DataType.FLOAT))
+    y = ir.Value(name="y", shape=ir.Shape([4, 128, 256]), type=ir.TensorType(ir.DataType.FLOAT))
+    sigmoid = ir.node("Sigmoid", [x])
+    silu = ir.node("Mul", [x, sigmoid.outputs[0]])  # neither output has a shape annotation
+    scaled = ir.node("Mul", [silu.outputs[0], y])
+    out = ir.node("Add", [scaled.outputs[0], y])
+    out.outputs[0].name = "out"
+    graph = ir.Graph([x, y], [out.outputs[0]], nodes=[sigmoid, silu, scaled, out], opset_imports={"": 18})
+    model = ir.Model(graph, ir_version=10)
+    kernels = _pointwise.fuse_pointwise(model)
+    assert [n.doc_string for n in model.graph] == ["Sigmoid|Mul", "Mul|Add"]
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library(kernels))
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    xv, yv = np.random.randn(128, 256).astype(np.float32), np.random.randn(4, 128, 256).astype(np.float32)
+    want = (torch.nn.functional.silu(torch.from_numpy(xv)) * torch.from_numpy(yv) + torch.from_numpy(yv)).numpy()
+    np.testing.assert_allclose(session.run(None, {"x": xv, "y": yv})[0], want, rtol=1e-6, atol=1e-6)
