@@ -13,6 +13,8 @@ from .options import OrtOptions
 
 __all__ = ["rewrite"]
 
+log = logging.getLogger("ort_dynamo")
+
 # Constant folding turns values into initializers that are also graph outputs; the dedup
 # pass then logs a warning per value, which is noise for us.
 logging.getLogger("onnx_ir.passes.common.initializer_deduplication").setLevel(logging.ERROR)
@@ -58,7 +60,13 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         # Last, so that the model without the kernels (run while they compile) is the same
         # model in every other respect: same inputs, outputs and names.
         unfused = ir.serde.serialize_model(model).SerializeToString()
-        exported.kernels = _pointwise.fuse_pointwise(model)
+        try:
+            exported.kernels = _pointwise.fuse_pointwise(model)
+        except Exception as exc:  # an optimization: its failure must not cost the partition
+            log.warning("ort_dynamo: no pointwise kernels for this partition, the fusion pass failed: %s: %s",
+                        type(exc).__name__, exc)
+            exported.kernels = []
+            return unfused
         if exported.kernels:
             exported.unfused = unfused
             ir.passes.common.RemoveUnusedNodesPass()(model)  # constants that became C literals

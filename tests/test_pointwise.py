@@ -359,3 +359,19 @@ def test_a_group_reading_another_groups_unannotated_output_is_fused_too():
     xv, yv = np.random.randn(128, 256).astype(np.float32), np.random.randn(4, 128, 256).astype(np.float32)
     want = (torch.nn.functional.silu(torch.from_numpy(xv)) * torch.from_numpy(yv) + torch.from_numpy(yv)).numpy()
     np.testing.assert_allclose(session.run(None, {"x": xv, "y": yv})[0], want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_failing_fusion_pass_leaves_the_partition_on_ort_without_kernels(monkeypatch, caplog):
+    def broken(model):
+        raise RuntimeError("simulated bug in the fusion pass")
+
+    monkeypatch.setattr(_pointwise, "fuse_pointwise", broken)
+    torch.manual_seed(0)
+    model, x = _SwiGluAttention(), torch.randn(4, 64, 64)
+    with caplog.at_level("WARNING", logger="ort_dynamo"):
+        got = _step(model, x, {})
+    assert "simulated bug in the fusion pass" in caplog.text
+    assert ort_dynamo.report().kernels == 0 and ort_dynamo.report().fallback_nodes == 0
+    want = _step(model, x, {"pointwise_kernels": False})
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
