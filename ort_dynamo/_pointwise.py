@@ -43,6 +43,8 @@ _BINARY = {"Add": "+", "Sub": "-", "Mul": "*", "Div": "/"}
 _ELEMENTWISE = set(_UNARY) | set(_BINARY) | {"Where", "Pow"}
 #: Reductions over the last axis that a kernel computes row by row, between elementwise phases.
 _ROW_REDUCTIONS = {"ReduceSum", "ReduceMean", "ReduceMax"}
+#: Marks the ReduceMax of an expanded softmax (``_expand_softmax``), the only max fused.
+_SOFTMAX_MAX = "ort_dynamo.softmax_max"
 #: Single ops worth a kernel of their own: ORT's broadcasting Where is a slow generic loop.
 _ALONE_OK = {"Where"}
 
@@ -130,6 +132,10 @@ class _Graph:
         """For a float32 sum or mean over the last axis that keeps it (a softmax or norm
         backward's row sums), the shape it iterates over: its input's."""
         if node.domain not in ("", "ai.onnx") or node.op_type not in _ROW_REDUCTIONS or len(node.inputs) != 2:
+            return None
+        if node.op_type == "ReduceMax" and not node.meta.get(_SOFTMAX_MAX):
+            # The kernel's max passes over NaN, which only a softmax's exp() turns back into
+            # NaN; a max that is a result of its own must keep torch's NaN.
             return None
         data, axes = node.inputs
         keepdims = node.attributes["keepdims"].value if "keepdims" in node.attributes else 1
@@ -283,7 +289,7 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
             base = ref(node.inputs[0])
             expr = {2.0: f"({base} * {base})", 1.0: base, 0.5: f"sqrtf({base})",
                     -1.0: f"(1.0f / {base})"}.get(exponent, f"powf({base}, {_literal(exponent)})")
-        elif op == "ReduceMax":  # a NaN is not kept, but it makes the row's exp() NaN anyway
+        elif op == "ReduceMax":  # softmax's only: a NaN is passed over, but its exp() is NaN
             acc = local[node.outputs[0]]
             return f"{acc} = {ref(node.inputs[0])} > {acc} ? {ref(node.inputs[0])} : {acc};"
         elif op in _ROW_REDUCTIONS:
@@ -425,6 +431,7 @@ def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
                             const_value=ir.tensor(np.array([-1], dtype=np.int64)))
             graph.register_initializer(axes)
         peak = ir.node("ReduceMax", [x, axes], attributes={"keepdims": 1})
+        peak.meta[_SOFTMAX_MAX] = True
         shifted = ir.node("Sub", [x, peak.outputs[0]])
         exp = ir.node("Exp", [shifted.outputs[0]])
         total = ir.node("ReduceSum", [exp.outputs[0], axes], attributes={"keepdims": 1})

@@ -42,6 +42,7 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
     _normalize_reduce_axes(model.graph)
     if exported.device == "cpu":
         _compute_bfloat16_in_float32(model.graph)
+    _propagate_nan_through_min_max(model.graph)
     if options.enable_compute_optimizer and not options.deterministic_compute:
         import onnxscript.optimizer
 
@@ -122,6 +123,37 @@ def _normalize_reduce_axes(graph: ir.Graph) -> None:
         fixed.outputs[0].dtype, fixed.outputs[0].shape = ir.DataType.INT64, ir.Shape([len(values)])
         graph.insert_before(node, fixed)
         node.replace_input_with(1, fixed.outputs[0])
+
+
+_FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+
+
+def _propagate_nan_through_min_max(graph: ir.Graph) -> None:
+    """ORT's ReduceMax/ReduceMin pass over NaN (onnxruntime 1.31: the amax of a row holding a
+    NaN is finite); torch's max/min/amax/amin return NaN. Where a float reduction saw a NaN,
+    its result becomes NaN: one more reduction, of IsNaN, over the same axes."""
+    for node in list(graph):
+        if node.op_type not in ("ReduceMax", "ReduceMin") or node.domain not in ("", "ai.onnx"):
+            continue
+        x, result = node.inputs[0], node.outputs[0]
+        if x is None or x.dtype not in _FLOAT_TYPES:
+            continue
+        flags = ir.node("Cast", [ir.node("IsNaN", [x]).outputs[0]], attributes={"to": ir.DataType.UINT8})
+        seen = ir.node("ReduceMax", [flags.outputs[0], *node.inputs[1:]],
+                       attributes={k: v for k, v in node.attributes.items()})
+        any_nan = ir.node("Cast", [seen.outputs[0]], attributes={"to": ir.DataType.BOOL})
+        nan = ir.node("CastLike", [ir.node("Constant", [], attributes={"value_float": math.nan}).outputs[0], x])
+        fixed = ir.node("Where", [any_nan.outputs[0], nan.outputs[0], result])
+        steps = [flags.inputs[0].producer(), flags, seen, any_nan, nan.inputs[0].producer(), nan, fixed]
+        for step in steps:
+            graph.insert_after(node if step is steps[0] else previous, step)
+            previous = step
+        name = result.name
+        result.name = f"{name}_nan_blind"
+        out = fixed.outputs[0]
+        out.name, out.dtype, out.shape = name, result.dtype, result.shape
+        result.replace_all_uses_with(out, replace_graph_outputs=True)
+        fixed.replace_input_with(2, result)
 
 
 def _static(shape) -> bool:

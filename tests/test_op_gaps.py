@@ -349,3 +349,16 @@ def test_accumulating_write_through_index_tensors_apart_stays_in_pytorch():
         got = torch.compile(fn, backend="ort")(values)
     torch.testing.assert_close(got, fn(values), rtol=0, atol=0)
     assert [f.op for f in ort_dynamo.report().fallbacks] == ["aten.index_put.default"]
+
+
+def test_max_and_min_of_values_holding_nan_are_nan_as_in_eager():
+    """ORT's ReduceMax/ReduceMin pass over NaN; torch's reductions return it."""
+    x = torch.randn(16, 64)
+    x[3, 7] = NAN
+    x[5, :] = NAN
+
+    def fn(x):
+        return x.amax(-1), x.amin(0, keepdim=True), torch.max(x, 1).values, torch.min(x, 0).values, x.max()
+
+    for got, want in zip(run_on_ort(fn, x)[0], fn(x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

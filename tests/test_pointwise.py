@@ -375,3 +375,16 @@ def test_a_failing_fusion_pass_leaves_the_partition_on_ort_without_kernels(monke
     want = _step(model, x, {"pointwise_kernels": False})
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_a_max_over_rows_that_is_a_result_keeps_nan_as_torch_does():
+    def fn(x):
+        return (x * 2).amax(-1, keepdim=True) + 1, (x * 2).softmax(-1)
+
+    x = torch.randn(64, 512)
+    x[3, 7] = float("nan")
+    compiled = torch.compile(fn, backend="ort")
+    compiled(x)
+    ort_dynamo.wait_for_kernels()
+    for got, want in zip(compiled(x), fn(x)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
