@@ -76,6 +76,12 @@ def _probe(compiler: str, version: str) -> tuple[str, str, tuple, tuple]:
 
 
 @functools.lru_cache(None)
+def _runtime_source() -> str:
+    with open(os.path.join(_CSRC, "pointwise_runtime.c")) as fh:
+        return fh.read()
+
+
+@functools.lru_cache(None)
 def _header_digest() -> str:
     digest = hashlib.sha256()
     for name in sorted(os.listdir(_CSRC)):
@@ -112,8 +118,7 @@ def library(kernels: list[str], cache_dir: str = "") -> str:
     links them."""
     compiler, version, flags, libs = _toolchain()
     setup = "\n".join([_header_digest(), compiler, version, *flags, *libs])
-    with open(os.path.join(_CSRC, "pointwise_runtime.c")) as fh:
-        units = [fh.read(), *kernels]
+    units = [_runtime_source(), *kernels]
     table = _pointwise.table_source(kernels)
     folder = _folder(cache_dir)
     key = hashlib.sha256("\n".join([setup, table]).encode()).hexdigest()

@@ -105,7 +105,7 @@ class _Graph:
                 return None
         else:
             data = list(node.inputs)
-        operands = [v for v in (data if node.op_type not in ("Pow", "Expand") else data[:1])]
+        operands = data if node.op_type not in ("Pow", "Expand") else data[:1]
         if any(v is None or v.dtype != ir.DataType.FLOAT for v in operands):
             return None
         inputs = operands + ([node.inputs[0]] if node.op_type == "Where" else [])

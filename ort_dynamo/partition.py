@@ -134,7 +134,7 @@ class _OnnxSupport(OperatorSupportBase):
         elif node.target in TORCHLIB_WRONG:
             verdict = "torchlib's lowering of this op is wrong for training"
         elif node.target in _ACCUMULATING_INDEX_PUT and _accumulates(node):
-            # Those with one leading index tensor became scatter_add (decompositions.py).
+            # Those through adjacent index tensors became scatter_add (decompositions.py).
             verdict = ("ORT's ScatterND(reduction=add) sums repeated indices from racing threads "
                        "(wrong results)")
         elif any(isinstance(t, torch.Tensor) and (t.is_complex() or t.is_sparse or t.is_quantized)

@@ -43,7 +43,8 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
     if exported.device == "cpu":
         _compute_bfloat16_in_float32(model.graph)
     _propagate_nan_through_min_max(model.graph)
-    if options.enable_compute_optimizer and not options.deterministic_compute:
+    optimize = options.enable_compute_optimizer and not options.deterministic_compute
+    if optimize:
         import onnxscript.optimizer
 
         # Constant folding (shape arithmetic torchlib emits) and dead-code removal. Not the
@@ -56,8 +57,7 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
     _reshaped_outputs_as_views(exported)
     ir.passes.common.RemoveUnusedNodesPass()(model)  # what the passes above left dead
     ir.passes.common.RemoveUnusedFunctionsPass()(model)
-    if (exported.device == "cpu" and options.pointwise_kernels and options.enable_compute_optimizer
-            and not options.deterministic_compute and _kernels.available()):
+    if optimize and exported.device == "cpu" and options.pointwise_kernels and _kernels.available():
         # Last, so that the model without the kernels (run while they compile) is the same
         # model in every other respect: same inputs, outputs and names.
         unfused = ir.serde.serialize_model(model).SerializeToString()
@@ -140,14 +140,11 @@ def _propagate_nan_through_min_max(graph: ir.Graph) -> None:
             continue
         flags = ir.node("Cast", [ir.node("IsNaN", [x]).outputs[0]], attributes={"to": ir.DataType.UINT8})
         seen = ir.node("ReduceMax", [flags.outputs[0], *node.inputs[1:]],
-                       attributes={k: v for k, v in node.attributes.items()})
+                       attributes=dict(node.attributes))
         any_nan = ir.node("Cast", [seen.outputs[0]], attributes={"to": ir.DataType.BOOL})
         nan = ir.node("CastLike", [ir.node("Constant", [], attributes={"value_float": math.nan}).outputs[0], x])
         fixed = ir.node("Where", [any_nan.outputs[0], nan.outputs[0], result])
-        steps = [flags.inputs[0].producer(), flags, seen, any_nan, nan.inputs[0].producer(), nan, fixed]
-        for step in steps:
-            graph.insert_after(node if step is steps[0] else previous, step)
-            previous = step
+        graph.insert_after(node, [flags.inputs[0].producer(), flags, seen, any_nan, nan.inputs[0].producer(), nan, fixed])
         name = result.name
         result.name = f"{name}_nan_blind"
         out = fixed.outputs[0]
