@@ -79,7 +79,12 @@ def _split_off_output_views(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     each as a copy; PyTorch takes them as free views of the tensor ORT returns anyway, as
     eager does. Saved activations are often such views (a transposed weight is a view of the
     parameter), so this keeps their memory at eager's. A chain that also feeds other nodes is
-    duplicated for the output: ORT computes the original for its own users."""
+    duplicated for the output: ORT computes the original for its own users.
+
+    Only chains over a tensor eager lays out contiguously: ORT's outputs are contiguous, and
+    AOTAutograd traced the views against eager's strides (an elementwise op on a transposed
+    tensor keeps its layout, so ``add.transpose(1, 2).view(...)`` is valid in eager and not
+    on ORT's result; an ``as_strided`` would read the wrong elements)."""
     graph = gm.graph
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     views: set[torch.fx.Node] = set()
@@ -97,10 +102,20 @@ def _split_off_output_views(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
         views.add(copy)
         return copy
 
+    def is_view(node) -> bool:
+        return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEW_OPS
+
+    def over_contiguous(node: torch.fx.Node) -> bool:
+        root = node
+        while is_view(root) and isinstance(root.args[0], torch.fx.Node):
+            root = root.args[0]
+        if root.op == "placeholder":
+            return True  # a view of the caller's own tensor, whatever its layout
+        value = root.meta.get("val")
+        return isinstance(value, torch.Tensor) and value.is_contiguous()
+
     def replace(arg):
-        if isinstance(arg, torch.fx.Node) and arg.op == "call_function" and arg.target in _VIEW_OPS:
-            return output_view(arg)
-        return arg
+        return output_view(arg) if is_view(arg) and over_contiguous(arg) else arg
 
     output.args = (torch.fx.node.map_aggregate(output.args[0], replace),)
     for node in reversed(list(copies)):  # originals that only made outputs are dead now

@@ -93,6 +93,19 @@ def test_output_views_alias_as_in_eager():
     assert ort_dynamo.report().fallback_nodes == 0
 
 
+def test_views_that_rely_on_eager_strides_are_computed_on_ort():
+    # In eager, q * 2 keeps q's transposed layout, so its transpose back is contiguous and
+    # AOTAutograd traces a plain view of it. ORT's result is contiguous: the same view would
+    # fail (or an as_strided read the wrong elements), so ORT computes this output itself.
+    def f(x):
+        q = x.view(4, 8, 2, 3).transpose(1, 2)
+        return (q * 2.0).transpose(1, 2).reshape(4, 8, 6)
+
+    x = torch.randn(4, 8, 6)
+    torch.testing.assert_close(torch.compile(f, backend="ort")(x), f(x))
+    assert ort_dynamo.report().fallback_nodes == 0
+
+
 def test_saved_transposed_weight_is_the_parameter_not_a_copy():
     ort_dynamo.reset()
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
