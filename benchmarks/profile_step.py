@@ -46,7 +46,7 @@ def phase_times(name: str, backend: str, steps: int) -> dict:
     return {k: v / steps * 1e3 for k, v in totals.items()}
 
 
-def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
+def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple[collections.Counter, ...]:
     runners = []
     make_options, make_runner = run_stage.session_options, run_stage.OrtRunner.__init__
 
@@ -72,19 +72,23 @@ def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple[collections.
     # Only the sessions that ran these steps (not the interim ones the kernels replaced).
     paths = [session.end_profiling() for runner in runners for session, *_ in runner._sessions.values()]
     per_op, calls, per_node = collections.Counter(), collections.Counter(), collections.Counter()
+    session = collections.Counter()
     for path in paths:
         with open(path) as fh:
             events = json.load(fh)
         # Per run of this session: one without kernels to wait for also ran the warm-up step.
         runs = max(1, sum(1 for e in events if e.get("cat") == "Session" and e["name"] == "model_run"))
         for event in events:
+            if event.get("cat") == "Session" and event["name"] == "model_run":
+                session["ms"] += event["dur"] / 1e3 / runs
+                session["runs"] += 1 / runs
             if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
                 op = event["args"].get("op_name")
                 per_op[op] += event["dur"] / 1e3 / runs
                 calls[op] += 1 / runs
                 shapes = json.dumps(event["args"].get("output_type_shape", ""))[:70]
                 per_node[f"{op} {shapes}"] += event["dur"] / 1e3 / runs
-    return per_op, calls, per_node
+    return per_op, calls, per_node, session
 
 
 def main() -> None:
@@ -98,8 +102,9 @@ def main() -> None:
         print(f"{backend:6s} forward {t['forward']:6.1f} ms  backward {t['backward']:6.1f} ms  "
               f"optimizer {t['optimizer']:5.1f} ms")
     with tempfile.TemporaryDirectory() as folder:
-        per_op, calls, per_node = ort_kernel_profile(args.model, args.steps, folder)
-    print(f"ORT kernel time per step: {sum(per_op.values()):.1f} ms (profiling adds overhead)")
+        per_op, calls, per_node, session = ort_kernel_profile(args.model, args.steps, folder)
+    print(f"ORT per step: {session['runs']:.0f} session runs taking {session['ms']:.1f} ms, of which "
+          f"kernels {sum(per_op.values()):.1f} ms (profiling adds overhead)")
     for op, ms in per_op.most_common(args.top):
         print(f"  {op:30s} {ms:7.2f} ms  {calls[op]:5.0f} calls")
     print("heaviest nodes (op, output shape):")

@@ -45,8 +45,13 @@ _ELEMENTWISE = set(_UNARY) | set(_BINARY) | {"Where", "Pow"}
 _ROW_REDUCTIONS = {"ReduceSum", "ReduceMean", "ReduceMax"}
 #: Marks the ReduceMax of an expanded softmax (``_expand_softmax``), the only max fused.
 _SOFTMAX_MAX = "ort_dynamo.softmax_max"
-#: Single ops worth a kernel of their own: ORT's broadcasting Where is a slow generic loop.
-_ALONE_OK = {"Where"}
+#: A lane rotation along the last axis, op of ``DOMAIN`` (``_fold_rotate_half``): the
+#: ``rotate_half`` of rotary embeddings, forward and backward. For the last axis of size 2h,
+#: out[i] = lower * x[i + h] for i < h, upper * x[i - h] otherwise (attributes: signs, +-1).
+_ROTATE = "RotateHalf"
+#: Single ops worth a kernel of their own: ORT's broadcasting Where is a slow generic loop;
+#: a rotation otherwise takes a Split, a Neg and a Concat.
+_ALONE_OK = {"Where", _ROTATE}
 
 
 # -- what a node is -------------------------------------------------------------------------------
@@ -92,6 +97,9 @@ class _Graph:
 
     def elementwise_shape(self, node: ir.Node) -> tuple | None:
         """The node's output shape if it is a float32 elementwise op the kernels compute."""
+        if node.domain == DOMAIN and node.op_type == _ROTATE:
+            self.shape[node.outputs[0]] = self.dims(node.inputs[0])
+            return self.shape[node.outputs[0]]
         if node.domain not in ("", "ai.onnx") or node.op_type not in _ELEMENTWISE or len(node.outputs) != 1:
             return None
         out = node.outputs[0]
@@ -202,14 +210,31 @@ def _groups(graph: ir.Graph) -> tuple[list[_Group], _Graph]:
         if shape is None:
             continue
         producers = [v.producer() for v in node.inputs if v is not None and v.producer() in order]
+        candidates = [g for g in dict.fromkeys(group_of[p] for p in producers if p in group_of) if g.shape == shape]
         chosen = None
-        for candidate in dict.fromkeys(group_of[p] for p in producers if p in group_of):
-            if candidate.shape != shape or len(candidate.nodes) >= 64:
+        for candidate in candidates:
+            if len(candidate.nodes) >= 64:
                 continue
             outside = [p for p in producers if group_of.get(p) is not candidate]
             if not any(depends_on(p, candidate) for p in outside):
                 chosen = candidate
                 break
+        for other in candidates if chosen is not None else ():
+            # The node reads two groups (q * cos + rotate_half(q) * sin): one kernel, unless
+            # a path outside them leads from one to the other.
+            if other is chosen or len(chosen.nodes) + len(other.nodes) >= 64:
+                continue
+            def outside_both(nodes):
+                return [p for p in nodes if group_of.get(p) not in (chosen, other)]
+
+            if any(depends_on(p, chosen) for p in outside_both(predecessors(other.nodes))) or \
+                    any(depends_on(p, other) for p in outside_both([*predecessors(chosen.nodes), *producers])):
+                continue
+            chosen.nodes = sorted(chosen.nodes + other.nodes, key=order.__getitem__)
+            chosen.first, chosen.last = min(chosen.first, other.first), max(chosen.last, other.last)
+            for member in other.nodes:
+                group_of[member] = chosen
+            groups.remove(other)
         if chosen is None:
             chosen = _Group(shape, index)
             groups.append(chosen)
@@ -271,22 +296,35 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
     local = {node.outputs[0]: (f"s{i}" if node.op_type in _ROW_REDUCTIONS else f"t{i}")
              for i, node in enumerate(group.nodes)}
 
-    def ref(value):
+    def ref(value, shifted=False):
+        """The C name of ``value`` at lane i, or (shifted) at the lane a rotation reads for i.
+        A row sum is the same at every lane."""
         if value in local:
-            return local[value]
+            rotates = shifted and value.producer().op_type not in _ROW_REDUCTIONS
+            return local[value] + ("_r" if rotates else "")
         if value in arg:
-            return f"{arg[value]}v"
+            return f"{arg[value]}{'r' if shifted else 'v'}"
         return _literal(_scalar(value))
 
-    def statement(node):
+    def statement(node, shifted=False, half=0):
+        """``node``'s statement at lane i; shifted: at the lane i + h (half 0) or i - h (half 1)
+        that a RotateHalf reads, recomputed from its inputs there (lane moves commute with
+        elementwise ops), so no row is stored in between."""
         op = node.op_type
-        if op in _BINARY:
-            expr = f"({ref(node.inputs[0])} {_BINARY[op]} {ref(node.inputs[1])})"
+        r = shifted
+        if op == _ROTATE:
+            # The result's lane i is a sign times x's shifted lane; its shifted lane, x's lane i.
+            lower, upper = node.attributes["lower"].value, node.attributes["upper"].value
+            here, there = (lower, upper) if half == 0 else (upper, lower)
+            sign = there if shifted else here
+            expr = f"({'-' if sign < 0 else ''}{ref(node.inputs[0], not shifted)})"
+        elif op in _BINARY:
+            expr = f"({ref(node.inputs[0], r)} {_BINARY[op]} {ref(node.inputs[1], r)})"
         elif op == "Where":
-            expr = f"({ref(node.inputs[0])} ? {ref(node.inputs[1])} : {ref(node.inputs[2])})"
+            expr = f"({ref(node.inputs[0], r)} ? {ref(node.inputs[1], r)} : {ref(node.inputs[2], r)})"
         elif op == "Pow":
             exponent = _scalar(node.inputs[1])
-            base = ref(node.inputs[0])
+            base = ref(node.inputs[0], r)
             expr = {2.0: f"({base} * {base})", 1.0: base, 0.5: f"sqrtf({base})",
                     -1.0: f"(1.0f / {base})"}.get(exponent, f"powf({base}, {_literal(exponent)})")
         elif op == "ReduceMax":  # softmax's only: a NaN is passed over, but its exp() is NaN
@@ -295,8 +333,8 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
         elif op in _ROW_REDUCTIONS:
             return f"{local[node.outputs[0]]} += {ref(node.inputs[0])};"
         else:
-            expr = _UNARY[op].format(ref(node.inputs[0]))
-        return f"const float {local[node.outputs[0]]} = {expr};"
+            expr = _UNARY[op].format(ref(node.inputs[0], r))
+        return f"const float {ref(node.outputs[0], r)} = {expr};"
 
     phase = _phases(group)
     reductions = [n for n in group.nodes if n.op_type in _ROW_REDUCTIONS]
@@ -319,7 +357,7 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
                     stack.append(p)
         return [n for n in group.nodes if n in want]
 
-    def loops(loads):
+    def loops(load):
         lines = []
         for k in range(last + 1):
             closing = [n for n in reductions if phase[n] == k]
@@ -329,17 +367,25 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
                 nodes = [n for n in group.nodes if n in wanted]
             else:
                 nodes = needed(closing)
-            body = [statement(n) for n in nodes]
             if closing:
                 lines += [f"float {local[n.outputs[0]]} = {'-INFINITY' if n.op_type == 'ReduceMax' else '0.0f'};"
                           for n in closing]
-                clauses = [f"reduction({kind}:{', '.join(names)})" for kind, names in (
-                    ("max", [local[n.outputs[0]] for n in closing if n.op_type == "ReduceMax"]),
-                    ("+", [local[n.outputs[0]] for n in closing if n.op_type != "ReduceMax"])) if names]
-                lines.append("#pragma omp simd " + " ".join(clauses))
-            if k < last or closing or nodes:
-                lines += ["for (int64_t i = 0; i < n; ++i) {"]
-                lines += ["  " + x for x in loads + body + [statement(n) for n in closing]]
+            # A rotation reads lane i + h in the row's first half, i - h in its second: one loop
+            # per half keeps every read contiguous (vectorized). Unused shifted statements and
+            # loads are dead code to the compiler.
+            rotating = any(n.op_type == _ROTATE for n in nodes)
+            halves = [(0, "0", "h", "i + h"), (1, "h", "n", "i - h")] if rotating else [(0, "0", "n", None)]
+            for half, lo, hi, shift in halves if k < last or closing or nodes else ():
+                if closing:
+                    clauses = [f"reduction({kind}:{', '.join(names)})" for kind, names in (
+                        ("max", [local[n.outputs[0]] for n in closing if n.op_type == "ReduceMax"]),
+                        ("+", [local[n.outputs[0]] for n in closing if n.op_type != "ReduceMax"])) if names]
+                    lines.append("#pragma omp simd " + " ".join(clauses))
+                body = load("i", "v") + (load(shift, "r") if shift else [])
+                for n in nodes:
+                    body += [statement(n, half=half)] + ([statement(n, True, half)] if shift else [])
+                lines += [f"for (int64_t i = {lo}; i < {hi}; ++i) {{"]
+                lines += ["  " + x for x in body + [statement(n) for n in closing]]
                 if k == last:
                     lines += [f"  o{j}[i] = {local[v]};" for j, v in enumerate(outputs) if not col_out[j]]
                 lines += ["}"]
@@ -358,15 +404,24 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
                   for i, (v, k) in enumerate(zip(inputs, kinds))]
     out_setup = [f"float* restrict o{j} = (float*)a->out[{j}] + r{'' if col else ' * inner'};"
                  for j, col in enumerate(col_out)]
-    reads = {"full": "i", "suffix": "i", "col": "0", "scalar": "0", "strided_row": "i", "strided_col": "0",
-             "general": "i * a->inner_stride[{i}]"}
-    fast_loads = [f"const {ctype[v]} {arg[v]}v = {arg[v]}[{reads[k].format(i=i)}];"
-                  for i, (v, k) in enumerate(zip(inputs, kinds))]
+    reads = {"full": "{x}", "suffix": "{x}", "col": "0", "scalar": "0", "strided_row": "{x}", "strided_col": "0",
+             "general": "({x}) * a->inner_stride[{i}]"}
+
+    def fast_loads(lane, suffix):
+        return [f"const {ctype[v]} {arg[v]}{suffix} = {arg[v]}[{reads[k].format(x=lane, i=i)}];"
+                for i, (v, k) in enumerate(zip(inputs, kinds))]
+
     any_setup = [f"const {ctype[v]}* restrict {arg[v]} = (const {ctype[v]}*)a->in[{i}] + pw_offset(a, {i}, r);"
                  for i, v in enumerate(inputs)]
-    any_loads = [f"const {ctype[v]} {arg[v]}v = {arg[v]}[i * a->inner_stride[{i}]];" for i, v in enumerate(inputs)]
-    # Rows of PW_BLOCK elements when every read is full or scalar; a row sum needs real rows.
-    flat = all(k in ("full", "scalar") for k in kinds) and not reductions
+
+    def any_loads(lane, suffix):
+        return [f"const {ctype[v]} {arg[v]}{suffix} = {arg[v]}[({lane}) * a->inner_stride[{i}]];"
+                for i, v in enumerate(inputs)]
+
+    rotates = any(n.op_type == _ROTATE for n in group.nodes)
+    # Rows of PW_BLOCK elements when every read is full or scalar; a row sum or a rotation
+    # needs real rows.
+    flat = all(k in ("full", "scalar") for k in kinds) and not reductions and not rotates
 
     def function(suffix, setup, loads):
         # The strided version only runs when run-time shapes defeat the static read pattern:
@@ -375,7 +430,7 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
         lines = [f"{attributes}static void {name}_{suffix}(const PwArgs* a, int64_t r0, int64_t r1) {{",
                  "  const int64_t inner = a->inner;",
                  "  for (int64_t r = r0; r < r1; ++r) {",
-                 "    const int64_t n = pw_row_length(a, r);"]
+                 "    const int64_t n = pw_row_length(a, r);"] + (["    const int64_t h = n >> 1;"] if rotates else [])
         lines += ["    " + x for x in setup + out_setup + loops(loads)]
         lines += ["  }", "}"]
         return "\n".join(lines)
@@ -410,6 +465,157 @@ def table_source(kernels: list[str]) -> str:
 
 
 # -- the pass -------------------------------------------------------------------------------------
+
+def _ints(value: ir.Value | None) -> list[int] | None:
+    """The integers of a constant (initializer or Constant node), else None."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    if tensor is None:
+        producer = value.producer()
+        if producer is None or producer.op_type != "Constant":
+            return None
+        if "value_ints" in producer.attributes:
+            return [int(x) for x in producer.attributes["value_ints"].value]
+        if "value" not in producer.attributes:
+            return None
+        tensor = producer.attributes["value"].value
+    return [int(x) for x in tensor.numpy().reshape(-1)]
+
+
+def _lanes(value: ir.Value, info: _Graph, visited: list[ir.Node]) -> tuple[ir.Value, list[tuple]] | None:
+    """Where each lane (index along the last axis) of ``value`` comes from, when ``value`` only
+    moves lanes of one tensor ``x`` along its last axis (Slice, zero Pad, Concat, Neg, Add of
+    disjoint parts): ``(x, [(lo, hi, delta, sign), ...])``, lanes lo..hi-1 being
+    ``sign * x[lane + delta]`` and any other lane 0. Appends the nodes it read to ``visited``."""
+    node = value.producer()
+    shape = info.dims(value)
+    if node is None or node.domain not in ("", "ai.onnx") or not shape or not isinstance(shape[-1], int) \
+            or value.dtype != ir.DataType.FLOAT or len(visited) > 16:
+        return None
+    rank, op = len(shape), node.op_type
+    inputs = list(node.inputs) + [None] * 5
+    if op == "Neg":
+        inner = _lanes(node.inputs[0], info, visited)
+        found = inner and (inner[0], [(lo, hi, d, -sign) for lo, hi, d, sign in inner[1]])
+    elif op == "Slice":
+        x, starts, ends, axes, steps = inputs[:5]
+        source = info.dims(x)
+        axes = _ints(axes) if axes is not None else [0]
+        if not source or len(source) != rank or source[:-1] != shape[:-1] or not isinstance(source[-1], int) \
+                or axes not in ([-1], [rank - 1]) or (steps is not None and _ints(steps) != [1]) \
+                or _ints(starts) is None or len(_ints(starts)) != 1:
+            return None
+        start = _ints(starts)[0]
+        start = min(max(start + source[-1] if start < 0 else start, 0), source[-1])
+        if start + shape[-1] > source[-1]:
+            return None
+        found = (x, [(0, shape[-1], start, 1)])
+    elif op == "Pad":
+        x, pads, fill, axes = inputs[:4]
+        mode = node.attributes["mode"].value if "mode" in node.attributes else "constant"
+        pads = _ints(pads)
+        if mode != "constant" or axes is not None or pads is None or len(pads) != 2 * rank \
+                or (fill is not None and _scalar(fill) != 0.0) \
+                or any(p for i, p in enumerate(pads) if i % rank != rank - 1) or min(pads) < 0:
+            return None
+        begin = pads[rank - 1]
+        inner = _lanes(x, info, visited)
+        found = inner and (inner[0], [(lo + begin, hi + begin, d - begin, sign) for lo, hi, d, sign in inner[1]])
+    elif op in ("Concat", "Add"):
+        axis = node.attributes["axis"].value if "axis" in node.attributes else None
+        if op == "Concat" and axis not in (-1, rank - 1):
+            return None
+        parts, offset = [], 0
+        for part in node.inputs:
+            got = _lanes(part, info, visited) if part is not None else None
+            width = (info.dims(part) or (None,))[-1] if part is not None else None
+            if got is None or (parts and got[0] is not parts[0][0]) or not isinstance(width, int) \
+                    or (op == "Add" and info.dims(part) != shape):  # no broadcasting between parts
+                return None
+            parts.append((got[0], [(lo + offset, hi + offset, d - offset, sign) for lo, hi, d, sign in got[1]]))
+            if op == "Concat":
+                offset += width
+        pieces = sorted(piece for _, part in parts for piece in part)
+        if any(a[1] > b[0] for a, b in zip(pieces, pieces[1:])):
+            return None  # overlapping parts of an Add: not a move of lanes
+        found = (parts[0][0], pieces)
+    else:
+        return None
+    if found:
+        visited.append(node)
+    return found or None
+
+
+def _fold_rotate_half(graph: ir.Graph, info: _Graph) -> int:
+    """Lane moves that rotate the last axis by half its size (rotary embeddings'
+    ``rotate_half``: ``cat(-x[..., h:], x[..., :h])``, and its backward, two Pads of slices
+    added) -> one ``RotateHalf`` node, which a kernel reads at shifted lanes. Returns the
+    number folded."""
+    folded = 0
+    for node in list(graph):
+        if node.domain not in ("", "ai.onnx") or node.op_type not in ("Concat", "Add") or node.graph is None:
+            continue
+        value = node.outputs[0]
+        shape = info.dims(value)
+        if not shape or not isinstance(shape[-1], int) or shape[-1] % 2 or shape[-1] < 2:
+            continue
+        visited: list[ir.Node] = []
+        found = _lanes(value, info, visited)
+        if found is None or info.dims(found[0]) != shape:
+            continue
+        x, pieces = found
+        half = shape[-1] // 2
+        merged: list[list] = []
+        for lo, hi, delta, sign in pieces:
+            if merged and merged[-1][1] == lo and merged[-1][2:] == [delta, sign]:
+                merged[-1][1] = hi
+            else:
+                merged.append([lo, hi, delta, sign])
+        if [m[:3] for m in merged] != [[0, half, half], [half, 2 * half, -half]]:
+            continue
+        rotate = ir.node(_ROTATE, [x], domain=DOMAIN,
+                         attributes={"lower": merged[0][3], "upper": merged[1][3]})
+        graph.insert_before(node, rotate)
+        out = rotate.outputs[0]
+        name, value.name = value.name, f"{value.name}_unrotated"
+        out.name, out.shape, out.dtype = name, value.shape, ir.DataType.FLOAT
+        info.shape[out] = shape
+        value.replace_all_uses_with(out, replace_graph_outputs=True)
+        for dead in reversed(visited):  # the lane moves nothing else reads
+            if dead.graph is not None and not any(v.uses() or v.is_graph_output() for v in dead.outputs):
+                graph.remove(dead, safe=True)
+        folded += 1
+    return folded
+
+
+def _unfold_rotate_half(graph: ir.Graph) -> None:
+    """A ``RotateHalf`` no kernel took -> Split, Neg and Concat, which ORT runs."""
+    for node in list(graph):
+        if node.domain != DOMAIN or node.op_type != _ROTATE:
+            continue
+        x = node.inputs[0]
+        half = x.shape[-1] // 2
+        sizes = ir.Value(name=f"{node.outputs[0].name}_halves", shape=ir.Shape([2]),
+                         type=ir.TensorType(ir.DataType.INT64), const_value=ir.tensor(np.array([half, half], dtype=np.int64)))
+        graph.register_initializer(sizes)
+        split = ir.node("Split", [x, sizes], attributes={"axis": -1}, num_outputs=2)
+        steps = [split]
+        parts = []
+        for part, sign in ((split.outputs[1], node.attributes["lower"].value), (split.outputs[0], node.attributes["upper"].value)):
+            if sign < 0:
+                steps.append(ir.node("Neg", [part]))
+                part = steps[-1].outputs[0]
+            parts.append(part)
+        steps.append(ir.node("Concat", parts, attributes={"axis": -1}))
+        for step in steps:
+            graph.insert_before(node, step)
+        result, old = steps[-1].outputs[0], node.outputs[0]
+        name, old.name = old.name, f"{old.name}_rotate_half"
+        result.name, result.shape, result.dtype = name, old.shape, ir.DataType.FLOAT
+        old.replace_all_uses_with(result, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+
 
 def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
     """Softmax and LogSoftmax over the last axis -> their row-wise steps (max, exp, sum), so
@@ -455,6 +661,7 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
     Returns each new kernel's C code (an empty list if nothing was fused)."""
     graph = model.graph
     _expand_softmax(graph, _Graph())
+    _fold_rotate_half(graph, _Graph())
     groups, info = _groups(graph)
     kernels = []
     for group in groups:
@@ -497,6 +704,7 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
             old.replace_all_uses_with(new, replace_graph_outputs=True)
         for node in reversed(group.nodes):
             graph.remove(node, safe=True)
+    _unfold_rotate_half(graph)
     if kernels:
         model.opset_imports[DOMAIN] = 1
         graph.sort()

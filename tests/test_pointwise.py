@@ -388,3 +388,83 @@ def test_a_max_over_rows_that_is_a_result_keeps_nan_as_torch_does():
     ort_dynamo.wait_for_kernels()
     for got, want in zip(compiled(x), fn(x)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def _rotate_half(x):
+    """Rotary embeddings' rotation (Llama, Mistral, Qwen, GPT-NeoX)."""
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rotary(rotate):
+    def fn(x, w):
+        q = (x * w).view(x.shape[0], x.shape[1], 4, 32).transpose(1, 2)  # heads, as attention takes them
+        angles = torch.arange(x.shape[1], dtype=torch.float32)[:, None] * torch.arange(16.0)[None] / 16
+        angles = torch.cat([angles, angles], -1)
+        return q * angles.cos() + rotate(q) * angles.sin(),
+
+    return fn
+
+
+def _ops(paths):
+    return [n.op_type for path in paths for n in onnx.load(path).graph.node]
+
+
+@pytest.mark.parametrize("rotate, folded", [
+    (_rotate_half, True),
+    (lambda x: torch.cat((x[..., 16:], x[..., :16]), -1), True),     # no sign: a roll by half
+    (lambda x: torch.cat((-x[..., :16], x[..., 16:]), -1), False),   # lanes stay in place
+    (lambda x: torch.cat((x[..., 8:], -x[..., :8]), -1), False),     # a roll by a quarter
+])
+def test_rotary_embeddings_rotate_lanes_inside_one_kernel(rotate, folded, tmp_path):
+    """q * cos + rotate_half(q) * sin, forward and backward (where the rotation's gradient is
+    two padded slices added), is one kernel reading q at shifted lanes: no Slice, Pad, Concat
+    left. Lane moves that are not a rotation by half stay ORT ops."""
+    fn = _rotary(rotate)
+    x, w = torch.randn(8, 64, 128), torch.randn(128)
+    got = _step_fn(fn, x, w, tmp_path)
+    want = _step_fn(fn, x, w)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
+    models = glob.glob(str(tmp_path / "*.onnx"))
+    fused = [n.doc_string for path in models for n in _pointwise_nodes(path)]
+    if folded:
+        assert len(models) == 2 and all("RotateHalf" in _ops([p]) or any(
+            "RotateHalf" in n.doc_string for n in _pointwise_nodes(p)) for p in models)
+        # One kernel each way: q * cos and rotate(q) * sin were two groups that the Add joins.
+        assert sum("RotateHalf" in d and d.count("Mul") == 2 and "Add" in d for d in fused) == 2
+        assert not {"Slice", "Split", "Pad", "Concat", "RotateHalf"} & set(_ops(models))
+    else:
+        assert not any("RotateHalf" in d for d in fused) and "RotateHalf" not in _ops(models)
+
+
+def test_a_rotation_too_small_for_a_kernel_runs_as_ort_ops(tmp_path):
+    fn = _rotary(_rotate_half)
+    x, w = torch.randn(2, 4, 128), torch.randn(128)  # 1024 elements: below MIN_ELEMENTS
+    got = _step_fn(fn, x, w, tmp_path)
+    want = _step_fn(fn, x, w)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
+    ops = _ops(glob.glob(str(tmp_path / "*.onnx")))
+    assert "RotateHalf" not in ops and "Concat" in ops
+
+
+def test_rotations_serve_every_batch_and_sequence_length():
+    fn = torch.compile(_rotary(_rotate_half), backend="ort", dynamic=True)
+    ort_dynamo.reset()
+    w = torch.randn(128, requires_grad=True)
+    for batch, seq in ((8, 64), (5, 48), (3, 40)):
+        x = torch.randn(batch, seq, 128, requires_grad=True)
+        fn(x, w)[0].sum().backward()  # the first call of a shape may run without kernels
+        ort_dynamo.wait_for_kernels()
+        x.grad = w.grad = None
+        got = fn(x, w)[0]
+        got.sin().sum().backward()
+        grads = [x.grad, w.grad]
+        x.grad = w.grad = None
+        want = _rotary(_rotate_half)(x, w)[0]
+        want.sin().sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for g, e in zip(grads, [x.grad, w.grad]):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
+    assert ort_dynamo.report().kernels > 0 and ort_dynamo.report().fallback_nodes == 0
