@@ -18,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from train_step import build, compiled_copy, train_step  # noqa: E402
+from train_step import _steady_malloc, build, compiled_copy, train_step  # noqa: E402
 
 import ort_dynamo  # noqa: E402
 from ort_dynamo import run as run_stage  # noqa: E402
@@ -97,6 +97,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
+    _steady_malloc()  # as train_step.py: no backend pays page faults for another's frees
     for backend in ("eager", "ort"):
         t = phase_times(args.model, backend, args.steps)
         print(f"{backend:6s} forward {t['forward']:6.1f} ms  backward {t['backward']:6.1f} ms  "

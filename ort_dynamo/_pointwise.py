@@ -617,6 +617,54 @@ def _unfold_rotate_half(graph: ir.Graph) -> None:
         graph.remove(node, safe=True)
 
 
+#: The embedding gradient's kernel (csrc/pointwise_runtime.c), the same for every use.
+_SCATTER_ADD_ROWS = "\n".join([
+    '#include "pointwise.h"',
+    "static const int ScatterAddRows_types[] = {PW_FLOAT, PW_INT64, PW_FLOAT};",
+    "static const int ScatterAddRows_none[] = {0};",
+    "PW_KERNEL(ScatterAddRows, 3, ScatterAddRows_types, ScatterAddRows_none, 1, ScatterAddRows_none, 0, 0, 0, 0, "
+    "pw_scatter_add_rows);",
+]) + "\n"
+
+
+def _scatter_add_rows(graph: ir.Graph, info: _Graph) -> int:
+    """``ScatterElements(data, Expand(index[N, 1]), updates, axis=0, reduction=add)``, the
+    embedding gradient as ``decompositions`` writes it (whole rows of ``updates`` added to rows
+    of ``data``) -> ``ScatterAddRows(data, index, updates)``. ORT's ScatterElements takes an
+    index per element through a generic loop: 1.9 ms for a 1024x256 gradient. Returns the
+    number replaced."""
+    replaced = 0
+    for node in list(graph):
+        if node.domain not in ("", "ai.onnx") or node.op_type != "ScatterElements" or len(node.inputs) != 3:
+            continue
+        data, indices, updates = node.inputs
+        attributes = node.attributes
+        reduction = attributes["reduction"].value if "reduction" in attributes else "none"
+        axis = attributes["axis"].value if "axis" in attributes else 0
+        expand = indices.producer() if indices is not None else None
+        shape, update_shape = info.dims(data), info.dims(updates)
+        if reduction != "add" or not shape or axis not in (0, -len(shape)) or expand is None \
+                or expand.op_type != "Expand" or expand.domain not in ("", "ai.onnx") \
+                or data.dtype != ir.DataType.FLOAT or updates.dtype != ir.DataType.FLOAT:
+            continue
+        index = expand.inputs[0]
+        index_shape, expanded = info.dims(index), info.dims(indices)
+        if index is None or index.dtype != ir.DataType.INT64 or not index_shape or not update_shape \
+                or len(index_shape) != len(shape) or any(d != 1 for d in index_shape[1:]) \
+                or expanded != update_shape or len(update_shape) != len(shape) or update_shape[1:] != shape[1:] \
+                or index_shape[0] != update_shape[0]:
+            continue  # not one index per whole row
+        rows = ir.node("ScatterAddRows", [data, index, updates], domain=DOMAIN)
+        graph.insert_before(node, rows)
+        out, old = rows.outputs[0], node.outputs[0]
+        name, old.name = old.name, f"{old.name}_elements"
+        out.name, out.shape, out.dtype = name, old.shape, ir.DataType.FLOAT
+        old.replace_all_uses_with(out, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        replaced += 1
+    return replaced
+
+
 def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
     """Softmax and LogSoftmax over the last axis -> their row-wise steps (max, exp, sum), so
     that they fuse with the ops around them (attention's scale and mask) into one kernel of
@@ -662,8 +710,8 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
     graph = model.graph
     _expand_softmax(graph, _Graph())
     _fold_rotate_half(graph, _Graph())
+    kernels = [_SCATTER_ADD_ROWS] if _scatter_add_rows(graph, _Graph()) else []
     groups, info = _groups(graph)
-    kernels = []
     for group in groups:
         if len(group.nodes) < 2 and group.nodes[0].op_type not in _ALONE_OK:
             continue

@@ -468,3 +468,60 @@ def test_rotations_serve_every_batch_and_sequence_length():
         for g, e in zip(grads, [x.grad, w.grad]):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * e.abs().max().item())
     assert ort_dynamo.report().kernels > 0 and ort_dynamo.report().fallback_nodes == 0
+
+
+class _Embeddings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(1000, 256, padding_idx=3), nn.Embedding(128, 256)
+
+    def forward(self, ids):
+        return (self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))).tanh()
+
+
+def test_embedding_gradients_add_whole_rows_in_one_kernel(tmp_path):
+    """An embedding's gradient (a scatter-add of rows, repeated and padding ids included) is one
+    ScatterAddRows kernel, not ORT's per-element ScatterElements, with eager's gradients."""
+    torch.manual_seed(0)
+    model, ids = _Embeddings(), torch.randint(0, 1000, (8, 128))
+    ids[0, :5], ids[1] = 3, 7  # padding, and one id 128 times
+    got = _step(model, ids, {}, tmp_path)
+    model.zero_grad()
+    model(ids).square().sum().backward()
+    for g, p in zip(got[1:], model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6 * p.grad.abs().max().item())
+    backward = glob.glob(str(tmp_path / "*backward*.onnx"))
+    ops = _ops(backward)
+    assert ops.count("ScatterAddRows") == 2 and "ScatterElements" not in ops
+
+
+def _scatter_session():
+    data = ir.Value(name="data", shape=ir.Shape([6, 4]), type=ir.TensorType(ir.DataType.FLOAT))
+    index = ir.Value(name="index", shape=ir.Shape([5, 1]), type=ir.TensorType(ir.DataType.INT64))
+    updates = ir.Value(name="updates", shape=ir.Shape([5, 4]), type=ir.TensorType(ir.DataType.FLOAT))
+    shape = ir.Value(name="shape", const_value=ir.tensor(np.array([5, 4], dtype=np.int64)))
+    expand = ir.node("Expand", [index, shape])
+    expand.outputs[0].shape, expand.outputs[0].dtype = ir.Shape([5, 4]), ir.DataType.INT64
+    scatter = ir.node("ScatterElements", [data, expand.outputs[0], updates], attributes={"axis": 0, "reduction": "add"})
+    scatter.outputs[0].name = "out"
+    graph = ir.Graph([data, index, updates], scatter.outputs, nodes=[expand, scatter], initializers=[shape],
+                     opset_imports={"": 18})
+    model = ir.Model(graph, ir_version=10)
+    kernels = _pointwise.fuse_pointwise(model)
+    assert [_pointwise.kernel_name(k) for k in kernels] == ["ScatterAddRows"]
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library(kernels))
+    return ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def test_scatter_add_rows_follows_onnx_and_rejects_indices_out_of_range():
+    session = _scatter_session()
+    data, updates = np.random.randn(6, 4).astype(np.float32), np.random.randn(5, 4).astype(np.float32)
+    index = np.array([[0], [5], [-1], [2], [0]], dtype=np.int64)  # repeated, and negative as ONNX allows
+    want = data.copy()
+    for r, i in enumerate(index[:, 0]):
+        want[i] += updates[r]
+    np.testing.assert_allclose(session.run(None, {"data": data, "index": index, "updates": updates})[0], want, rtol=1e-6)
+    with pytest.raises(Exception, match="ScatterAddRows: index out of range"):
+        session.run(None, {"data": data, "index": np.array([[0], [6], [1], [1], [1]]), "updates": updates})

@@ -41,6 +41,7 @@ typedef struct OrtCustomOp OrtCustomOp; /* defined below */
 /* Tensor element types (ONNX TensorProto numbering). */
 #define ORTD_ELEM_UNDEFINED 0 /* as an op type: "any type" */
 #define ORTD_ELEM_FLOAT 1
+#define ORTD_ELEM_INT64 7
 #define ORTD_ELEM_BOOL 9
 
 /* Input/output characteristic returned by OrtCustomOp getters. */

@@ -72,7 +72,7 @@ static inline float pw_expf(float x) {
 #define PW_TASK_ELEMENTS 16384  /* at least this much work per thread task */
 
 enum { PW_FULL, PW_SCALAR, PW_SUFFIX, PW_COL, PW_STRIDED_ROW, PW_STRIDED_COL, PW_GENERAL };
-enum { PW_FLOAT, PW_BOOL };
+enum { PW_FLOAT, PW_BOOL, PW_INT64 };
 
 typedef struct PwArgs {
   int64_t rank, numel, inner, rows, rows_per_task;
@@ -86,6 +86,9 @@ typedef struct PwArgs {
 } PwArgs;
 
 typedef void (*PwRowsFn)(const PwArgs*, int64_t, int64_t);
+struct PwKernelDef;
+/* A hand-written op's whole compute (the generated kernels leave it NULL). */
+typedef OrtStatus* (*PwComputeFn)(const OrtApiTable*, OrtKernelContext*, const struct PwKernelDef*);
 
 typedef struct PwKernelDef {
   const char* name;
@@ -97,6 +100,7 @@ typedef struct PwKernelDef {
   int rank;
   int flat; /* every input full or scalar: iterate in PW_BLOCK rows, not by the last axis */
   PwRowsFn fast, any;
+  PwComputeFn compute;
 } PwKernelDef;
 
 static inline int64_t pw_row_length(const PwArgs* a, int64_t r) {
@@ -116,6 +120,11 @@ static inline int64_t pw_offset(const PwArgs* a, int i, int64_t r) {
 
 /* A kernel's definition, visible to the library it is linked into (not outside it). */
 #define PW_KERNEL(name, ...) PW_HIDDEN extern const PwKernelDef name##_def; const PwKernelDef name##_def = {#name, __VA_ARGS__}
+
+/* out = data; out[index[r]] += updates[r] for each row r (rows: the first axis): the gradient
+ * of an embedding. Parallel over columns, so no two threads add to one element and each sum
+ * is taken in row order. */
+PW_HIDDEN OrtStatus* pw_scatter_add_rows(const OrtApiTable* api, OrtKernelContext* ctx, const struct PwKernelDef* def);
 
 PW_HIDDEN OrtStatus* pw_register(OrtSessionOptions* options, const OrtApiBase* base,
                                  const PwKernelDef* const* defs);

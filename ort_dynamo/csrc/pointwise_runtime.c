@@ -67,10 +67,83 @@ static int pw_kind_holds(int kind, const int64_t* shape, const PwArgs* a, int64_
   }
 }
 
+static OrtStatus* pw_shape(const OrtApiTable* api, const OrtValue* value, int64_t* dims, size_t* rank) {
+  OrtTensorTypeAndShapeInfo* info;
+  PW_TRY(ORTD_CALL(api, GetTensorTypeAndShape)(value, &info));
+  OrtStatus* status = ORTD_CALL(api, GetDimensionsCount)(info, rank);
+  if (!status && *rank <= PW_MAX_RANK) status = ORTD_CALL(api, GetDimensions)(info, dims, *rank);
+  ORTD_CALL(api, ReleaseTensorTypeAndShapeInfo)(info);
+  return status;
+}
+
+typedef struct PwScatter {
+  float* out;
+  const float* updates;
+  const int64_t* index;
+  int64_t rows, row, block, dim0;
+} PwScatter;
+
+static void pw_scatter_task(void* user, size_t t) {
+  const PwScatter* s = (const PwScatter*)user;
+  const int64_t c0 = (int64_t)t * s->block, c1 = c0 + s->block < s->row ? c0 + s->block : s->row;
+  for (int64_t r = 0; r < s->rows; ++r) {
+    const int64_t at = s->index[r] < 0 ? s->index[r] + s->dim0 : s->index[r];
+    float* restrict o = s->out + at * s->row;
+    const float* restrict u = s->updates + r * s->row;
+    for (int64_t c = c0; c < c1; ++c) o[c] += u[c];
+  }
+}
+
+OrtStatus* pw_scatter_add_rows(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) {
+  const PwKernel k = {api, def};
+  const OrtValue *data, *index, *updates;
+  int64_t data_dims[PW_MAX_RANK], index_dims[PW_MAX_RANK], update_dims[PW_MAX_RANK];
+  size_t data_rank, index_rank, update_rank;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 0, &data));
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 1, &index));
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 2, &updates));
+  PW_TRY(pw_shape(api, data, data_dims, &data_rank));
+  PW_TRY(pw_shape(api, index, index_dims, &index_rank));
+  PW_TRY(pw_shape(api, updates, update_dims, &update_rank));
+  if (data_rank < 1 || data_rank > PW_MAX_RANK || update_rank != data_rank || index_rank > PW_MAX_RANK)
+    return pw_error(&k, "data and updates must have the same number of axes");
+  int64_t row = 1, numel = data_dims[0], indices = 1;
+  for (size_t d = 1; d < data_rank; ++d) {
+    if (update_dims[d] != data_dims[d]) return pw_error(&k, "updates' rows must be shaped as data's");
+    row *= data_dims[d];
+  }
+  numel *= row;
+  for (size_t d = 0; d < index_rank; ++d) indices *= index_dims[d];
+  if (indices != update_dims[0]) return pw_error(&k, "one index per row of updates is needed");
+  void *out_data, *data_data, *index_data, *update_data;
+  OrtValue* out;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, data_dims, data_rank, &out));
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(out, &out_data));
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)data, &data_data));
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)index, &index_data));
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)updates, &update_data));
+  const int64_t* idx = (const int64_t*)index_data;
+  for (int64_t r = 0; r < indices; ++r)
+    if (idx[r] < -data_dims[0] || idx[r] >= data_dims[0]) return pw_error(&k, "index out of range");
+  if (numel && out_data != data_data) memcpy(out_data, data_data, (size_t)numel * sizeof(float));
+  PwScatter s = {(float*)out_data, (const float*)update_data, idx, indices, row, 64, data_dims[0]};
+  if (row == 0 || indices == 0) return NULL;
+  /* Columns in blocks of at least 64 floats, about PW_TASK_ELEMENTS additions per task. */
+  const int64_t per_task = PW_TASK_ELEMENTS / indices > 64 ? PW_TASK_ELEMENTS / indices : 64;
+  s.block = (per_task + 15) / 16 * 16;
+  const int64_t tasks = (row + s.block - 1) / s.block;
+  if (tasks <= 1) {
+    pw_scatter_task(&s, 0);
+    return NULL;
+  }
+  return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, pw_scatter_task, (size_t)tasks, 0, &s);
+}
+
 static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
   const PwKernel* k = (const PwKernel*)kernel;
   const PwKernelDef* def = k->def;
   const OrtApiTable* api = k->api;
+  if (def->compute) return def->compute(api, ctx, def);
   PwArgs a;
   int64_t shapes[PW_MAX_ARGS][PW_MAX_RANK];
   a.rank = def->rank;
@@ -182,7 +255,8 @@ static void pw_destroy(void* kernel) { free(kernel); }
 static const char* pw_name(const OrtCustomOp* op) { return pw_def(op)->name; }
 static const char* pw_provider(const OrtCustomOp* op) { (void)op; return NULL; }
 static int pw_input_type(const OrtCustomOp* op, size_t i) {
-  return pw_def(op)->types[i] == PW_BOOL ? ORTD_ELEM_BOOL : ORTD_ELEM_FLOAT;
+  const int type = pw_def(op)->types[i];
+  return type == PW_BOOL ? ORTD_ELEM_BOOL : type == PW_INT64 ? ORTD_ELEM_INT64 : ORTD_ELEM_FLOAT;
 }
 static size_t pw_input_count(const OrtCustomOp* op) { return (size_t)pw_def(op)->n_in; }
 static int pw_output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORTD_ELEM_FLOAT; }
