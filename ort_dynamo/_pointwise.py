@@ -45,12 +45,15 @@ _ELEMENTWISE = set(_UNARY) | set(_BINARY) | {"Where", "Pow"}
 _ROW_REDUCTIONS = {"ReduceSum", "ReduceMean", "ReduceMax"}
 #: Marks the ReduceMax of an expanded softmax (``_expand_softmax``), the only max fused.
 _SOFTMAX_MAX = "ort_dynamo.softmax_max"
+#: Marks a ReduceSum over every axis but the last (a bias or norm weight's gradient), with its
+#: keepdims: a kernel adds each row into per-task partial sums, added up after the rows.
+_COLUMN_SUM = "ort_dynamo.column_sum"
 #: A lane rotation along the last axis, op of ``DOMAIN`` (``_fold_rotate_half``): the
 #: ``rotate_half`` of rotary embeddings, forward and backward. For the last axis of size 2h,
 #: out[i] = lower * x[i + h] for i < h, upper * x[i - h] otherwise (attributes: signs, +-1).
 _ROTATE = "RotateHalf"
 #: Single ops worth a kernel of their own: ORT's broadcasting Where is a slow generic loop;
-#: a rotation otherwise takes a Split, a Neg and a Concat.
+#: a rotation otherwise takes a Split, a Neg and a Concat. (And column sums, below.)
 _ALONE_OK = {"Where", _ROTATE}
 
 
@@ -161,6 +164,37 @@ class _Graph:
         out.dtype = ir.DataType.FLOAT
         return shape
 
+    def column_sum_shape(self, node: ir.Node) -> tuple | None:
+        """For a float32 sum over every axis but the last, the shape it iterates over (its
+        input's); marks the node."""
+        if node.domain not in ("", "ai.onnx") or node.op_type != "ReduceSum" or len(node.inputs) != 2:
+            return None
+        data, axes = node.inputs
+        keepdims = node.attributes["keepdims"].value if "keepdims" in node.attributes else 1
+        shape = self.dims(data) if data is not None else None
+        if data is None or data.dtype != ir.DataType.FLOAT or axes is None or axes.const_value is None \
+                or not shape or len(shape) < 2 or len(shape) > _MAX_RANK:
+            return None
+        rank = len(shape)
+        if sorted(int(a) % rank for a in axes.const_value.numpy().reshape(-1)) != list(range(rank - 1)):
+            return None
+        result = (1,) * (rank - 1) + shape[-1:] if keepdims else shape[-1:]
+        out = node.outputs[0]
+        if self.dims(out) not in (None, result):
+            return None
+        self.shape[out] = result
+        out.dtype = ir.DataType.FLOAT
+        node.meta[_COLUMN_SUM] = bool(keepdims)
+        return shape
+
+
+def _row_reduction(node: ir.Node) -> bool:
+    return node.op_type in _ROW_REDUCTIONS and node.meta.get(_COLUMN_SUM) is None
+
+
+def _column_sum(node: ir.Node) -> bool:
+    return node.meta.get(_COLUMN_SUM) is not None
+
 
 # -- grouping -------------------------------------------------------------------------------------
 
@@ -206,11 +240,14 @@ def _groups(graph: ir.Graph) -> tuple[list[_Group], _Graph]:
 
     for index, node in enumerate(graph):
         order[node] = index
-        shape = info.elementwise_shape(node) or info.row_reduction_shape(node)
+        shape = info.elementwise_shape(node) or info.row_reduction_shape(node) or info.column_sum_shape(node)
         if shape is None:
             continue
         producers = [v.producer() for v in node.inputs if v is not None and v.producer() in order]
-        candidates = [g for g in dict.fromkeys(group_of[p] for p in producers if p in group_of) if g.shape == shape]
+        # A column sum is complete only after every row: what reads it is in another kernel.
+        after_sums = {id(group_of[p]) for p in producers if p in group_of and _column_sum(p)}
+        candidates = [g for g in dict.fromkeys(group_of[p] for p in producers if p in group_of)
+                      if g.shape == shape and id(g) not in after_sums]
         chosen = None
         for candidate in candidates:
             if len(candidate.nodes) >= 64:
@@ -222,7 +259,9 @@ def _groups(graph: ir.Graph) -> tuple[list[_Group], _Graph]:
         for other in candidates if chosen is not None else ():
             # The node reads two groups (q * cos + rotate_half(q) * sin): one kernel, unless
             # a path outside them leads from one to the other.
-            if other is chosen or len(chosen.nodes) + len(other.nodes) >= 64:
+            if other is chosen or len(chosen.nodes) + len(other.nodes) >= 64 or any(
+                    _column_sum(p) and group_of.get(p) in (chosen, other)
+                    for group in (chosen, other) for p in predecessors(group.nodes)):
                 continue
             def outside_both(nodes):
                 return [p for p in nodes if group_of.get(p) not in (chosen, other)]
@@ -281,26 +320,29 @@ def _phases(group: _Group) -> dict[ir.Node, int]:
     phase p) is computed in phase p + 1, after that sum is complete."""
     phase: dict[ir.Node, int] = {}
     for node in group.nodes:
-        after = [phase[v.producer()] + (v.producer().op_type in _ROW_REDUCTIONS)
+        after = [phase[v.producer()] + _row_reduction(v.producer())
                  for v in node.inputs if v is not None and v.producer() in phase]
         phase[node] = max(after, default=0)
     return phase
 
 
-def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.Value], name: str) -> str:
+def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.Value], name: str,
+          perms: dict[int, tuple] | None = None, out_perms: dict[int, tuple] | None = None) -> str:
     """C source of one kernel: ``<name>_fast`` with static read patterns and ``<name>_any``
     with runtime strides (used when the actual shapes do not fit the static ones). Each row is
     walked once per phase: a phase ends with the row sums the next one reads; nodes of earlier
-    phases are recomputed where a later phase needs them rather than stored."""
+    phases are recomputed where a later phase needs them rather than stored. ``perms``: inputs
+    read through a transpose (by index: iteration axis -> axis in memory); ``out_perms``:
+    outputs written transposed (keeping the last axis)."""
+    perms, out_perms = perms or {}, out_perms or {}
     arg = {v: f"x{i}" for i, v in enumerate(inputs)}
-    local = {node.outputs[0]: (f"s{i}" if node.op_type in _ROW_REDUCTIONS else f"t{i}")
-             for i, node in enumerate(group.nodes)}
+    local = {node.outputs[0]: (f"s{i}" if _row_reduction(node) else f"t{i}") for i, node in enumerate(group.nodes)}
 
     def ref(value, shifted=False):
         """The C name of ``value`` at lane i, or (shifted) at the lane a rotation reads for i.
         A row sum is the same at every lane."""
         if value in local:
-            rotates = shifted and value.producer().op_type not in _ROW_REDUCTIONS
+            rotates = shifted and not _row_reduction(value.producer())
             return local[value] + ("_r" if rotates else "")
         if value in arg:
             return f"{arg[value]}{'r' if shifted else 'v'}"
@@ -337,13 +379,21 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
         return f"const float {ref(node.outputs[0], r)} = {expr};"
 
     phase = _phases(group)
-    reductions = [n for n in group.nodes if n.op_type in _ROW_REDUCTIONS]
+    reductions = [n for n in group.nodes if _row_reduction(n)]
+    column_sums = [n for n in group.nodes if _column_sum(n)]
     last = max(phase.values())
     # ONNX bools are bytes of 0 or 1; read as uint8_t, not C's bool, which gcc will not
     # vectorize next to float stores.
     ctype = {v: ("uint8_t" if v.dtype == ir.DataType.BOOL else "float") for v in inputs}
     kinds = [_kind(info.dims(v), group.shape) for v in inputs]
-    col_out = [v.producer().op_type in _ROW_REDUCTIONS for v in outputs]
+    for i, perm in perms.items():  # rows at strided offsets: along the last axis only if it stays last
+        shape = info.dims(inputs[i])
+        if kinds[i] != "scalar":
+            kinds[i] = ("strided_row" if shape[-1] == group.shape[-1] else "strided_col") \
+                if perm[-1] == len(perm) - 1 else "general"
+    # Per output: 0 a full tensor, 1 a row sum, 2 a column sum, 3 one that keeps its axes.
+    out_kind = [1 if _row_reduction(v.producer()) else
+                (3 if v.producer().meta[_COLUMN_SUM] else 2) if _column_sum(v.producer()) else 0 for v in outputs]
 
     def needed(targets):
         """Non-reduction nodes ``targets`` read, transitively within the phase, in order."""
@@ -352,7 +402,7 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
             node = stack.pop()
             for v in node.inputs:
                 p = v.producer() if v is not None else None
-                if p in phase and p.op_type not in _ROW_REDUCTIONS and p not in want:
+                if p in phase and not _row_reduction(p) and not _column_sum(p) and p not in want:
                     want.add(p)
                     stack.append(p)
         return [n for n in group.nodes if n in want]
@@ -362,8 +412,8 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
         for k in range(last + 1):
             closing = [n for n in reductions if phase[n] == k]
             if k == last:
-                finals = [v.producer() for v, col in zip(outputs, col_out) if not col]
-                wanted = set(needed(finals + closing)) | set(finals)
+                finals = [v.producer() for v, kind in zip(outputs, out_kind) if kind == 0]
+                wanted = set(needed(finals + closing + column_sums)) | set(finals)
                 nodes = [n for n in group.nodes if n in wanted]
             else:
                 nodes = needed(closing)
@@ -375,7 +425,7 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
             # loads are dead code to the compiler.
             rotating = any(n.op_type == _ROTATE for n in nodes)
             halves = [(0, "0", "h", "i + h"), (1, "h", "n", "i - h")] if rotating else [(0, "0", "n", None)]
-            for half, lo, hi, shift in halves if k < last or closing or nodes else ():
+            for half, lo, hi, shift in halves if k < last or closing or nodes or column_sums else ():
                 if closing:
                     clauses = [f"reduction({kind}:{', '.join(names)})" for kind, names in (
                         ("max", [local[n.outputs[0]] for n in closing if n.op_type == "ReduceMax"]),
@@ -387,14 +437,17 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
                 lines += [f"for (int64_t i = {lo}; i < {hi}; ++i) {{"]
                 lines += ["  " + x for x in body + [statement(n) for n in closing]]
                 if k == last:
-                    lines += [f"  o{j}[i] = {local[v]};" for j, v in enumerate(outputs) if not col_out[j]]
+                    lines += [f"  o{j}[i] = {local[v]};" for j, v in enumerate(outputs) if out_kind[j] == 0]
+                    # Into this task's partial sums: lane i of every row of the task.
+                    lines += [f"  o{j}[i] += {ref(v.producer().inputs[0])};" for j, v in enumerate(outputs)
+                              if out_kind[j] >= 2]
                 lines += ["}"]
             for n in closing:
                 s_ = local[n.outputs[0]]
                 if n.op_type == "ReduceMean":
                     lines.append(f"{s_} /= (float)n;")
             lines += [f"o{j}[0] = {local[v]};" for j, v in enumerate(outputs)
-                      if col_out[j] and phase[v.producer()] == k]
+                      if out_kind[j] == 1 and phase[v.producer()] == k]
         return lines
 
     offsets = {"full": "r * inner", "suffix": "(r * inner) % a->numel_in[{i}]", "col": "r", "scalar": "0",
@@ -402,8 +455,13 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
                "general": "pw_offset(a, {i}, r)"}
     fast_setup = [f"const {ctype[v]}* restrict {arg[v]} = (const {ctype[v]}*)a->in[{i}] + {offsets[k].format(i=i)};"
                   for i, (v, k) in enumerate(zip(inputs, kinds))]
-    out_setup = [f"float* restrict o{j} = (float*)a->out[{j}] + r{'' if col else ' * inner'};"
-                 for j, col in enumerate(col_out)]
+    out_offsets = {0: " + r * inner", 1: " + r", 2: "", 3: ""}
+    out_setup = [f"float* restrict o{j} = (float*)a->out[{j}]"
+                 f"{' + pw_out_offset(a, %d, r)' % j if j in out_perms else out_offsets[kind]};"
+                 for j, kind in enumerate(out_kind) if kind < 2]
+    # A column sum's output, while the rows run, is this task's row of partial sums.
+    task_setup = [f"float* restrict o{j} = a->partial[{j}] + (r0 / a->rows_per_task) * inner;"
+                  for j, kind in enumerate(out_kind) if kind >= 2]
     reads = {"full": "{x}", "suffix": "{x}", "col": "0", "scalar": "0", "strided_row": "{x}", "strided_col": "0",
              "general": "({x}) * a->inner_stride[{i}]"}
 
@@ -421,14 +479,14 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
     rotates = any(n.op_type == _ROTATE for n in group.nodes)
     # Rows of PW_BLOCK elements when every read is full or scalar; a row sum or a rotation
     # needs real rows.
-    flat = all(k in ("full", "scalar") for k in kinds) and not reductions and not rotates
+    flat = all(k in ("full", "scalar") for k in kinds) and not (reductions or rotates or column_sums or out_perms)
 
     def function(suffix, setup, loads):
         # The strided version only runs when run-time shapes defeat the static read pattern:
         # compiled for size, it halves the compiler's time.
         attributes = "PW_RARELY " if suffix == "any" else ""
         lines = [f"{attributes}static void {name}_{suffix}(const PwArgs* a, int64_t r0, int64_t r1) {{",
-                 "  const int64_t inner = a->inner;",
+                 "  const int64_t inner = a->inner;"] + ["  " + x for x in task_setup] + [
                  "  for (int64_t r = r0; r < r1; ++r) {",
                  "    const int64_t n = pw_row_length(a, r);"] + (["    const int64_t h = n >> 1;"] if rotates else [])
         lines += ["    " + x for x in setup + out_setup + loops(loads)]
@@ -437,16 +495,22 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
 
     kind_codes = ", ".join(f"PW_{k.upper()}" for k in kinds) or "0"
     types = ", ".join("PW_BOOL" if ctype[v] == "uint8_t" else "PW_FLOAT" for v in inputs)
-    cols = ", ".join(str(int(c)) for c in col_out)
+    out_kinds = ", ".join(str(kind) for kind in out_kind)
+    rank = len(group.shape)
+    perm_table = [perms.get(i, tuple(range(rank))) for i in range(len(inputs))] + \
+        [out_perms.get(j, tuple(range(rank))) for j in range(len(outputs))]
     return "\n".join([
         '#include "pointwise.h"',
         function("fast", fast_setup, fast_loads),
         function("any", any_setup, any_loads),
         f"static const int {name}_kinds[] = {{{kind_codes}}};",
         f"static const int {name}_types[] = {{{types}}};",
-        f"static const int {name}_row_sums[] = {{{cols}}};",
-        f"PW_KERNEL({name}, {len(inputs)}, {name}_types, {name}_kinds, {len(outputs)}, {name}_row_sums, "
-        f"{len(group.shape)}, {1 if flat else 0}, {name}_fast, {name}_any);",
+        f"static const int {name}_out_kinds[] = {{{out_kinds}}};",
+        *([f"static const int {name}_perms[] = {{{', '.join(str(d) for p in perm_table for d in p)}}};"]
+          if perms or out_perms else []),
+        f"PW_KERNEL({name}, {len(inputs)}, {name}_types, {name}_kinds, {len(outputs)}, {name}_out_kinds, "
+        f"{len(group.shape)}, {1 if flat else 0}, {name}_fast, {name}_any, 0, "
+        f"{f'{name}_perms' if perms or out_perms else '0'});",
     ]) + "\n"
 
 
@@ -665,6 +729,49 @@ def _scatter_add_rows(graph: ir.Graph, info: _Graph) -> int:
     return replaced
 
 
+def _column_sums_through_reshapes(graph: ir.Graph, info: _Graph) -> int:
+    """``ReduceSum(Reshape(x, [N, D]), axes=[0])`` where ``x`` is ``[..., D]`` (a Linear's bias
+    gradient: the rows of ``x`` flattened) -> the same sum over ``x``'s leading axes, so that
+    it joins the kernel computing ``x``. Returns the number rewritten."""
+    done = 0
+    for node in list(graph):
+        if node.domain not in ("", "ai.onnx") or node.op_type != "ReduceSum" or len(node.inputs) != 2:
+            continue
+        flat, axes = node.inputs
+        reshape = flat.producer() if flat is not None else None
+        if reshape is None or reshape.op_type != "Reshape" or reshape.domain not in ("", "ai.onnx") \
+                or axes is None or axes.const_value is None:
+            continue
+        x = reshape.inputs[0]
+        shape, flat_shape, out_shape = info.dims(x), info.dims(flat), info.dims(node.outputs[0])
+        keepdims = node.attributes["keepdims"].value if "keepdims" in node.attributes else 1
+        if not shape or len(shape) < 3 or not flat_shape or len(flat_shape) != 2 or flat_shape[1] != shape[-1] \
+                or x.dtype != ir.DataType.FLOAT or [int(a) % 2 for a in axes.const_value.numpy().reshape(-1)] != [0] \
+                or out_shape is None:
+            continue
+        leading = ir.Value(name=f"{node.outputs[0].name}_leading_axes", shape=ir.Shape([len(shape) - 1]),
+                           type=ir.TensorType(ir.DataType.INT64),
+                           const_value=ir.tensor(np.arange(len(shape) - 1, dtype=np.int64)))
+        graph.register_initializer(leading)
+        steps = [ir.node("ReduceSum", [x, leading], attributes={"keepdims": keepdims})]
+        if keepdims:  # [1, ..., 1, D] -> the [1, D] the graph expects
+            target = ir.Value(name=f"{node.outputs[0].name}_shape", shape=ir.Shape([2]),
+                              type=ir.TensorType(ir.DataType.INT64),
+                              const_value=ir.tensor(np.array([1, -1], dtype=np.int64)))
+            graph.register_initializer(target)
+            steps.append(ir.node("Reshape", [steps[0].outputs[0], target]))
+        steps[0].outputs[0].dtype = ir.DataType.FLOAT
+        for step in steps:
+            graph.insert_before(node, step)
+        result, old = steps[-1].outputs[0], node.outputs[0]
+        name, old.name = old.name, f"{old.name}_flat"
+        result.name, result.shape, result.dtype = name, old.shape, ir.DataType.FLOAT
+        old.replace_all_uses_with(result, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        done += 1
+    return done
+
+
 def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
     """Softmax and LogSoftmax over the last axis -> their row-wise steps (max, exp, sum), so
     that they fuse with the ops around them (attention's scale and mask) into one kernel of
@@ -704,16 +811,54 @@ def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
         graph.remove(node, safe=True)
 
 
+def _transposed_reads(inputs: list[ir.Value], members: set[ir.Node], info: _Graph, rank: int):
+    """Inputs that only the kernel reads, through a Transpose: the kernel reads the
+    Transpose's input at transposed strides, and the Transpose is left dead. Returns the
+    kernel node's inputs and ``{index: iteration axis -> axis in memory}``."""
+    sources, perms = list(inputs), {}
+    for index, value in enumerate(inputs):
+        transpose = value.producer()
+        if transpose is None or transpose.op_type != "Transpose" or transpose.domain not in ("", "ai.onnx") \
+                or "perm" not in transpose.attributes or value.is_graph_output() \
+                or any(use.node not in members for use in value.uses()) or info.dims(transpose.inputs[0]) is None:
+            continue
+        perm = [int(p) for p in transpose.attributes["perm"].value]
+        pad = rank - len(perm)
+        perms[index] = tuple(range(pad)) + tuple(pad + p for p in perm)
+        sources[index] = transpose.inputs[0]
+    return sources, perms
+
+
+def _transposed_writes(outputs: list[ir.Value], rank: int):
+    """Full outputs that only a Transpose keeping the last axis reads: the kernel writes each
+    row where the Transpose would have put it. Returns the values the kernel's outputs replace
+    and ``{index: iteration axis -> axis in memory}``."""
+    targets, perms = list(outputs), {}
+    for index, value in enumerate(outputs):
+        producer, uses = value.producer(), value.uses()
+        if value.is_graph_output() or len(uses) != 1 or _row_reduction(producer) or _column_sum(producer):
+            continue
+        transpose = uses[0].node
+        perm = [int(p) for p in transpose.attributes["perm"].value] \
+            if transpose.op_type == "Transpose" and "perm" in transpose.attributes else []
+        if transpose.domain not in ("", "ai.onnx") or len(perm) != rank or perm[-1] != rank - 1:
+            continue
+        perms[index] = tuple(perm.index(d) for d in range(rank))
+        targets[index] = transpose.outputs[0]
+    return targets, perms
+
+
 def fuse_pointwise(model: ir.Model) -> list[str]:
     """Replace elementwise groups of ``model``'s main graph by ``ort_dynamo.pointwise`` nodes.
     Returns each new kernel's C code (an empty list if nothing was fused)."""
     graph = model.graph
     _expand_softmax(graph, _Graph())
     _fold_rotate_half(graph, _Graph())
+    _column_sums_through_reshapes(graph, _Graph())
     kernels = [_SCATTER_ADD_ROWS] if _scatter_add_rows(graph, _Graph()) else []
     groups, info = _groups(graph)
     for group in groups:
-        if len(group.nodes) < 2 and group.nodes[0].op_type not in _ALONE_OK:
+        if len(group.nodes) < 2 and group.nodes[0].op_type not in _ALONE_OK and not _column_sum(group.nodes[0]):
             continue
         if all(isinstance(d, int) for d in group.shape) and math.prod(group.shape) < MIN_ELEMENTS:
             continue
@@ -737,19 +882,24 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
             continue
         if _broadcast([info.dims(v) for v in inputs]) != group.shape:
             continue  # the iteration shape must follow from the inputs at run time
+        sources, perms = _transposed_reads(inputs, members, info, len(group.shape))
+        targets, out_perms = _transposed_writes(outputs, len(group.shape))
         # Named by the hash of its code: identical chains (one per layer) share one kernel.
-        code = _emit(group, info, inputs, outputs, "pw_@")
+        code = _emit(group, info, inputs, outputs, "pw_@", perms, out_perms)
         name = "pw_" + hashlib.sha256(code.encode()).hexdigest()[:16]
         kernels.append(code.replace("pw_@", name))
-        fused = ir.node(name, inputs, domain=DOMAIN, num_outputs=len(outputs),
+        fused = ir.node(name, sources, domain=DOMAIN, num_outputs=len(outputs),
                         doc_string="|".join(n.op_type for n in group.nodes))
         graph.insert_after(group.nodes[-1], fused)
-        for old, new in zip(outputs, fused.outputs):
+        for old, new in zip(targets, fused.outputs):
+            written_by = old.producer() if old not in outputs else None  # a Transpose written in place
             old_name = old.name
             old.name = f"{old_name}_unfused"
             new.name, new.dtype, new.shape = old_name, ir.DataType.FLOAT, old.shape
             info.shape[new] = info.dims(old)  # for later groups reading it: inferred, if not annotated
             old.replace_all_uses_with(new, replace_graph_outputs=True)
+            if written_by is not None:
+                graph.remove(written_by, safe=True)
         for node in reversed(group.nodes):
             graph.remove(node, safe=True)
     _unfold_rotate_half(graph)

@@ -73,6 +73,9 @@ static inline float pw_expf(float x) {
 
 enum { PW_FULL, PW_SCALAR, PW_SUFFIX, PW_COL, PW_STRIDED_ROW, PW_STRIDED_COL, PW_GENERAL };
 enum { PW_FLOAT, PW_BOOL, PW_INT64 };
+/* What an output holds: the full result; a row sum (shaped as the output with a last axis of
+ * 1); a column sum over all axes but the last (shaped [last]; or, KEPT, [1, ..., 1, last]). */
+enum { PW_OUT_FULL, PW_OUT_ROW_SUM, PW_OUT_COLUMN_SUM, PW_OUT_COLUMN_SUM_KEPT };
 
 typedef struct PwArgs {
   int64_t rank, numel, inner, rows, rows_per_task;
@@ -82,6 +85,8 @@ typedef struct PwArgs {
   int64_t strides[PW_MAX_ARGS][PW_MAX_RANK]; /* element strides per output axis, 0 = broadcast */
   int64_t inner_stride[PW_MAX_ARGS];
   void* out[PW_MAX_ARGS];
+  int64_t out_strides[PW_MAX_ARGS][PW_MAX_RANK]; /* element strides per axis of a transposed output */
+  float* partial[PW_MAX_ARGS]; /* a column sum's partial sums: a row of `inner` per task */
   void (*rows_fn)(const struct PwArgs*, int64_t, int64_t);
 } PwArgs;
 
@@ -96,11 +101,15 @@ typedef struct PwKernelDef {
   const int* types;
   const int* kinds;
   int n_out;
-  const int* row_sums; /* per output: 1 = a row sum, shaped as the output with a last axis of 1 */
+  const int* out_kinds; /* per output, a PW_OUT_* */
   int rank;
   int flat; /* every input full or scalar: iterate in PW_BLOCK rows, not by the last axis */
   PwRowsFn fast, any;
   PwComputeFn compute;
+  /* Transposes read or written in place, or NULL: per input then per output, rank entries,
+   * entry d = the axis of the tensor's own layout (inputs padded to rank with leading 1s)
+   * that axis d of the iteration is. An output's permutation keeps the last axis. */
+  const int* perms;
 } PwKernelDef;
 
 static inline int64_t pw_row_length(const PwArgs* a, int64_t r) {
@@ -113,6 +122,17 @@ static inline int64_t pw_offset(const PwArgs* a, int i, int64_t r) {
   for (int64_t d = a->rank - 2; d >= 0; --d) {
     const int64_t size = a->dims[d];
     offset += (r % size) * a->strides[i][d];
+    r /= size;
+  }
+  return offset;
+}
+
+/* Offset of row r in output j, written transposed (out_strides). */
+static inline int64_t pw_out_offset(const PwArgs* a, int j, int64_t r) {
+  int64_t offset = 0;
+  for (int64_t d = a->rank - 2; d >= 0; --d) {
+    const int64_t size = a->dims[d];
+    offset += (r % size) * a->out_strides[j][d];
     r /= size;
   }
   return offset;

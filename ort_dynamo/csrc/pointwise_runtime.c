@@ -145,7 +145,8 @@ static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
   const OrtApiTable* api = k->api;
   if (def->compute) return def->compute(api, ctx, def);
   PwArgs a;
-  int64_t shapes[PW_MAX_ARGS][PW_MAX_RANK];
+  int64_t shapes[PW_MAX_ARGS][PW_MAX_RANK]; /* as the iteration sees them (transposes applied) */
+  int64_t own[PW_MAX_ARGS][PW_MAX_RANK];    /* as they lie in memory */
   a.rank = def->rank;
   for (int64_t d = 0; d < a.rank; ++d) a.dims[d] = 1;
   for (int i = 0; i < def->n_in; ++i) {
@@ -161,9 +162,10 @@ static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
     if (status) return status;
     if (rank > (size_t)a.rank) return pw_error(k, "an input has more axes than the output");
     a.numel_in[i] = 1;
+    const int64_t pad = a.rank - (int64_t)rank;
+    for (int64_t d = 0; d < a.rank; ++d) own[i][d] = d < pad ? 1 : dims[d - pad];
     for (int64_t d = 0; d < a.rank; ++d) {
-      const int64_t pad = a.rank - (int64_t)rank;
-      const int64_t size = d < pad ? 1 : dims[d - pad];
+      const int64_t size = own[i][def->perms ? def->perms[i * a.rank + d] : d];
       shapes[i][d] = size;
       a.numel_in[i] *= size;
       if (size != 1) {
@@ -177,35 +179,61 @@ static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
   }
   a.numel = 1;
   for (int64_t d = 0; d < a.rank; ++d) a.numel *= a.dims[d];
-  int64_t row_sum_dims[PW_MAX_RANK];
-  for (int64_t d = 0; d < a.rank; ++d) row_sum_dims[d] = d == a.rank - 1 ? 1 : a.dims[d];
+  int64_t row_sum_dims[PW_MAX_RANK], column_sum_dims[PW_MAX_RANK];
+  for (int64_t d = 0; d < a.rank; ++d) {
+    row_sum_dims[d] = d == a.rank - 1 ? 1 : a.dims[d];
+    column_sum_dims[d] = d == a.rank - 1 ? a.dims[d] : 1;
+  }
+  int has_row_sums = 0, has_column_sums = 0;
   for (int j = 0; j < def->n_out; ++j) {
     OrtValue* value;
     void* data;
-    const int64_t* dims = def->row_sums[j] ? row_sum_dims : a.dims;
-    PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, (size_t)j, dims, (size_t)a.rank, &value));
+    const int kind = def->out_kinds[j];
+    const int64_t* dims = kind == PW_OUT_FULL ? a.dims : kind == PW_OUT_ROW_SUM ? row_sum_dims : column_sum_dims;
+    const size_t rank = kind == PW_OUT_COLUMN_SUM ? 1 : (size_t)a.rank;
+    if (kind == PW_OUT_COLUMN_SUM) dims += a.rank - 1;
+    int64_t transposed[PW_MAX_RANK];
+    if (kind == PW_OUT_FULL && def->perms) {
+      /* Written transposed: allocated in its own layout, whose axis perm[d] is our axis d. */
+      const int* perm = def->perms + (def->n_in + j) * a.rank;
+      for (int64_t d = 0; d < a.rank; ++d) transposed[perm[d]] = a.dims[d];
+      int64_t stride = 1, own_strides[PW_MAX_RANK];
+      for (int64_t d = a.rank - 1; d >= 0; --d) {
+        own_strides[d] = stride;
+        stride *= transposed[d];
+      }
+      for (int64_t d = 0; d < a.rank; ++d) a.out_strides[j][d] = own_strides[perm[d]];
+      dims = transposed;
+    }
+    PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, (size_t)j, dims, rank, &value));
     PW_TRY(ORTD_CALL(api, GetTensorMutableData)(value, &data));
     a.out[j] = data;
+    a.partial[j] = (float*)data;
+    has_row_sums |= kind == PW_OUT_ROW_SUM;
+    has_column_sums |= kind >= PW_OUT_COLUMN_SUM;
   }
   int fast = 1;
   for (int i = 0; i < def->n_in; ++i) {
-    int64_t stride = 1;
+    int64_t stride = 1, own_strides[PW_MAX_RANK];
     for (int64_t d = a.rank - 1; d >= 0; --d) {
-      a.strides[i][d] = shapes[i][d] == 1 ? 0 : stride;
-      stride *= shapes[i][d];
+      own_strides[d] = stride;
+      stride *= own[i][d];
     }
+    for (int64_t d = 0; d < a.rank; ++d)
+      a.strides[i][d] = shapes[i][d] == 1 ? 0 : own_strides[def->perms ? def->perms[i * a.rank + d] : d];
     a.inner_stride[i] = a.rank ? a.strides[i][a.rank - 1] : 0;
     fast = fast && pw_kind_holds(def->kinds[i], shapes[i], &a, a.numel_in[i]);
   }
   if (a.numel == 0) {
-    /* Nothing to compute, except row sums over an empty last axis: 0 (mean: NaN, as torch). */
-    int has_row_sums = 0;
-    for (int j = 0; j < def->n_out; ++j) has_row_sums |= def->row_sums[j];
+    /* Nothing to compute, except row sums over an empty last axis: 0 (mean: NaN, as torch),
+     * and column sums over no rows: 0. */
     int64_t rows = 1;
     for (int64_t d = 0; d + 1 < a.rank; ++d) rows *= a.dims[d];
+    for (int j = 0; j < def->n_out; ++j)
+      if (def->out_kinds[j] >= PW_OUT_COLUMN_SUM && a.rank) memset(a.out[j], 0, (size_t)a.dims[a.rank - 1] * sizeof(float));
     if (has_row_sums && rows > 0) {
       a.inner = 0;
-      a.rows = rows;
+      a.rows = a.rows_per_task = rows;
       def->any(&a, 0, rows);
     }
     return NULL;
@@ -219,11 +247,34 @@ static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
   a.rows = (a.numel + a.inner - 1) / a.inner;
   a.rows_per_task = PW_TASK_ELEMENTS / a.inner > 1 ? PW_TASK_ELEMENTS / a.inner : 1;
   const int64_t tasks = (a.rows + a.rows_per_task - 1) / a.rows_per_task;
-  if (tasks <= 1) {
-    a.rows_fn(&a, 0, a.rows);
-    return NULL;
+  if (!has_column_sums) {
+    if (tasks <= 1) {
+      a.rows_fn(&a, 0, a.rows);
+      return NULL;
+    }
+    return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, pw_task, (size_t)tasks, 0, &a);
   }
-  return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, pw_task, (size_t)tasks, 0, &a);
+  /* Column sums: each task adds its rows into its own row of partial sums; then the partial
+   * rows are added in task order (which depends on the shapes only: the same sums each run). */
+  float* partials = (float*)calloc((size_t)(tasks * a.inner * def->n_out), sizeof(float));
+  if (!partials) return ORTD_CALL(api, CreateStatus)(ORTD_FAIL, "ort_dynamo pointwise kernel: out of memory");
+  for (int j = 0; j < def->n_out; ++j)
+    if (def->out_kinds[j] >= PW_OUT_COLUMN_SUM) a.partial[j] = partials + j * tasks * a.inner;
+  OrtStatus* status = NULL;
+  if (tasks <= 1)
+    a.rows_fn(&a, 0, a.rows);
+  else
+    status = ORTD_CALL(api, KernelContext_ParallelFor)(ctx, pw_task, (size_t)tasks, 0, &a);
+  for (int j = 0; j < def->n_out && !status; ++j) {
+    if (def->out_kinds[j] < PW_OUT_COLUMN_SUM) continue;
+    float* restrict out = (float*)a.out[j];
+    const float* restrict part = a.partial[j];
+    memcpy(out, part, (size_t)a.inner * sizeof(float));
+    for (int64_t t = 1; t < tasks; ++t)
+      for (int64_t c = 0; c < a.inner; ++c) out[c] += part[t * a.inner + c];
+  }
+  free(partials);
+  return status;
 }
 
 static const PwKernelDef* pw_def(const OrtCustomOp* op) { return ((const PwOp*)op)->def; }
