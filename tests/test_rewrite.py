@@ -101,6 +101,25 @@ def test_gelu_chains_fuse_into_gelu_and_fast_gelu_with_same_gradients(tmp_path):
     assert ops["forward"]["FastGelu"] == 1 and ops["forward"]["Tanh"] == 0
 
 
+class _ResidualMlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_linear_biases_are_added_after_the_reshape_not_by_gemm(tmp_path, kernels):
+    """A 3-D Linear is addmm then a view; ORT's Gemm broadcasts the bias over its output first.
+    The bias moves after the view, as an Add beside the GELU and into the residual add."""
+    torch.manual_seed(0)
+    _, ops = _train_fused_and_plain(_ResidualMlp(), torch.randn(4, 8, 16), tmp_path,
+                                    fused_options={"pointwise_kernels": kernels})
+    assert ops["forward"]["Gemm"] == 0 and ops["forward"]["MatMul"] == 2 and ops["forward"]["Gelu"] == 1
+
+
 class _NewGelu(nn.Module):
     """GPT-2's GELU written out (``gelu_new``), in two spellings, and a look-alike that is not
     GELU (another constant)."""
