@@ -530,6 +530,31 @@ def table_source(kernels: list[str]) -> str:
 
 # -- the pass -------------------------------------------------------------------------------------
 
+def _take_over(old: ir.Value, new: ir.Value, suffix: str) -> None:
+    """``new`` (float32) replaces ``old`` everywhere, graph outputs and name included (outputs
+    are fetched by name); ``old`` keeps its name plus ``suffix``."""
+    name, old.name = old.name, f"{old.name}_{suffix}"
+    new.name, new.shape, new.dtype = name, old.shape, ir.DataType.FLOAT
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
+
+
+def _replace_node(graph: ir.Graph, node: ir.Node, steps: list[ir.Node], suffix: str) -> None:
+    """``steps``, inserted before ``node``, take its place: the last one's output takes over
+    ``node``'s."""
+    for step in steps:
+        graph.insert_before(node, step)
+    _take_over(node.outputs[0], steps[-1].outputs[0], suffix)
+    graph.remove(node, safe=True)
+
+
+def _int64_constant(graph: ir.Graph, name: str, values) -> ir.Value:
+    array = np.asarray(values, dtype=np.int64)
+    value = ir.Value(name=name, shape=ir.Shape(list(array.shape)), type=ir.TensorType(ir.DataType.INT64),
+                     const_value=ir.tensor(array))
+    graph.register_initializer(value)
+    return value
+
+
 def _ints(value: ir.Value | None) -> list[int] | None:
     """The integers of a constant (initializer or Constant node), else None."""
     if value is None:
@@ -641,11 +666,8 @@ def _fold_rotate_half(graph: ir.Graph, info: _Graph) -> int:
         rotate = ir.node(_ROTATE, [x], domain=DOMAIN,
                          attributes={"lower": merged[0][3], "upper": merged[1][3]})
         graph.insert_before(node, rotate)
-        out = rotate.outputs[0]
-        name, value.name = value.name, f"{value.name}_unrotated"
-        out.name, out.shape, out.dtype = name, value.shape, ir.DataType.FLOAT
-        info.shape[out] = shape
-        value.replace_all_uses_with(out, replace_graph_outputs=True)
+        _take_over(value, rotate.outputs[0], "unrotated")
+        info.shape[rotate.outputs[0]] = shape
         for dead in reversed(visited):  # the lane moves nothing else reads
             if dead.graph is not None and not any(v.uses() or v.is_graph_output() for v in dead.outputs):
                 graph.remove(dead, safe=True)
@@ -660,9 +682,7 @@ def _unfold_rotate_half(graph: ir.Graph) -> None:
             continue
         x = node.inputs[0]
         half = x.shape[-1] // 2
-        sizes = ir.Value(name=f"{node.outputs[0].name}_halves", shape=ir.Shape([2]),
-                         type=ir.TensorType(ir.DataType.INT64), const_value=ir.tensor(np.array([half, half], dtype=np.int64)))
-        graph.register_initializer(sizes)
+        sizes = _int64_constant(graph, f"{node.outputs[0].name}_halves", [half, half])
         split = ir.node("Split", [x, sizes], attributes={"axis": -1}, num_outputs=2)
         steps = [split]
         parts = []
@@ -672,13 +692,7 @@ def _unfold_rotate_half(graph: ir.Graph) -> None:
                 part = steps[-1].outputs[0]
             parts.append(part)
         steps.append(ir.node("Concat", parts, attributes={"axis": -1}))
-        for step in steps:
-            graph.insert_before(node, step)
-        result, old = steps[-1].outputs[0], node.outputs[0]
-        name, old.name = old.name, f"{old.name}_rotate_half"
-        result.name, result.shape, result.dtype = name, old.shape, ir.DataType.FLOAT
-        old.replace_all_uses_with(result, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
+        _replace_node(graph, node, steps, "rotate_half")
 
 
 #: The embedding gradient's kernel (csrc/pointwise_runtime.c), the same for every use.
@@ -718,13 +732,7 @@ def _scatter_add_rows(graph: ir.Graph, info: _Graph) -> int:
                 or expanded != update_shape or len(update_shape) != len(shape) or update_shape[1:] != shape[1:] \
                 or index_shape[0] != update_shape[0]:
             continue  # not one index per whole row
-        rows = ir.node("ScatterAddRows", [data, index, updates], domain=DOMAIN)
-        graph.insert_before(node, rows)
-        out, old = rows.outputs[0], node.outputs[0]
-        name, old.name = old.name, f"{old.name}_elements"
-        out.name, out.shape, out.dtype = name, old.shape, ir.DataType.FLOAT
-        old.replace_all_uses_with(out, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
+        _replace_node(graph, node, [ir.node("ScatterAddRows", [data, index, updates], domain=DOMAIN)], "elements")
         replaced += 1
     return replaced
 
@@ -749,25 +757,13 @@ def _column_sums_through_reshapes(graph: ir.Graph, info: _Graph) -> int:
                 or x.dtype != ir.DataType.FLOAT or [int(a) % 2 for a in axes.const_value.numpy().reshape(-1)] != [0] \
                 or out_shape is None:
             continue
-        leading = ir.Value(name=f"{node.outputs[0].name}_leading_axes", shape=ir.Shape([len(shape) - 1]),
-                           type=ir.TensorType(ir.DataType.INT64),
-                           const_value=ir.tensor(np.arange(len(shape) - 1, dtype=np.int64)))
-        graph.register_initializer(leading)
+        leading = _int64_constant(graph, f"{node.outputs[0].name}_leading_axes", range(len(shape) - 1))
         steps = [ir.node("ReduceSum", [x, leading], attributes={"keepdims": keepdims})]
-        if keepdims:  # [1, ..., 1, D] -> the [1, D] the graph expects
-            target = ir.Value(name=f"{node.outputs[0].name}_shape", shape=ir.Shape([2]),
-                              type=ir.TensorType(ir.DataType.INT64),
-                              const_value=ir.tensor(np.array([1, -1], dtype=np.int64)))
-            graph.register_initializer(target)
-            steps.append(ir.node("Reshape", [steps[0].outputs[0], target]))
         steps[0].outputs[0].dtype = ir.DataType.FLOAT
-        for step in steps:
-            graph.insert_before(node, step)
-        result, old = steps[-1].outputs[0], node.outputs[0]
-        name, old.name = old.name, f"{old.name}_flat"
-        result.name, result.shape, result.dtype = name, old.shape, ir.DataType.FLOAT
-        old.replace_all_uses_with(result, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
+        if keepdims:  # [1, ..., 1, D] -> the [1, D] the graph expects
+            target = _int64_constant(graph, f"{node.outputs[0].name}_shape", [1, -1])
+            steps.append(ir.node("Reshape", [steps[0].outputs[0], target]))
+        _replace_node(graph, node, steps, "flat")
         done += 1
     return done
 
@@ -788,9 +784,7 @@ def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
                                                and math.prod(shape) < MIN_ELEMENTS):
             continue
         if axes is None:
-            axes = ir.Value(name="pointwise_last_axis", shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64),
-                            const_value=ir.tensor(np.array([-1], dtype=np.int64)))
-            graph.register_initializer(axes)
+            axes = _int64_constant(graph, "pointwise_last_axis", [-1])
         peak = ir.node("ReduceMax", [x, axes], attributes={"keepdims": 1})
         peak.meta[_SOFTMAX_MAX] = True
         shifted = ir.node("Sub", [x, peak.outputs[0]])
@@ -803,12 +797,7 @@ def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
             steps = [peak, shifted, exp, total, log, ir.node("Sub", [shifted.outputs[0], log.outputs[0]])]
         for step in steps:
             step.outputs[0].dtype = ir.DataType.FLOAT
-            graph.insert_before(node, step)
-        result, old = steps[-1].outputs[0], node.outputs[0]
-        name, old.name = old.name, f"{old.name}_unexpanded"
-        result.name, result.shape = name, old.shape
-        old.replace_all_uses_with(result, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
+        _replace_node(graph, node, steps, "unexpanded")
 
 
 def _transposed_reads(inputs: list[ir.Value], members: set[ir.Node], info: _Graph, rank: int):
@@ -893,11 +882,8 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
         graph.insert_after(group.nodes[-1], fused)
         for old, new in zip(targets, fused.outputs):
             written_by = old.producer() if old not in outputs else None  # a Transpose written in place
-            old_name = old.name
-            old.name = f"{old_name}_unfused"
-            new.name, new.dtype, new.shape = old_name, ir.DataType.FLOAT, old.shape
             info.shape[new] = info.dims(old)  # for later groups reading it: inferred, if not annotated
-            old.replace_all_uses_with(new, replace_graph_outputs=True)
+            _take_over(old, new, "unfused")
             if written_by is not None:
                 graph.remove(written_by, safe=True)
         for node in reversed(group.nodes):

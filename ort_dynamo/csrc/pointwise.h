@@ -116,26 +116,23 @@ static inline int64_t pw_row_length(const PwArgs* a, int64_t r) {
   return r == a->rows - 1 ? a->numel - r * a->inner : a->inner;
 }
 
-/* Offset of row r (an index over all axes but the last) in input i. */
-static inline int64_t pw_offset(const PwArgs* a, int i, int64_t r) {
+/* Offset of row r (an index over all axes but the last) at these per-axis strides. */
+static inline int64_t pw_row_offset(const PwArgs* a, const int64_t* strides, int64_t r) {
   int64_t offset = 0;
   for (int64_t d = a->rank - 2; d >= 0; --d) {
     const int64_t size = a->dims[d];
-    offset += (r % size) * a->strides[i][d];
+    offset += (r % size) * strides[d];
     r /= size;
   }
   return offset;
 }
 
+/* Offset of row r in input i. */
+static inline int64_t pw_offset(const PwArgs* a, int i, int64_t r) { return pw_row_offset(a, a->strides[i], r); }
+
 /* Offset of row r in output j, written transposed (out_strides). */
 static inline int64_t pw_out_offset(const PwArgs* a, int j, int64_t r) {
-  int64_t offset = 0;
-  for (int64_t d = a->rank - 2; d >= 0; --d) {
-    const int64_t size = a->dims[d];
-    offset += (r % size) * a->out_strides[j][d];
-    r /= size;
-  }
-  return offset;
+  return pw_row_offset(a, a->out_strides[j], r);
 }
 
 /* A kernel's definition, visible to the library it is linked into (not outside it). */
