@@ -263,11 +263,10 @@ def _groups(graph: ir.Graph) -> tuple[list[_Group], _Graph]:
                     _column_sum(p) and group_of.get(p) in (chosen, other)
                     for group in (chosen, other) for p in predecessors(group.nodes)):
                 continue
-            def outside_both(nodes):
-                return [p for p in nodes if group_of.get(p) not in (chosen, other)]
-
-            if any(depends_on(p, chosen) for p in outside_both(predecessors(other.nodes))) or \
-                    any(depends_on(p, other) for p in outside_both([*predecessors(chosen.nodes), *producers])):
+            outside_other = [p for p in predecessors(other.nodes) if group_of.get(p) not in (chosen, other)]
+            outside_chosen = [p for p in [*predecessors(chosen.nodes), *producers]
+                              if group_of.get(p) not in (chosen, other)]
+            if any(depends_on(p, chosen) for p in outside_other) or any(depends_on(p, other) for p in outside_chosen):
                 continue
             chosen.nodes = sorted(chosen.nodes + other.nodes, key=order.__getitem__)
             chosen.first, chosen.last = min(chosen.first, other.first), max(chosen.last, other.last)

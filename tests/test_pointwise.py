@@ -610,3 +610,21 @@ def test_kernels_read_and_write_through_transposes(tmp_path):
     assert models and all(len(_pointwise_nodes(p)) == 1 for p in models) and "Transpose" not in _ops(models)
     code = "".join(open(p).read() for p in glob.glob(str(tmp_path / "*.pointwise.c")))
     assert "PW_STRIDED_ROW" in code and "PW_GENERAL" in code and "pw_out_offset" in code
+
+
+def test_groups_joined_through_another_op_stay_two_kernels():
+    """A node reading two groups merges them into one kernel, except when one group reaches
+    the other through an op outside both (here a matmul): one kernel would then feed itself."""
+    def fn(x, w):
+        a = (x * 2.0).sigmoid()
+        b = (a @ w).tanh() * 3.0
+        return a * b + 1.0, (x.exp() * x).sin() + x.cos()  # the second: two groups merged
+
+    x, w = torch.randn(8, 64, 64), torch.randn(64, 64)
+    ort_dynamo.reset()
+    compiled = torch.compile(fn, backend="ort")
+    compiled(x, w)
+    ort_dynamo.wait_for_kernels()
+    for got, want in zip(compiled(x, w), fn(x, w)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert ort_dynamo.report().kernels >= 2 and ort_dynamo.report().fallback_nodes == 0
