@@ -23,7 +23,8 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from ._fusions import _scalar  # a one-element constant's value, or None
+from ._fusions import _int64_constant, _scalar  # _scalar: a one-element constant's value, or None
+from ._fusions import _take_over as _take_over_value
 
 __all__ = ["DOMAIN", "fuse_pointwise", "kernel_name", "table_source"]
 
@@ -530,11 +531,10 @@ def table_source(kernels: list[str]) -> str:
 # -- the pass -------------------------------------------------------------------------------------
 
 def _take_over(old: ir.Value, new: ir.Value, suffix: str) -> None:
-    """``new`` (float32) replaces ``old`` everywhere, graph outputs and name included (outputs
-    are fetched by name); ``old`` keeps its name plus ``suffix``."""
-    name, old.name = old.name, f"{old.name}_{suffix}"
-    new.name, new.shape, new.dtype = name, old.shape, ir.DataType.FLOAT
-    old.replace_all_uses_with(new, replace_graph_outputs=True)
+    """``new`` replaces ``old`` everywhere (``_fusions._take_over``), as float32: values inside
+    inlined torchlib functions often have no type set."""
+    _take_over_value(old, new, suffix)
+    new.dtype = ir.DataType.FLOAT
 
 
 def _replace_node(graph: ir.Graph, node: ir.Node, steps: list[ir.Node], suffix: str) -> None:
@@ -544,14 +544,6 @@ def _replace_node(graph: ir.Graph, node: ir.Node, steps: list[ir.Node], suffix: 
         graph.insert_before(node, step)
     _take_over(node.outputs[0], steps[-1].outputs[0], suffix)
     graph.remove(node, safe=True)
-
-
-def _int64_constant(graph: ir.Graph, name: str, values) -> ir.Value:
-    array = np.asarray(values, dtype=np.int64)
-    value = ir.Value(name=name, shape=ir.Shape(list(array.shape)), type=ir.TensorType(ir.DataType.INT64),
-                     const_value=ir.tensor(array))
-    graph.register_initializer(value)
-    return value
 
 
 def _ints(value: ir.Value | None) -> list[int] | None:

@@ -90,20 +90,20 @@ def _split_off_output_views(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     views: set[torch.fx.Node] = set()
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
 
+    def is_view(node) -> bool:
+        return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEW_OPS
+
     def output_view(node: torch.fx.Node) -> torch.fx.Node:
         if node in copies:
             return copies[node]
         source = node.args[0]
-        if isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target in _VIEW_OPS:
+        if is_view(source):
             source = output_view(source)
         with graph.inserting_before(output):
             copy = graph.node_copy(node, lambda n: source if n is node.args[0] else n)
         copies[node] = copy
         views.add(copy)
         return copy
-
-    def is_view(node) -> bool:
-        return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _VIEW_OPS
 
     def over_contiguous(node: torch.fx.Node) -> bool:
         root = node

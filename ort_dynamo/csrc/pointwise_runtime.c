@@ -151,15 +151,10 @@ static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
   for (int64_t d = 0; d < a.rank; ++d) a.dims[d] = 1;
   for (int i = 0; i < def->n_in; ++i) {
     const OrtValue* value;
-    OrtTensorTypeAndShapeInfo* info;
     size_t rank;
     int64_t dims[PW_MAX_RANK];
     PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, (size_t)i, &value));
-    PW_TRY(ORTD_CALL(api, GetTensorTypeAndShape)(value, &info));
-    OrtStatus* status = ORTD_CALL(api, GetDimensionsCount)(info, &rank);
-    if (!status && rank <= (size_t)a.rank) status = ORTD_CALL(api, GetDimensions)(info, dims, rank);
-    ORTD_CALL(api, ReleaseTensorTypeAndShapeInfo)(info);
-    if (status) return status;
+    PW_TRY(pw_shape(api, value, dims, &rank));
     if (rank > (size_t)a.rank) return pw_error(k, "an input has more axes than the output");
     a.numel_in[i] = 1;
     const int64_t pad = a.rank - (int64_t)rank;
