@@ -96,12 +96,14 @@ def main() -> None:
     parser.add_argument("--model", default="llama", choices=["gpt2", "bert", "llama"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--phase-backends", default="eager,ort",
+                        help="comma-separated backends whose phase times to measure, each in turn")
     args = parser.parse_args()
     _steady_malloc()  # as train_step.py: no backend pays page faults for another's frees
-    for backend in ("eager", "ort"):
+    for backend in args.phase_backends.split(","):
         t = phase_times(args.model, backend, args.steps)
-        print(f"{backend:6s} forward {t['forward']:6.1f} ms  backward {t['backward']:6.1f} ms  "
-              f"optimizer {t['optimizer']:5.1f} ms")
+        print(f"{backend:9s} forward {t['forward']:6.1f} ms  backward {t['backward']:6.1f} ms  "
+              f"optimizer {t['optimizer']:5.1f} ms  total {sum(t.values()):6.1f} ms")
     with tempfile.TemporaryDirectory() as folder:
         per_op, calls, per_node, session = ort_kernel_profile(args.model, args.steps, folder)
     print(f"ORT per step: {session['runs']:.0f} session runs taking {session['ms']:.1f} ms, of which "
