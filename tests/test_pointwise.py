@@ -628,3 +628,30 @@ def test_groups_joined_through_another_op_stay_two_kernels():
     for got, want in zip(compiled(x, w), fn(x, w)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert ort_dynamo.report().kernels >= 2 and ort_dynamo.report().fallback_nodes == 0
+
+
+def test_saving_models_whose_kernels_fail_to_build_still_trains(monkeypatch, tmp_path):
+    """With save_onnx the library is built at once, to be written beside the model: its failure
+    is a warning there too (the partition runs without kernels), not a failed compile."""
+    def failing_compiler(command, cwd):
+        raise _kernels.KernelBuildError("cc failed on the generated kernels")
+
+    monkeypatch.setattr(_kernels, "_run", failing_compiler)
+    torch.manual_seed(0)
+    model, x = _SwiGluAttention(), torch.randn(4, 64, 64)
+    plain = _step(model, x, {"pointwise_kernels": False})
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    options = {"save_onnx": True, "save_path": str(tmp_path / "saved"), "cache_dir": str(tmp_path / "cache")}
+    compiled = torch.compile(model, backend="ort", options=options)
+    model.zero_grad()
+    with pytest.warns(UserWarning, match="runs without its pointwise kernels: cc failed"):
+        out = compiled(x)
+        out.square().sum().backward()
+        ort_dynamo.wait_for_kernels()
+        model.zero_grad()
+        out = compiled(x)
+        out.square().sum().backward()
+    assert glob.glob(str(tmp_path / "saved" / "*.pointwise.c")) and not glob.glob(str(tmp_path / "saved" / "*.so"))
+    for got, want in zip([out.detach()] + [p.grad for p in model.parameters()], plain):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
