@@ -145,12 +145,8 @@ def _propagate_nan_through_min_max(graph: ir.Graph) -> None:
         nan = ir.node("CastLike", [ir.node("Constant", [], attributes={"value_float": math.nan}).outputs[0], x])
         fixed = ir.node("Where", [any_nan.outputs[0], nan.outputs[0], result])
         graph.insert_after(node, [flags.inputs[0].producer(), flags, seen, any_nan, nan.inputs[0].producer(), nan, fixed])
-        name = result.name
-        result.name = f"{name}_nan_blind"
-        out = fixed.outputs[0]
-        out.name, out.dtype, out.shape = name, result.dtype, result.shape
-        result.replace_all_uses_with(out, replace_graph_outputs=True)
-        fixed.replace_input_with(2, result)
+        _fusions._take_over(result, fixed.outputs[0], "nan_blind")
+        fixed.replace_input_with(2, result)  # which the take-over pointed at the fix itself
 
 
 def _static(shape) -> bool:
