@@ -36,7 +36,29 @@ def onnx_registry(opset: int):
         log.debug("lazy torchlib registry unavailable (%s); using from_torchlib", exc)
         registry = _registration.ONNXRegistry.from_torchlib(opset)
     lowerings.register(registry)
+    _remember_op_signatures()
     return registry
+
+
+def _remember_op_signatures() -> None:
+    """torch.onnx's op recorder rebuilds an ``OpSignature`` from the ONNX schema on every op
+    it emits (about a fifth of export time). A signature depends on the schema alone and is
+    only read, so keep one per schema."""
+    signature_class = ir.schemas.OpSignature
+    if getattr(signature_class.from_op_schema, "_ort_dynamo_memo", False):
+        return
+    build = signature_class.from_op_schema
+    memo: dict = {}
+
+    def from_op_schema(op_schema):
+        key = (op_schema.domain, op_schema.name, op_schema.since_version)
+        signature = memo.get(key)
+        if signature is None:
+            signature = memo[key] = build(op_schema)
+        return signature
+
+    from_op_schema._ort_dynamo_memo = True
+    signature_class.from_op_schema = staticmethod(from_op_schema)
 
 
 def _lazy_torchlib_registry(opset: int):
@@ -337,8 +359,6 @@ def _fix_for_torchlib(gm: torch.fx.GraphModule, registry=None) -> None:
     Complex results are refused: torchlib represents them as (..., 2) real pairs, which
     would come back to PyTorch with the wrong shape and dtype.
     """
-    from torch.onnx._internal.fx import passes as onnx_fx_passes
-
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         vals = val if isinstance(val, (tuple, list)) else [val]
@@ -356,7 +376,7 @@ def _fix_for_torchlib(gm: torch.fx.GraphModule, registry=None) -> None:
             source = node.args[0]
             if isinstance(source, torch.fx.Node) and getattr(source.meta.get("val"), "dtype", None) == torch.bool:
                 _compute_in(gm, node, torch.int32)
-    onnx_fx_passes.InsertTypePromotion(gm).run()
+    _insert_type_promotion(gm)
     for node in list(gm.graph.nodes):
         if node.op == "call_function":
             _cast_symbolic_scalars(gm, node)
@@ -371,6 +391,37 @@ def _fix_for_torchlib(gm: torch.fx.GraphModule, registry=None) -> None:
         if isinstance(val, torch.Tensor) and val.dtype == torch.bool and isinstance(out, torch.Tensor):
             node.replace_input_with(source, _cast_before(gm, node, source, out.dtype))
     gm.recompile()
+
+
+def _insert_type_promotion(gm: torch.fx.GraphModule) -> None:
+    """torch.onnx's type-promotion pass, without re-running every node on fake tensors (a
+    quarter of export time): a node the pass leaves as it is keeps the value AOTAutograd
+    traced for it; the nodes it changes or adds are run, as the pass itself does."""
+    from torch.onnx._internal.fx import passes as onnx_fx_passes
+    from torch.onnx._internal.fx.passes import type_promotion
+
+    promote = onnx_fx_passes.InsertTypePromotion(gm)
+    base = getattr(type_promotion, "_TypePromotionInterpreter", None)
+    rule_of = getattr(type_promotion, "get_type_promotion_rule", None)
+    if base is None or rule_of is None or not isinstance(promote.interpreter, base):
+        promote.run()  # torch's private pass changed shape: run it as it is
+        return
+
+    class KnownValues(base):
+        def run_node(self, node):
+            known = node.meta.get("val")
+            if node.op != "call_function" or known is None:
+                return super().run_node(node)
+            args, kwargs = node.args, node.kwargs
+            with self._set_current_node(node):
+                if rule := rule_of(node, self.type_promotion_table):
+                    self._maybe_promote_node(node, rule)
+            if node.args is args and node.kwargs is kwargs:
+                return known
+            return torch.fx.Interpreter.run_node(self, node)
+
+    promote.interpreter = KnownValues(gm, promote.interpreter.type_promotion_table)
+    promote.run()
 
 
 def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
