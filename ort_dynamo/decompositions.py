@@ -498,7 +498,8 @@ def own_decompositions() -> dict:
         return values, indices
 
     def cumulative_extreme(x, dim, largest: bool):
-        # values[i] = max/min(x[j] for j <= i); index = the last j reaching it (torch's ties).
+        # values[i] = max/min(x[j] for j <= i), NaN once one occurred; index = the last j
+        # reaching it (torch's ties).
         if x.dim() == 0:
             return x.clone(), torch.zeros((), dtype=torch.int64, device=x.device)
         moved = x.movedim(dim, -1)
@@ -511,7 +512,11 @@ def own_decompositions() -> dict:
             fill = (info.min if largest else info.max) if info else (not largest)
         rows = torch.where(upto, moved.unsqueeze(-2), torch.full((), fill, dtype=x.dtype, device=x.device))
         values = rows.amax(-1) if largest else rows.amin(-1)
-        hit = upto & (rows == values.unsqueeze(-1))
+        reached = values.unsqueeze(-1)
+        hit = rows == reached
+        if x.is_floating_point():  # a NaN is the extreme from where it occurs: the last NaN's index
+            hit = hit | (rows.isnan() & reached.isnan())
+        hit = upto & hit
         indices = torch.where(hit, idx, torch.full((), -1, dtype=torch.int64, device=x.device)).amax(-1)
         return values.movedim(-1, dim), indices.movedim(-1, dim)
 

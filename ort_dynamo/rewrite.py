@@ -43,6 +43,7 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
     if exported.device == "cpu":
         _compute_bfloat16_in_float32(model.graph)
     _propagate_nan_through_min_max(model.graph)
+    _sort_nan_as_largest(model.graph)
     optimize = options.enable_compute_optimizer and not options.deterministic_compute
     if optimize:
         import onnxscript.optimizer
@@ -129,24 +130,79 @@ _FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.D
 
 
 def _propagate_nan_through_min_max(graph: ir.Graph) -> None:
-    """ORT's ReduceMax/ReduceMin pass over NaN (onnxruntime 1.31: the amax of a row holding a
-    NaN is finite); torch's max/min/amax/amin return NaN. Where a float reduction saw a NaN,
-    its result becomes NaN: one more reduction, of IsNaN, over the same axes."""
+    """ORT's ReduceMax/ReduceMin and ArgMax/ArgMin pass over NaN (onnxruntime 1.31: the amax
+    of a row holding a NaN is finite); torch's max/min/amax/amin return NaN there, and
+    argmax/argmin the index of the first NaN. Where a float reduction saw a NaN, its result
+    becomes that: one more reduction, of IsNaN, over the same axes."""
     for node in list(graph):
-        if node.op_type not in ("ReduceMax", "ReduceMin") or node.domain not in ("", "ai.onnx"):
+        arg = node.op_type in ("ArgMax", "ArgMin")
+        if node.op_type not in ("ReduceMax", "ReduceMin", "ArgMax", "ArgMin") or node.domain not in ("", "ai.onnx"):
             continue
         x, result = node.inputs[0], node.outputs[0]
         if x is None or x.dtype not in _FLOAT_TYPES:
             continue
-        flags = ir.node("Cast", [ir.node("IsNaN", [x]).outputs[0]], attributes={"to": ir.DataType.UINT8})
-        seen = ir.node("ReduceMax", [flags.outputs[0], *node.inputs[1:]],
-                       attributes=dict(node.attributes))
+        is_nan = ir.node("IsNaN", [x])
+        added = [is_nan]
+        if arg:
+            flags = ir.node("Cast", [is_nan.outputs[0]], attributes={"to": ir.DataType.FLOAT})
+            axis = node.attributes.get_int("axis", 0)
+            keepdims = node.attributes.get_int("keepdims", 1)
+            first_nan = ir.node("ArgMax", [flags.outputs[0]], attributes={"axis": axis, "keepdims": keepdims})
+            axes = ir.node("Constant", [], attributes={"value": ir.tensor([axis], dtype=ir.DataType.INT64)})
+            seen = ir.node("ReduceMax", [flags.outputs[0], axes.outputs[0]], attributes={"keepdims": keepdims})
+            added += [flags, first_nan, axes, seen]
+            replacement = first_nan
+        else:
+            flags = ir.node("Cast", [is_nan.outputs[0]], attributes={"to": ir.DataType.UINT8})
+            seen = ir.node("ReduceMax", [flags.outputs[0], *node.inputs[1:]], attributes=dict(node.attributes))
+            nan = ir.node("CastLike", [ir.node("Constant", [], attributes={"value_float": math.nan}).outputs[0], x])
+            added += [flags, seen, nan.inputs[0].producer(), nan]
+            replacement = nan
         any_nan = ir.node("Cast", [seen.outputs[0]], attributes={"to": ir.DataType.BOOL})
-        nan = ir.node("CastLike", [ir.node("Constant", [], attributes={"value_float": math.nan}).outputs[0], x])
-        fixed = ir.node("Where", [any_nan.outputs[0], nan.outputs[0], result])
-        graph.insert_after(node, [flags.inputs[0].producer(), flags, seen, any_nan, nan.inputs[0].producer(), nan, fixed])
+        fixed = ir.node("Where", [any_nan.outputs[0], replacement.outputs[0], result])
+        graph.insert_after(node, [*added, any_nan, fixed])
         _fusions._take_over(result, fixed.outputs[0], "nan_blind")
         fixed.replace_input_with(2, result)  # which the take-over pointed at the fix itself
+
+
+def _sort_nan_as_largest(graph: ir.Graph) -> None:
+    """torch's sort/topk/argsort/kthvalue order NaN above +inf; ORT's TopK puts NaNs
+    anywhere (onnxruntime 1.31). Each float TopK becomes two stable full sorts, as a sort
+    by (is NaN, value with NaN as +inf) would be: by the value first, then by the NaN flag
+    (TopK breaks ties by the lower index, so the second keeps the first's order), and the
+    first K of the result."""
+    for node in list(graph):
+        if node.op_type != "TopK" or node.domain not in ("", "ai.onnx"):
+            continue
+        x, k = node.inputs[0], node.inputs[1]
+        if x is None or x.dtype not in _FLOAT_TYPES:
+            continue
+        axis = node.attributes.get_int("axis", -1)
+        largest = node.attributes.get_int("largest", 1)
+        added = []
+
+        def add(op_type, inputs, outputs=1, **attributes):
+            new = ir.node(op_type, inputs, attributes=attributes, num_outputs=outputs)
+            added.append(new)
+            return new.outputs
+
+        def ints(*values):
+            return add("Constant", [], value=ir.tensor(list(values), dtype=ir.DataType.INT64))[0]
+
+        def full_sort(key):
+            return add("TopK", [key, length], outputs=2, axis=axis, largest=largest, sorted=1)[1]
+
+        is_nan = add("IsNaN", [x])[0]
+        infinity = add("CastLike", [add("Constant", [], value_float=math.inf)[0], x])[0]
+        length = add("Gather", [add("Shape", [x])[0], ints(axis)], axis=0)[0]
+        by_value = full_sort(add("Where", [is_nan, infinity, x])[0])
+        flags = add("GatherElements", [add("Cast", [is_nan], to=ir.DataType.FLOAT)[0], by_value], axis=axis)[0]
+        order = add("GatherElements", [by_value, full_sort(flags)], axis=axis)[0]
+        indices = add("Slice", [order, ints(0), k, ints(axis)])[0]
+        values = add("GatherElements", [x, indices], axis=axis)[0]
+        graph.insert_after(node, added)
+        _fusions._take_over(node.outputs[0], values, "nan_unordered")
+        _fusions._take_over(node.outputs[1], indices, "nan_unordered")
 
 
 def _static(shape) -> bool:

@@ -100,3 +100,30 @@ def test_batch_norm_inference_saves_empty_statistics():
     mean, var = torch.randn(2), torch.rand(2)
     _check(lambda x, w, b: torch.native_batch_norm(x, w, b, mean, var, False, 0.1, 1e-5),
            torch.randn(3, 2, 4), torch.randn(2), torch.randn(2))
+
+
+NAN = float("nan")
+_WITH_NANS = torch.tensor([[1.0, NAN, 3.0, -2.0], [4.0, 2.0, 9.0, 1.0], [NAN, NAN, 0.5, NAN], [-1.0, -2.0, float("inf"), NAN]])
+
+
+def test_argmax_and_argmin_point_at_the_first_nan():
+    # ORT's ArgMax/ArgMin skip NaN; torch treats NaN as the extreme, as max/min do.
+    _check(lambda x: (x.argmax(-1), x.argmin(-1), x.argmax(0), x.argmin(), x.max(-1).indices, x.min(0).indices),
+           _WITH_NANS, grad=False)
+
+
+def test_sorts_order_nan_above_infinity():
+    # ORT's TopK misplaces NaN; torch sorts it as the largest value (ties keep their order).
+    _check(lambda x: (*x.sort(dim=-1, stable=True), *x.sort(dim=-1, descending=True, stable=True),
+                      x.argsort(dim=-1, stable=True), torch.msort(x)), _WITH_NANS, grad=False)
+    _check(lambda x: (*x.topk(1, -1), *x.topk(2, 0, largest=False)), torch.tensor([[NAN, 2.0, 3.0], [1.0, 0.0, -1.0]]),
+           grad=False)
+
+
+def test_cumulative_max_and_min_index_the_last_nan():
+    _check(lambda x: (*x.cummax(-1), *x.cummin(0)), _WITH_NANS, grad=False)
+
+
+def test_sign_and_heaviside_of_nan_and_negative_zero():
+    x = torch.tensor([NAN, -0.0, 0.0, 2.0, -3.0, float("-inf")])
+    _check(lambda x: (x.sign(), x.sgn(), torch.heaviside(x, torch.full_like(x, 0.5))), x, grad=False)

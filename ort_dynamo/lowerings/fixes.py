@@ -63,6 +63,24 @@ def _sign_bit(x, floating: bool):
     return op.Or(negative, negative_zero)
 
 
+def aten_sign(self):
+    """sign(Tensor self): torch's sign is 0 for NaN and +0.0 for -0.0; ONNX Sign returns NaN
+    for NaN. For floats, (x > 0) - (x < 0), as torch computes it."""
+    if self.dtype == ir.DataType.BOOL:
+        return op.Identity(self)
+    if self.dtype not in _FLOATS:
+        return op.Sign(self)
+    zero = op.CastLike(op.Constant(value_float=0.0), self)
+    return op.Sub(op.CastLike(op.Greater(self, zero), self), op.CastLike(op.Less(self, zero), self))
+
+
+def aten_heaviside(self, values):
+    """heaviside(Tensor self, Tensor values): ``values`` where self is 0, else (self > 0), so a
+    NaN gives 0 as in torch (torchlib's ``self < 0 ? 0 : 1`` gives 1)."""
+    zero = op.CastLike(op.Constant(value_float=0.0), self)
+    return op.Where(op.Equal(self, zero), values, op.CastLike(op.Greater(self, zero), self))
+
+
 def aten_signbit(self):
     """signbit(Tensor self) -> Tensor."""
     if self.dtype == ir.DataType.BOOL:
@@ -160,6 +178,9 @@ LOWERINGS = {
     aten.squeeze.dim: aten_squeeze_dim,
     aten.squeeze.dims: aten_squeeze_dims,
     aten.signbit.default: aten_signbit,
+    aten.sign.default: aten_sign,
+    aten.sgn.default: aten_sign,
+    aten.heaviside.default: aten_heaviside,
     aten.copysign.Tensor: aten_copysign,
     aten.copysign.Scalar: aten_copysign_scalar,
     aten.convolution.default: aten_convolution,
