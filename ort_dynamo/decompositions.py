@@ -539,7 +539,13 @@ def own_decompositions() -> dict:
 
     @register(aten.hypot.default)
     def hypot(a, b):
-        return torch.sqrt(a * a + b * b)
+        # Scaled, so that squares neither overflow nor underflow; an infinite side wins over
+        # NaN (IEEE hypot, as torch's).
+        a, b = a.abs(), b.abs()
+        high, low = torch.maximum(a, b), torch.minimum(a, b)
+        ratio = torch.where(high == 0, torch.zeros_like(high), low / high)
+        result = high * torch.sqrt(1 + ratio * ratio)
+        return torch.where(torch.isinf(a) | torch.isinf(b), torch.full_like(result, float("inf")), result)
 
     def replication_pad_backward(grad, x, padding):
         # Each padded position copies its nearest edge element: send its gradient back there.

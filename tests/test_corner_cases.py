@@ -127,3 +127,61 @@ def test_cumulative_max_and_min_index_the_last_nan():
 def test_sign_and_heaviside_of_nan_and_negative_zero():
     x = torch.tensor([NAN, -0.0, 0.0, 2.0, -3.0, float("-inf")])
     _check(lambda x: (x.sign(), x.sgn(), torch.heaviside(x, torch.full_like(x, 0.5))), x, grad=False)
+
+
+INF = float("inf")
+_SPECIAL = torch.tensor([NAN, INF, -INF, -0.0, 0.0, 1.0, -1.0, 0.1, -2.5, 1e30, -1e30, 1e-6, 88.8, 3.0])
+
+
+def _pairs(values):
+    a, b = torch.meshgrid(values, values, indexing="ij")
+    return a.reshape(-1), b.reshape(-1)
+
+
+def test_one_sided_clamps_keep_infinity():
+    # ORT's Clip with one bound missing clipped +inf to 3.4e38; normalize's norm goes through clamp_min.
+    _check(lambda x: (x.clamp(min=0.1), x.clamp(max=0.1), torch.clamp_min(x, -1.0), torch.clamp_max(x, 2.0)),
+           _SPECIAL, grad=False)
+    _check(lambda x: F.normalize(x, dim=-1), torch.tensor([[INF, 1.0], [3.0, 4.0]]), grad=False)
+    _check(lambda x: x.clamp(min=0.5), torch.randn(4, 5))
+
+
+def test_integer_division_is_exact_beyond_float32():
+    a, b = _pairs(torch.tensor([2**40 + 1, -(2**40) - 3, 7, -7, 0, 1, 3]))
+    b = torch.where(b == 0, torch.ones_like(b), b)
+    _check(lambda a, b: (torch.div(a, b, rounding_mode="floor"), torch.div(a, b, rounding_mode="trunc"),
+                         a // b, a % b, a // 3), a, b, grad=False)
+
+
+def test_integer_division_by_zero_raises_as_in_eager():
+    fn = torch.compile(lambda a, b: a // b, backend="ort")
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        fn(torch.tensor([4, 5]), torch.tensor([2, 0]))
+
+
+def test_float_floor_division_and_remainder_follow_torch():
+    # 1 // 0.1 is 9 in torch (from fmod), not floor(1 / 0.1) = 10; 0 % inf is 0; inf // 1 is NaN.
+    a, b = _pairs(torch.tensor([1.0, -1.0, 0.1, -0.3, 7.5, 0.0, -0.0, INF, NAN, 2.0]))
+    _check(lambda a, b: (torch.div(a, b, rounding_mode="floor"), torch.div(a, b, rounding_mode="trunc"),
+                         torch.floor_divide(a, b), torch.remainder(a, b), a % 0.1, torch.trunc(a / 3), torch.frac(a)),
+           a, b, grad=False)
+
+
+def test_log1p_and_expm1_are_accurate_near_zero():
+    # log(1 + x) and exp(x) - 1 were 5% off at 1e-6 and 0 for 1e-30.
+    x = torch.tensor([1e-6, -1e-6, 1e-30, -1e-30, -0.0, 0.0, 0.5, -0.75, -1.0, -2.0, 88.8, INF, -INF, NAN])
+    _check(lambda x: (torch.log1p(x), torch.expm1(x), torch.special.xlog1py(x, x), F.logsigmoid(x)), x, grad=False)
+    _check(lambda x: (torch.log1p(x.abs()), torch.expm1(x)), torch.randn(3, 4))
+
+
+def test_atan2_xlogy_logaddexp_hypot_pow_at_special_values():
+    # atan2(nan, 1) was 0, atan2(inf, inf) 0; xlogy(0, nan) 0; logaddexp(-inf, 1e30) inf;
+    # hypot(inf, nan) NaN and hypot(0, 1e30) inf; (-inf) ** 0.5 inf.
+    a, b = _pairs(_SPECIAL)
+    _check(lambda a, b: (torch.atan2(a, b), torch.xlogy(a, b), torch.logaddexp(a, b),
+                         torch.hypot(a, b), a ** 0.5, b ** -0.5, torch.special.ndtri(torch.sigmoid(a))),
+           a, b, grad=False)
+    # (logaddexp2(-1, -1) rounds to -1e-8 in eager and to 0 here: not a pair for the sign check)
+    _check(lambda a: (torch.logaddexp2(a, -a.abs() - 1), torch.logaddexp2(a, a)), _SPECIAL[_SPECIAL != -1.0], grad=False)
+    _check(lambda a, b: (torch.atan2(a, b), torch.logaddexp(a, b), torch.logaddexp2(a, b), torch.hypot(a, b)),
+           torch.randn(3, 4), torch.randn(3, 4))

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import onnx_ir as ir
 import torch
@@ -174,6 +174,220 @@ def aten_replication_pad3d(self, padding: Sequence[int]):
     return _replication_pad(self, padding, torchlib_nn.aten_replication_pad3d)
 
 
+# -- clamps, divisions and remainders ----------------------------------------------------------
+
+def aten_clamp(self, min: Optional[float] = None, max: Optional[float] = None):
+    """clamp(Tensor self, Scalar? min=None, Scalar? max=None): ORT's Clip with one bound
+    missing clips to the type's largest value, so +inf came out as 3.4e38. One bound is a
+    Max or Min (which keep inf and NaN, as torch)."""
+    if min is not None and max is not None:
+        return op.Clip(self, op.CastLike(min, self), op.CastLike(max, self))
+    if min is not None:
+        return aten_clamp_min(self, min)
+    if max is not None:
+        return aten_clamp_max(self, max)
+    return op.Identity(self)
+
+
+def aten_clamp_min(self, min: float):
+    """clamp_min(Tensor self, Scalar min) (see aten_clamp)."""
+    return op.Max(self, op.CastLike(min, self))
+
+
+def aten_clamp_max(self, max: float):
+    """clamp_max(Tensor self, Scalar max) (see aten_clamp)."""
+    return op.Min(self, op.CastLike(max, self))
+
+
+def _with_sign_of(value, reference):
+    """|value| with ``reference``'s sign bit, for results whose sign is the reference's, zeros
+    included. ORT's Where turns a -0.0 it selects into +0.0, so a zero's sign is put back
+    by a factor after the last Where."""
+    sign = op.Where(_sign_bit(reference, True), op.CastLike(op.Constant(value_float=-1.0), value),
+                    op.CastLike(op.Constant(value_float=1.0), value))
+    return op.Mul(op.Abs(value), sign)
+
+
+def _floor_divide(self, other):
+    """torch's floor division. Integers: exact int64 division (torchlib divided in float32,
+    wrong beyond 2**24), rounded down; ORT reports a zero divisor as an error, as torch does.
+    Floats: c10's div_floor_floating, from fmod, so that 1 // 0.1 is 9 (not floor(1 / 0.1) =
+    10) and inf // 1 is NaN, as in eager."""
+    if self.dtype not in _FLOATS:
+        quotient = op.Div(self, other)
+        rest = op.Sub(self, op.Mul(quotient, other))
+        zero = op.CastLike(op.Constant(value_int=0), self)
+        inexact_negative = op.And(op.Not(op.Equal(rest, zero)),
+                                  op.Xor(op.Less(rest, zero), op.Less(other, zero)))
+        return op.Sub(quotient, op.CastLike(inexact_negative, self))
+    zero = op.CastLike(op.Constant(value_float=0.0), self)
+    one = op.CastLike(op.Constant(value_float=1.0), self)
+    mod = op.Mod(self, other, fmod=1)
+    div = op.Div(op.Sub(self, mod), other)
+    div = op.Sub(div, op.CastLike(op.And(op.Not(op.Equal(mod, zero)),
+                                         op.Xor(op.Less(other, zero), op.Less(mod, zero))), self))
+    floored = op.Floor(div)
+    floored = op.Add(floored, op.CastLike(op.Greater(op.Sub(div, floored), op.CastLike(op.Constant(value_float=0.5), self)), self))
+    quotient = op.Div(self, other)
+    result = op.Where(op.Equal(other, zero), quotient, floored)
+    return _with_sign_of(result, quotient)  # a zero quotient keeps a / b's sign, as in torch
+
+
+def _trunc_divide(self, other):
+    """torch's truncating division: exact for integers (see _floor_divide); floats as
+    torchlib (the sign of a zero quotient kept)."""
+    if self.dtype not in _FLOATS:
+        return op.Div(self, other)
+    return _trunc(op.Div(self, other))
+
+
+def _trunc(x):
+    """Rounded toward zero, keeping the sign of a zero result (trunc(-0.5) = -0.0)."""
+    sign = op.Where(_sign_bit(x, True), op.CastLike(op.Constant(value_float=-1.0), x),
+                    op.CastLike(op.Constant(value_float=1.0), x))
+    return op.Mul(op.Floor(op.Abs(x)), sign)
+
+
+def aten_trunc(self):
+    """trunc(Tensor self) (torchlib lost the sign of -0.0 and of trunc(-0.5))."""
+    return _trunc(self) if self.dtype in _FLOATS else op.Identity(self)
+
+
+def aten_frac(self):
+    """frac(Tensor self): x - trunc(x), as torch (0.0 for -0.0)."""
+    return op.Sub(self, _trunc(self))
+
+
+def aten_div_mode(self, other, rounding_mode: Optional[str] = None):
+    """div.Tensor_mode / div.Scalar_mode(Tensor self, other, *, str? rounding_mode)."""
+    if rounding_mode == "floor":
+        return _floor_divide(self, other)
+    if rounding_mode == "trunc":
+        return _trunc_divide(self, other)
+    return torchlib_core.aten_div_mode(self, other, rounding_mode=rounding_mode)
+
+
+def aten_div_scalar_mode(self, other: float, rounding_mode: Optional[str] = None):
+    return aten_div_mode(self, op.CastLike(other, self), rounding_mode=rounding_mode)
+
+
+def aten_floor_divide(self, other):
+    """floor_divide(Tensor self, Tensor other) (see _floor_divide)."""
+    return _floor_divide(self, other)
+
+
+def aten_remainder(self, other):
+    """remainder.Tensor(Tensor self, Tensor other): for floats, fmod moved to the divisor's
+    sign, as torch computes it (torchlib's a - floor(a / b) * b gives 0 for 1 % 0.1, torch
+    0.09999; and NaN for 0 % inf, torch 0)."""
+    if self.dtype not in _FLOATS:
+        return op.Mod(self, other)
+    zero = op.CastLike(op.Constant(value_float=0.0), self)
+    mod = op.Mod(self, other, fmod=1)
+    moved = op.And(op.Not(op.Equal(mod, zero)), op.Xor(op.Less(other, zero), op.Less(mod, zero)))
+    # mod + (moved ? other : 0) would turn a -0.0 remainder into +0.0; Where's else branch keeps it
+    return op.Where(op.Not(moved), mod, op.Add(mod, other))
+
+
+def aten_remainder_scalar(self, other: float):
+    return aten_remainder(self, op.CastLike(other, self))
+
+
+# -- functions that lose accuracy or special values as torchlib writes them ----------------------
+
+def _log1p(x):
+    """log(1 + x) to a few ulp near 0 (Goldberg: log(u) * x / (u - 1) with u = 1 + x);
+    torchlib's Log(1 + x) was 5% off at x = 1e-6."""
+    one = op.CastLike(op.Constant(value_float=1.0), x)
+    u = op.Add(one, x)
+    scaled = op.Div(op.Mul(op.Log(u), x), op.Sub(u, one))
+    result = op.Where(op.Equal(u, one), x, scaled)
+    result = op.Where(op.IsInf(x, detect_negative=0), x, result)
+    return _with_sign_of(result, x)  # log1p(-0.0) = -0.0
+
+
+def aten_log1p(self):
+    """log1p(Tensor self) (see _log1p)."""
+    return _log1p(self)
+
+
+def aten_expm1(self):
+    """expm1(Tensor self): exp(x) - 1 to a few ulp near 0 (Kahan: (u - 1) * x / log(u) with
+    u = exp(x)); torchlib's Exp(x) - 1 was 5% off at x = 1e-6 and 0 for tiny x."""
+    one = op.CastLike(op.Constant(value_float=1.0), self)
+    u = op.Exp(self)
+    less_one = op.Sub(u, one)
+    scaled = op.Div(op.Mul(less_one, self), op.Log(u))
+    result = op.Where(op.Equal(less_one, op.Neg(one)), less_one, scaled)
+    result = op.Where(op.Equal(u, one), self, result)
+    result = op.Where(op.IsInf(u, detect_negative=0), u, result)
+    return _with_sign_of(result, self)  # expm1(-0.0) = -0.0
+
+
+def aten_xlogy(self, other):
+    """xlogy.Tensor(Tensor self, Tensor other): NaN where ``other`` is NaN, else 0 where
+    ``self`` is 0 (torchlib gave 0 for xlogy(0, nan))."""
+    zero = op.CastLike(op.Constant(value_float=0.0), self)
+    result = op.Where(op.Equal(self, zero), zero, op.Mul(self, op.Log(other)))
+    return op.Where(op.IsNaN(other), other, result)
+
+
+def _log_add_exp(self, other, base2: bool):
+    """log(e^a + e^b) as torch computes it: max + log1p(e^-|a - b|), so that neither exp
+    overflows (torchlib's Log(Exp(a) + Exp(b)) gave inf for logaddexp(-inf, 1e30)); equal
+    infinities return themselves."""
+    high = op.Max(self, other)
+    gap = op.Neg(op.Abs(op.Sub(self, other)))
+    if base2:
+        two = op.CastLike(op.Constant(value_float=2.0), self)
+        inv_ln2 = op.CastLike(op.Constant(value_float=1.0 / math.log(2.0)), self)
+        result = op.Add(high, op.Mul(_log1p(op.Pow(two, gap)), inv_ln2))
+    else:
+        result = op.Add(high, _log1p(op.Exp(gap)))
+    same_infinity = op.And(op.IsInf(self), op.Equal(self, other))
+    return op.Where(same_infinity, self, result)
+
+
+def aten_logaddexp(self, other):
+    return _log_add_exp(self, other, base2=False)
+
+
+def aten_logaddexp2(self, other):
+    return _log_add_exp(self, other, base2=True)
+
+
+def aten_atan2(self, other):
+    """atan2(Tensor self, Tensor other), y = self, x = other. torchlib maps every NaN to 0
+    (for atan2(0, 0)), so atan2(nan, 1) was 0, and atan2(inf, inf) 0 (torch: pi/4). Here:
+    atan(y / x), moved by +-pi (y's sign) where x has its sign bit; both zero gives +-0 or
+    +-pi, both infinite +-pi/4 or +-3pi/4; NaN stays NaN."""
+    y, x = self, other
+
+    def const(value):
+        return op.CastLike(op.Constant(value_float=value), y)
+
+    y_negative, x_negative = _sign_bit(y, True), _sign_bit(x, True)
+    half_turn = op.Where(y_negative, const(-math.pi), const(math.pi))
+    angle = op.Atan(op.Div(y, x))
+    angle = op.Where(x_negative, op.Add(angle, half_turn), angle)
+    zero = const(0.0)
+    both_zero = op.And(op.Equal(y, zero), op.Equal(x, zero))
+    angle = op.Where(both_zero, op.Where(x_negative, const(math.pi), zero), angle)
+    corner = op.Where(x_negative, const(3 * math.pi / 4), const(math.pi / 4))
+    angle = op.Where(op.And(op.IsInf(y), op.IsInf(x)), corner, angle)
+    return _with_sign_of(angle, y)  # the angle has y's sign, zeros included
+
+
+def aten_pow_tensor_scalar(self, exponent: float):
+    """pow.Tensor_Scalar: torch computes x ** 0.5 as sqrt and x ** -0.5 as rsqrt, so
+    (-inf) ** 0.5 is NaN and (-0.0) ** 0.5 is -0.0 (C's pow: inf and +0.0)."""
+    if self.dtype in _FLOATS and exponent == 0.5:
+        return op.Sqrt(self)
+    if self.dtype in _FLOATS and exponent == -0.5:
+        return op.Reciprocal(op.Sqrt(self))
+    return torchlib_core.aten_pow_tensor_scalar(self, exponent)
+
+
 LOWERINGS = {
     aten.squeeze.dim: aten_squeeze_dim,
     aten.squeeze.dims: aten_squeeze_dims,
@@ -181,6 +395,23 @@ LOWERINGS = {
     aten.sign.default: aten_sign,
     aten.sgn.default: aten_sign,
     aten.heaviside.default: aten_heaviside,
+    aten.clamp.default: aten_clamp,
+    aten.clamp_min.default: aten_clamp_min,
+    aten.clamp_max.default: aten_clamp_max,
+    aten.div.Tensor_mode: aten_div_mode,
+    aten.div.Scalar_mode: aten_div_scalar_mode,
+    aten.floor_divide.default: aten_floor_divide,
+    aten.remainder.Tensor: aten_remainder,
+    aten.remainder.Scalar: aten_remainder_scalar,
+    aten.log1p.default: aten_log1p,
+    aten.expm1.default: aten_expm1,
+    aten.xlogy.Tensor: aten_xlogy,
+    aten.logaddexp.default: aten_logaddexp,
+    aten.logaddexp2.default: aten_logaddexp2,
+    aten.atan2.default: aten_atan2,
+    aten.pow.Tensor_Scalar: aten_pow_tensor_scalar,
+    aten.trunc.default: aten_trunc,
+    aten.frac.default: aten_frac,
     aten.copysign.Tensor: aten_copysign,
     aten.copysign.Scalar: aten_copysign_scalar,
     aten.convolution.default: aten_convolution,

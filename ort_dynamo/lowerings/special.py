@@ -333,7 +333,8 @@ def aten_special_ndtri(self: TFloat) -> TFloat:
     result = op.Where(op.Greater(y, _d(exp_m2)), central, tail)
     result = op.Where(op.Equal(y0, _d(0.0)), _d(-math.inf), result)
     result = op.Where(op.Equal(y0, _d(1.0)), _d(math.inf), result)
-    result = op.Where(op.Or(op.Less(y0, _d(0.0)), op.Greater(y0, _d(1.0))), _d(math.nan), result)
+    outside = op.Or(op.Or(op.Less(y0, _d(0.0)), op.Greater(y0, _d(1.0))), op.IsNaN(y0))
+    result = op.Where(outside, _d(math.nan), result)
     return op.CastLike(result, self)
 
 
