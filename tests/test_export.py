@@ -51,3 +51,20 @@ def test_mixed_dtypes_get_the_casts_torch_does_implicitly():
     for actual, expected in zip(_run(exported, x, i), fn(x, i)):
         assert actual.dtype == expected.dtype
         torch.testing.assert_close(actual, expected)
+
+
+def test_python_floats_in_float64_graphs_are_exact():
+    # A scalar no tensor input typed became a float32 constant: x * 0.1 was x * float32(0.1),
+    # 1.5e-8 off in float64; clamp_min(1e-12) clamped at 9.99999996e-13; nan_to_num(inf)
+    # gave inf, not float64's largest value.
+    import ort_dynamo
+
+    def fn(x):
+        return (x * 0.1, 0.3 - x, torch.where(x > 2, x, 0.1), x.clamp_min(1e-12), x.nan_to_num(),
+                torch.full_like(x, 0.1) + x)
+
+    x = torch.tensor([1.0, 3.0, 1e-13, 7.0, float("inf"), -float("inf")], dtype=torch.float64)
+    ort_dynamo.reset()
+    actual = torch.compile(fn, backend="ort", options={"fallback_policy": "DISABLE"})(x)
+    for a, e in zip(actual, fn(x)):
+        assert a.dtype == torch.float64 and torch.equal(a, e), (a, e)

@@ -199,6 +199,16 @@ def aten_clamp_max(self, max: float):
     return op.Min(self, op.CastLike(max, self))
 
 
+def aten_clamp_min_tensor(self, min):
+    """clamp_min.Tensor (a float64 graph's scalar bound becomes a tensor; see aten_clamp)."""
+    return op.Max(self, op.CastLike(min, self))
+
+
+def aten_clamp_max_tensor(self, max):
+    """clamp_max.Tensor (see aten_clamp)."""
+    return op.Min(self, op.CastLike(max, self))
+
+
 def _with_sign_of(value, reference):
     """|value| with ``reference``'s sign bit, for results whose sign is the reference's, zeros
     included. ORT's Where turns a -0.0 it selects into +0.0, so a zero's sign is put back
@@ -398,6 +408,8 @@ LOWERINGS = {
     aten.clamp.default: aten_clamp,
     aten.clamp_min.default: aten_clamp_min,
     aten.clamp_max.default: aten_clamp_max,
+    aten.clamp_min.Tensor: aten_clamp_min_tensor,
+    aten.clamp_max.Tensor: aten_clamp_max_tensor,
     aten.div.Tensor_mode: aten_div_mode,
     aten.div.Scalar_mode: aten_div_scalar_mode,
     aten.floor_divide.default: aten_floor_divide,
