@@ -42,6 +42,7 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
     _normalize_reduce_axes(model.graph)
     if exported.device == "cpu":
         _compute_bfloat16_in_float32(model.graph)
+        _sigmoid_from_exp(model.graph)
     _propagate_nan_through_min_max(model.graph)
     _sort_nan_as_largest(model.graph)
     optimize = options.enable_compute_optimizer and not options.deterministic_compute
@@ -163,6 +164,25 @@ def _propagate_nan_through_min_max(graph: ir.Graph) -> None:
         graph.insert_after(node, [*added, any_nan, fixed])
         _fusions._take_over(result, fixed.outputs[0], "nan_blind")
         fixed.replace_input_with(2, result)  # which the take-over pointed at the fix itself
+
+
+def _sigmoid_from_exp(graph: ir.Graph) -> None:
+    """ORT's CPU Sigmoid is a float32 approximation that returns 0 below about -16
+    (onnxruntime 1.31: sigmoid(-20) = 0, torch 2.1e-9; in float64, sigmoid(-30) is 0.1% off).
+    Write it as 1 / (1 + exp(-x)), as torch computes it; the pointwise kernels fuse the four
+    ops into the same loop they made of Sigmoid."""
+    for node in list(graph):
+        if node.op_type != "Sigmoid" or node.domain not in ("", "ai.onnx"):
+            continue
+        x = node.inputs[0]
+        if x is None or x.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
+            continue
+        one = ir.node("CastLike", [ir.node("Constant", [], attributes={"value_float": 1.0}).outputs[0], x])
+        exp = ir.node("Exp", [ir.node("Neg", [x]).outputs[0]])
+        total = ir.node("Add", [one.outputs[0], exp.outputs[0]])
+        result = ir.node("Div", [one.outputs[0], total.outputs[0]])
+        graph.insert_after(node, [one.inputs[0].producer(), one, exp.inputs[0].producer(), exp, total, result])
+        _fusions._take_over(node.outputs[0], result.outputs[0], "approximate")
 
 
 def _sort_nan_as_largest(graph: ir.Graph) -> None:

@@ -185,3 +185,18 @@ def test_atan2_xlogy_logaddexp_hypot_pow_at_special_values():
     _check(lambda a: (torch.logaddexp2(a, -a.abs() - 1), torch.logaddexp2(a, a)), _SPECIAL[_SPECIAL != -1.0], grad=False)
     _check(lambda a, b: (torch.atan2(a, b), torch.logaddexp(a, b), torch.logaddexp2(a, b), torch.hypot(a, b)),
            torch.randn(3, 4), torch.randn(3, 4))
+
+
+def test_sigmoid_and_erfc_keep_their_tails():
+    # ORT's CPU Sigmoid returned 0 below about -16 (torch: 2.1e-9 at -20), and float64 sigmoid
+    # was float32-accurate; erfc as 1 - erf lost its tail (erfc(5) = 1.5e-12 came out 0).
+    x = torch.tensor([-104.0, -30.0, -20.0, -3.0, 0.0, 0.4, 3.0, 5.0, 9.0, 30.0, INF, -INF, NAN])
+
+    def tails(f, x, rtol):
+        ort_dynamo.reset()
+        actual = torch.compile(f, backend="ort", options={"fallback_policy": "DISABLE"})(x)
+        torch.testing.assert_close(actual, f(x), rtol=rtol, atol=0, equal_nan=True)
+
+    tails(torch.sigmoid, x, 1e-6)
+    tails(torch.sigmoid, x.double(), 1e-14)
+    tails(torch.erfc, x, 1e-6)
