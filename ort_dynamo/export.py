@@ -37,33 +37,7 @@ def onnx_registry(opset: int):
         registry = _registration.ONNXRegistry.from_torchlib(opset)
     lowerings.register(registry)
     _remember_op_signatures()
-    _exact_python_floats()
     return registry
-
-
-def _exact_python_floats() -> None:
-    """A Python float that no tensor input types (``op.CastLike(0.1, self)``, the ``s`` of
-    ``scalar_tensor(s, dtype=float64)``) became a float32 constant, cast afterwards: float64
-    graphs computed with ``x * 0.1`` as ``x * float32(0.1)``, 1.5e-8 off. Make it a float64
-    constant wherever float64 is allowed: exact, and the cast to float32 rounds it to the same
-    float32 as before."""
-    from torch.onnx._internal.exporter import _building
-
-    determine = getattr(_building, "_determine_input_dtype", None)
-    if determine is None or getattr(determine, "_ort_dynamo_exact", False):
-        return
-    double = ir.DataType.DOUBLE
-
-    def determine_input_dtype(param, arg, type_binding):
-        dtype = determine(param, arg, type_binding)
-        if (dtype == ir.DataType.FLOAT and type(arg) is float and param.type_constraint not in type_binding
-                and any(isinstance(t, ir.TensorType) and t.dtype == double
-                        for t in param.type_constraint.allowed_types)):
-            return double
-        return dtype
-
-    determine_input_dtype._ort_dynamo_exact = True
-    _building._determine_input_dtype = determine_input_dtype
 
 
 def _remember_op_signatures() -> None:

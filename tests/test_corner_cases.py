@@ -200,3 +200,13 @@ def test_sigmoid_and_erfc_keep_their_tails():
     tails(torch.sigmoid, x, 1e-6)
     tails(torch.sigmoid, x.double(), 1e-14)
     tails(torch.erfc, x, 1e-6)
+
+
+def test_logcumsumexp_with_nan_and_infinities():
+    # The stabilizing max ignores NaN: before, one NaN made the whole column NaN (and the
+    # model failed to serialize when the max came from inside a torchlib function).
+    x = torch.randn(5, 4)
+    x[1, 1], x[2, 2], x[3, 0] = NAN, INF, -INF
+    x[:, 3] = -INF
+    _check(lambda x: (torch.logcumsumexp(x, 0), torch.logcumsumexp(x, -1)), x, grad=False)
+    _check(lambda x: torch.logcumsumexp(x, 1), torch.randn(3, 6))

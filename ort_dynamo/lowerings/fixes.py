@@ -10,6 +10,7 @@ import onnx_ir as ir
 import torch
 from onnxscript.function_libs.torch_lib.ops import core as torchlib_core
 from onnxscript.function_libs.torch_lib.ops import nn as torchlib_nn
+from onnxscript import INT64
 from onnxscript.onnx_opset import opset18 as op
 
 aten = torch.ops.aten
@@ -174,14 +175,81 @@ def aten_replication_pad3d(self, padding: Sequence[int]):
     return _replication_pad(self, padding, torchlib_nn.aten_replication_pad3d)
 
 
-# -- clamps, divisions and remainders ----------------------------------------------------------
+# -- scalars, clamps, divisions and remainders --------------------------------------------------
+
+def _number(value) -> bool:
+    """A Python number (not a symbolic value, which dispatch also hands to a float parameter)."""
+    return isinstance(value, (bool, int, float))
+
+
+def _scalar_like(value, like):
+    """The Python number ``value`` as a constant of ``like``'s dtype, made in that dtype:
+    ``op.CastLike(value, like)`` makes a float32 constant first, which loses a float64
+    graph's digits (0.1 -> 0.10000000149)."""
+    if like.dtype is None or not _number(value):
+        return op.CastLike(value, like)
+    return op.Constant(value=ir.tensor(value, dtype=like.dtype))
+
+
+def aten_scalar_tensor(s: float, dtype: int = 1, layout: str = "", device: str = "",
+                       pin_memory: bool = False):
+    """scalar_tensor(Scalar s, *, ScalarType? dtype=None, ...): a constant made in ``dtype``.
+    torchlib makes a float32 constant and casts it, and the type promotion turns every Python
+    scalar of a float64 graph into one of these: ``x * 0.1`` computed ``x * float32(0.1)``,
+    1.5e-8 off. A symbolic ``s`` (a SymFloat input) is torchlib's case."""
+    if not _number(s):
+        return torchlib_core.aten_scalar_tensor(s, dtype=dtype)
+    return op.Constant(value=ir.tensor(s, dtype=ir.DataType(1 if dtype == -1 else dtype)))
+
+
+# The fills below are torchlib's, with the fill value made in the result's dtype (see
+# aten_scalar_tensor); a symbolic value takes torchlib's way.
+
+def aten_full(size: INT64, fill_value: float, dtype: int = -1, layout: str = "", device: str = "",
+              pin_memory: bool = False):
+    """full(SymInt[] size, Scalar fill_value, *, ScalarType? dtype=None, ...)."""
+    if dtype == -1 or not _number(fill_value):
+        return torchlib_core.aten_full(size, fill_value, dtype=dtype)
+    value = op.Constant(value=ir.tensor(fill_value, dtype=ir.DataType(dtype)))
+    return op.Expand(value, op.Cast(size, to=_INT64))
+
+
+def aten_full_like(self, fill_value: float, dtype: int = -1, layout: str = "", device: str = "",
+                   pin_memory: bool = False, memory_format: str = ""):
+    """full_like(Tensor self, Scalar fill_value, *, ScalarType? dtype=None, ...)."""
+    if dtype != -1 and not _number(fill_value):
+        return torchlib_core.aten_full_like(self, fill_value, dtype=dtype)
+    value = _scalar_like(fill_value, self) if dtype == -1 else \
+        op.Constant(value=ir.tensor(fill_value, dtype=ir.DataType(dtype)))
+    return op.Expand(value, op.Shape(self))
+
+
+def aten_new_full(self, size: INT64, fill_value: float, dtype: int = -1, layout: str = "",
+                  device: str = "", pin_memory: bool = False):
+    """new_full(Tensor self, SymInt[] size, Scalar fill_value, *, ScalarType? dtype=None, ...)."""
+    if dtype != -1 and not _number(fill_value):
+        return torchlib_core.aten_new_full(self, size, fill_value, dtype=dtype)
+    value = _scalar_like(fill_value, self) if dtype == -1 else \
+        op.Constant(value=ir.tensor(fill_value, dtype=ir.DataType(dtype)))
+    return op.Expand(value, op.Cast(size, to=_INT64))
+
+
+def aten_fill_scalar(self, value: float):
+    """fill.Scalar(Tensor self, Scalar value)."""
+    return op.Expand(_scalar_like(value, self), op.Shape(self))
+
+
+def aten_masked_fill_scalar(self, mask, value: float):
+    """masked_fill.Scalar(Tensor self, Tensor mask, Scalar value)."""
+    return op.Where(mask, _scalar_like(value, self), self)
+
 
 def aten_clamp(self, min: Optional[float] = None, max: Optional[float] = None):
     """clamp(Tensor self, Scalar? min=None, Scalar? max=None): ORT's Clip with one bound
     missing clips to the type's largest value, so +inf came out as 3.4e38. One bound is a
     Max or Min (which keep inf and NaN, as torch)."""
     if min is not None and max is not None:
-        return op.Clip(self, op.CastLike(min, self), op.CastLike(max, self))
+        return op.Clip(self, _scalar_like(min, self), _scalar_like(max, self))
     if min is not None:
         return aten_clamp_min(self, min)
     if max is not None:
@@ -191,12 +259,12 @@ def aten_clamp(self, min: Optional[float] = None, max: Optional[float] = None):
 
 def aten_clamp_min(self, min: float):
     """clamp_min(Tensor self, Scalar min) (see aten_clamp)."""
-    return op.Max(self, op.CastLike(min, self))
+    return op.Max(self, _scalar_like(min, self))
 
 
 def aten_clamp_max(self, max: float):
     """clamp_max(Tensor self, Scalar max) (see aten_clamp)."""
-    return op.Min(self, op.CastLike(max, self))
+    return op.Min(self, _scalar_like(max, self))
 
 
 def aten_clamp_min_tensor(self, min):
@@ -278,7 +346,7 @@ def aten_div_mode(self, other, rounding_mode: Optional[str] = None):
 
 
 def aten_div_scalar_mode(self, other: float, rounding_mode: Optional[str] = None):
-    return aten_div_mode(self, op.CastLike(other, self), rounding_mode=rounding_mode)
+    return aten_div_mode(self, _scalar_like(other, self), rounding_mode=rounding_mode)
 
 
 def aten_floor_divide(self, other):
@@ -300,7 +368,7 @@ def aten_remainder(self, other):
 
 
 def aten_remainder_scalar(self, other: float):
-    return aten_remainder(self, op.CastLike(other, self))
+    return aten_remainder(self, _scalar_like(other, self))
 
 
 # -- functions that lose accuracy or special values as torchlib writes them ----------------------
@@ -388,6 +456,21 @@ def aten_atan2(self, other):
     return _with_sign_of(angle, y)  # the angle has y's sign, zeros included
 
 
+def aten_logcumsumexp(self, dim: int):
+    """logcumsumexp(Tensor self, int dim): log(cumsum(exp(x - m))) + m, with m the largest
+    number along ``dim``. torchlib's m is the plain max, NaN once a NaN is anywhere along
+    ``dim`` (ReduceMax propagates NaN here, see rewrite.py): every entry turned NaN, not only
+    those from the NaN on; an infinite m is replaced by 0 (x - inf would be NaN)."""
+    if self.shape is not None and len(self.shape) == 0:
+        return op.Identity(self)
+    zero = op.CastLike(op.Constant(value_float=0.0), self)
+    numbers = op.Where(op.IsNaN(self), op.CastLike(op.Constant(value_float=-math.inf), self), self)
+    shift = op.ReduceMax(numbers, op.Constant(value_ints=[dim]), keepdims=1)
+    shift = op.Where(op.IsInf(shift), zero, shift)
+    total = op.CumSum(op.Exp(op.Sub(self, shift)), op.Constant(value_int=dim))
+    return op.Add(op.Log(total), shift)
+
+
 def aten_pow_tensor_scalar(self, exponent: float):
     """pow.Tensor_Scalar: torch computes x ** 0.5 as sqrt and x ** -0.5 as rsqrt, so
     (-inf) ** 0.5 is NaN and (-0.0) ** 0.5 is -0.0 (C's pow: inf and +0.0)."""
@@ -405,6 +488,12 @@ LOWERINGS = {
     aten.sign.default: aten_sign,
     aten.sgn.default: aten_sign,
     aten.heaviside.default: aten_heaviside,
+    aten.scalar_tensor.default: aten_scalar_tensor,
+    aten.full.default: aten_full,
+    aten.full_like.default: aten_full_like,
+    aten.new_full.default: aten_new_full,
+    aten.fill.Scalar: aten_fill_scalar,
+    aten.masked_fill.Scalar: aten_masked_fill_scalar,
     aten.clamp.default: aten_clamp,
     aten.clamp_min.default: aten_clamp_min,
     aten.clamp_max.default: aten_clamp_max,
@@ -423,6 +512,7 @@ LOWERINGS = {
     aten.atan2.default: aten_atan2,
     aten.pow.Tensor_Scalar: aten_pow_tensor_scalar,
     aten.trunc.default: aten_trunc,
+    aten.logcumsumexp.default: aten_logcumsumexp,
     aten.frac.default: aten_frac,
     aten.copysign.Tensor: aten_copysign,
     aten.copysign.Scalar: aten_copysign_scalar,
