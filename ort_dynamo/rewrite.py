@@ -233,9 +233,16 @@ def _compute_bfloat16_in_float32(graph: ir.Graph) -> None:
     """ORT's CPU EP lacks bf16 kernels for most ops. Do as eager does on CPU: compute each op
     in fp32 and round its result to bf16, so values match eager's op by op."""
     bf16, fp32 = ir.DataType.BFLOAT16, ir.DataType.FLOAT
-    for node in graph:  # constants inlined from torchlib functions carry no output dtype
-        if node.op_type == "Constant" and node.outputs[0].dtype is None and "value" in node.attributes:
-            node.outputs[0].dtype = node.attributes["value"].value.dtype
+    for node in graph:  # values inlined from torchlib functions carry no dtype: the ones that matter
+        out = node.outputs[0] if node.outputs else None
+        if out is None or out.dtype is not None or node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Constant" and "value" in node.attributes:
+            out.dtype = node.attributes["value"].value.dtype
+        elif node.op_type == "CastLike" and node.inputs[1] is not None:  # hardtanh's bounds
+            out.dtype = node.inputs[1].dtype
+        elif node.op_type == "Cast":
+            out.dtype = ir.DataType(node.attributes.get_int("to"))
     for node in list(graph):
         if node.op_type in _BF16_OK_ON_CPU or node.domain not in ("", "ai.onnx"):
             continue

@@ -82,3 +82,17 @@ def test_autocast_bf16_training_relu():
 
 def test_autocast_bf16_training_gelu():
     check_autocast_training(torch.nn.GELU())
+
+
+def test_bf16_clamps_with_bounds_run_on_ort():
+    # hardtanh's bounds are CastLike outputs inside torchlib's function, untyped after
+    # inlining: the bf16 -> fp32 rewrite missed them and ORT refused Clip(float, bfloat16).
+    import torch.nn.functional as F
+
+    x = torch.tensor([1.0, 3.0, 0.25, 7.0, 2.0, -3.0], dtype=torch.bfloat16, requires_grad=True)
+    for fn in (lambda x: F.hardtanh(x, 0.5, 2.5), F.relu6):
+        ort_dynamo.reset()
+        compiled = torch.compile(fn, backend="ort", options={"fallback_policy": "DISABLE"})
+        out, expected = compiled(x), fn(x)
+        assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+        assert torch.equal(torch.autograd.grad(out.sum(), x)[0], torch.autograd.grad(expected.sum(), x)[0])
