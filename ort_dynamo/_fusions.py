@@ -115,7 +115,7 @@ def _take_over(old: ir.Value, new: ir.Value, suffix: str = "unfused") -> None:
     name plus ``suffix``."""
     name, old.name = old.name, f"{old.name}_{suffix}"
     new.name = name
-    if old.type is not None:  # values inside inlined torchlib functions carry no type
+    if old.dtype is not None:  # values inside inlined torchlib functions carry no type
         new.dtype = old.dtype
     new.shape = old.shape
     old.replace_all_uses_with(new, replace_graph_outputs=True)

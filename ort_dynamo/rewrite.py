@@ -239,8 +239,8 @@ def _compute_bfloat16_in_float32(graph: ir.Graph) -> None:
             continue
         if node.op_type == "Constant" and "value" in node.attributes:
             out.dtype = node.attributes["value"].value.dtype
-        elif node.op_type == "CastLike" and node.inputs[1] is not None:  # hardtanh's bounds
-            out.dtype = node.inputs[1].dtype
+        elif node.op_type == "CastLike" and node.inputs[1] is not None and node.inputs[1].dtype is not None:
+            out.dtype = node.inputs[1].dtype  # hardtanh's bounds
         elif node.op_type == "Cast":
             out.dtype = ir.DataType(node.attributes.get_int("to"))
     for node in list(graph):

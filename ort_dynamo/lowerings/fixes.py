@@ -471,6 +471,13 @@ def aten_logcumsumexp(self, dim: int):
     return op.Add(op.Log(total), shift)
 
 
+def aten_sinc(self):
+    """sinc(Tensor self): sin(pi x) / (pi x), 1 at 0, with pi in the input's dtype (torchlib's
+    pi is a float32 constant: float64 sinc(1) was -2.8e-8, torch 3.9e-17)."""
+    pi_x = op.Mul(self, _scalar_like(math.pi, self))
+    return op.Where(op.Equal(self, _scalar_like(0.0, self)), _scalar_like(1.0, self), op.Div(op.Sin(pi_x), pi_x))
+
+
 def aten_pow_tensor_scalar(self, exponent: float):
     """pow.Tensor_Scalar: torch computes x ** 0.5 as sqrt and x ** -0.5 as rsqrt, so
     (-inf) ** 0.5 is NaN and (-0.0) ** 0.5 is -0.0 (C's pow: inf and +0.0)."""
@@ -512,6 +519,8 @@ LOWERINGS = {
     aten.atan2.default: aten_atan2,
     aten.pow.Tensor_Scalar: aten_pow_tensor_scalar,
     aten.trunc.default: aten_trunc,
+    aten.sinc.default: aten_sinc,
+    aten.special_sinc.default: aten_sinc,
     aten.logcumsumexp.default: aten_logcumsumexp,
     aten.frac.default: aten_frac,
     aten.copysign.Tensor: aten_copysign,
