@@ -299,13 +299,13 @@ def _floor_divide(self, other):
                                   op.Xor(op.Less(rest, zero), op.Less(other, zero)))
         return op.Sub(quotient, op.CastLike(inexact_negative, self))
     zero = op.CastLike(op.Constant(value_float=0.0), self)
-    one = op.CastLike(op.Constant(value_float=1.0), self)
     mod = op.Mod(self, other, fmod=1)
     div = op.Div(op.Sub(self, mod), other)
     div = op.Sub(div, op.CastLike(op.And(op.Not(op.Equal(mod, zero)),
                                          op.Xor(op.Less(other, zero), op.Less(mod, zero))), self))
     floored = op.Floor(div)
-    floored = op.Add(floored, op.CastLike(op.Greater(op.Sub(div, floored), op.CastLike(op.Constant(value_float=0.5), self)), self))
+    half = op.CastLike(op.Constant(value_float=0.5), self)
+    floored = op.Add(floored, op.CastLike(op.Greater(op.Sub(div, floored), half), self))
     quotient = op.Div(self, other)
     result = op.Where(op.Equal(other, zero), quotient, floored)
     return _with_sign_of(result, quotient)  # a zero quotient keeps a / b's sign, as in torch
@@ -418,7 +418,7 @@ def _log_add_exp(self, other, base2: bool):
     gap = op.Neg(op.Abs(op.Sub(self, other)))
     if base2:
         two = op.CastLike(op.Constant(value_float=2.0), self)
-        inv_ln2 = op.CastLike(op.Constant(value_float=1.0 / math.log(2.0)), self)
+        inv_ln2 = _scalar_like(1.0 / math.log(2.0), self)
         result = op.Add(high, op.Mul(_log1p(op.Pow(two, gap)), inv_ln2))
     else:
         result = op.Add(high, _log1p(op.Exp(gap)))
@@ -442,7 +442,7 @@ def aten_atan2(self, other):
     y, x = self, other
 
     def const(value):
-        return op.CastLike(op.Constant(value_float=value), y)
+        return _scalar_like(value, y)  # pi in float64 graphs to float64's digits
 
     y_negative, x_negative = _sign_bit(y, True), _sign_bit(x, True)
     half_turn = op.Where(y_negative, const(-math.pi), const(math.pi))
