@@ -64,6 +64,15 @@ def _sign_bit(x, floating: bool):
     return op.Or(negative, negative_zero)
 
 
+def _with_sign_of(value, reference, floating: bool = True):
+    """|value| with ``reference``'s sign bit (copysign), also for results whose sign is the
+    reference's, zeros included. A factor of -1/+1, not Where(sign, -|x|, |x|): ORT's Where
+    turns a -0.0 it selects from its first branch into +0.0."""
+    sign = op.Where(_sign_bit(reference, floating), op.CastLike(op.Constant(value_float=-1.0), value),
+                    op.CastLike(op.Constant(value_float=1.0), value))
+    return op.Mul(op.Abs(value), sign)
+
+
 def aten_sign(self):
     """sign(Tensor self): torch's sign is 0 for NaN and +0.0 for -0.0; ONNX Sign returns NaN
     for NaN. For floats, (x > 0) - (x < 0), as torch computes it."""
@@ -92,15 +101,8 @@ def aten_signbit(self):
 def aten_copysign(self, other):
     """copysign.Tensor(Tensor self, Tensor other): |self| with ``other``'s sign bit. (torch
     would decompose it through prims.signbit, whose fake tensor is float, not bool.)"""
-    magnitude = op.Abs(self)
-    if other.dtype in _FLOATS:
-        sign_bit = _sign_bit(other, True)
-    else:  # no -0 in integers: compared as they are (type promotion made self a float)
-        sign_bit = _sign_bit(other, False)
-    # A factor of -1/+1, not Where(sign_bit, -|x|, |x|): ORT's Where turns -0.0 into +0.0.
-    minus_one = op.CastLike(op.Constant(value_float=-1.0), self)
-    one = op.CastLike(op.Constant(value_float=1.0), self)
-    return op.Mul(magnitude, op.Where(sign_bit, minus_one, one))
+    # no -0 in integers: an integer ``other`` is compared as it is (type promotion made self a float)
+    return _with_sign_of(self, other, floating=other.dtype in _FLOATS)
 
 
 def aten_copysign_scalar(self, other: float):
@@ -277,15 +279,6 @@ def aten_clamp_max_tensor(self, max):
     return op.Min(self, op.CastLike(max, self))
 
 
-def _with_sign_of(value, reference):
-    """|value| with ``reference``'s sign bit, for results whose sign is the reference's, zeros
-    included. ORT's Where turns a -0.0 it selects into +0.0, so a zero's sign is put back
-    by a factor after the last Where."""
-    sign = op.Where(_sign_bit(reference, True), op.CastLike(op.Constant(value_float=-1.0), value),
-                    op.CastLike(op.Constant(value_float=1.0), value))
-    return op.Mul(op.Abs(value), sign)
-
-
 def _floor_divide(self, other):
     """torch's floor division. Integers: exact int64 division (torchlib divided in float32,
     wrong beyond 2**24), rounded down; ORT reports a zero divisor as an error, as torch does.
@@ -321,9 +314,7 @@ def _trunc_divide(self, other):
 
 def _trunc(x):
     """Rounded toward zero, keeping the sign of a zero result (trunc(-0.5) = -0.0)."""
-    sign = op.Where(_sign_bit(x, True), op.CastLike(op.Constant(value_float=-1.0), x),
-                    op.CastLike(op.Constant(value_float=1.0), x))
-    return op.Mul(op.Floor(op.Abs(x)), sign)
+    return _with_sign_of(op.Floor(op.Abs(x)), x)
 
 
 def aten_trunc(self):
