@@ -43,11 +43,19 @@ def onnx_registry(opset: int):
 def _remember_op_signatures() -> None:
     """torch.onnx's op recorder rebuilds an ``OpSignature`` from the ONNX schema on every op
     it emits (about a fifth of export time). A signature depends on the schema alone and is
-    only read, so keep one per schema."""
-    signature_class = ir.schemas.OpSignature
-    if getattr(signature_class.from_op_schema, "_ort_dynamo_memo", False):
-        return
-    build = signature_class.from_op_schema
+    only read, so keep one per schema. (Older torch keeps its own ``OpSignature`` class in
+    ``_schemas``: both are memoized where present.)"""
+    from torch.onnx._internal.exporter import _schemas
+
+    for signature_class in (getattr(getattr(ir, "schemas", None), "OpSignature", None),
+                            getattr(_schemas, "OpSignature", None)):
+        build = getattr(signature_class, "from_op_schema", None)
+        if build is None or getattr(build, "_ort_dynamo_memo", False):
+            continue
+        signature_class.from_op_schema = staticmethod(_memoized_by_schema(build))
+
+
+def _memoized_by_schema(build):
     memo: dict = {}
 
     def from_op_schema(op_schema):
@@ -58,7 +66,7 @@ def _remember_op_signatures() -> None:
         return signature
 
     from_op_schema._ort_dynamo_memo = True
-    signature_class.from_op_schema = staticmethod(from_op_schema)
+    return from_op_schema
 
 
 def _lazy_torchlib_registry(opset: int):
