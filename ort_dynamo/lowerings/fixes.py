@@ -23,6 +23,20 @@ def _ints(*values) -> ir.Value:
     return op.Constant(value_ints=list(values))
 
 
+def _number(value) -> bool:
+    """A Python number (not a symbolic value, which dispatch also hands to a float parameter)."""
+    return isinstance(value, (bool, int, float))
+
+
+def _scalar_like(value, like):
+    """The Python number ``value`` as a constant of ``like``'s dtype, made in that dtype:
+    ``op.CastLike(value, like)`` makes a float32 constant first, which loses a float64
+    graph's digits (0.1 -> 0.10000000149)."""
+    if like.dtype is None or not _number(value):
+        return op.CastLike(value, like)
+    return op.Constant(value=ir.tensor(value, dtype=like.dtype))
+
+
 def _squeezable(self, dims: Sequence[int]) -> list[int] | None:
     """The dims of ``dims`` torch really squeezes (those of size 1); None if the shape is unknown.
     A symbolic size is never 1 (torch specializes sizes 0 and 1), so it is never squeezed."""
@@ -68,8 +82,7 @@ def _with_sign_of(value, reference, floating: bool = True):
     """|value| with ``reference``'s sign bit (copysign), also for results whose sign is the
     reference's, zeros included. A factor of -1/+1, not Where(sign, -|x|, |x|): ORT's Where
     turns a -0.0 it selects from its first branch into +0.0."""
-    sign = op.Where(_sign_bit(reference, floating), op.CastLike(op.Constant(value_float=-1.0), value),
-                    op.CastLike(op.Constant(value_float=1.0), value))
+    sign = op.Where(_sign_bit(reference, floating), _scalar_like(-1.0, value), _scalar_like(1.0, value))
     return op.Mul(op.Abs(value), sign)
 
 
@@ -80,14 +93,14 @@ def aten_sign(self):
         return op.Identity(self)
     if self.dtype not in _FLOATS:
         return op.Sign(self)
-    zero = op.CastLike(op.Constant(value_float=0.0), self)
+    zero = _scalar_like(0.0, self)
     return op.Sub(op.CastLike(op.Greater(self, zero), self), op.CastLike(op.Less(self, zero), self))
 
 
 def aten_heaviside(self, values):
     """heaviside(Tensor self, Tensor values): ``values`` where self is 0, else (self > 0), so a
     NaN gives 0 as in torch (torchlib's ``self < 0 ? 0 : 1`` gives 1)."""
-    zero = op.CastLike(op.Constant(value_float=0.0), self)
+    zero = _scalar_like(0.0, self)
     return op.Where(op.Equal(self, zero), values, op.CastLike(op.Greater(self, zero), self))
 
 
@@ -179,20 +192,6 @@ def aten_replication_pad3d(self, padding: Sequence[int]):
 
 # -- scalars, clamps, divisions and remainders --------------------------------------------------
 
-def _number(value) -> bool:
-    """A Python number (not a symbolic value, which dispatch also hands to a float parameter)."""
-    return isinstance(value, (bool, int, float))
-
-
-def _scalar_like(value, like):
-    """The Python number ``value`` as a constant of ``like``'s dtype, made in that dtype:
-    ``op.CastLike(value, like)`` makes a float32 constant first, which loses a float64
-    graph's digits (0.1 -> 0.10000000149)."""
-    if like.dtype is None or not _number(value):
-        return op.CastLike(value, like)
-    return op.Constant(value=ir.tensor(value, dtype=like.dtype))
-
-
 def aten_scalar_tensor(s: float, dtype: int = 1, layout: str = "", device: str = "",
                        pin_memory: bool = False):
     """scalar_tensor(Scalar s, *, ScalarType? dtype=None, ...): a constant made in ``dtype``.
@@ -201,7 +200,14 @@ def aten_scalar_tensor(s: float, dtype: int = 1, layout: str = "", device: str =
     1.5e-8 off. A symbolic ``s`` (a SymFloat input) is torchlib's case."""
     if not _number(s):
         return torchlib_core.aten_scalar_tensor(s, dtype=dtype)
-    return op.Constant(value=ir.tensor(s, dtype=ir.DataType(1 if dtype == -1 else dtype)))
+    return _fill_value(s, 1 if dtype == -1 else dtype)
+
+
+def _fill_value(value, dtype: int, like=None):
+    """The number ``value`` as a constant of ONNX ``dtype``, or of ``like``'s dtype for -1."""
+    if dtype == -1:
+        return _scalar_like(value, like)
+    return op.Constant(value=ir.tensor(value, dtype=ir.DataType(dtype)))
 
 
 # The fills below are torchlib's, with the fill value made in the result's dtype (see
@@ -212,8 +218,7 @@ def aten_full(size: INT64, fill_value: float, dtype: int = -1, layout: str = "",
     """full(SymInt[] size, Scalar fill_value, *, ScalarType? dtype=None, ...)."""
     if dtype == -1 or not _number(fill_value):
         return torchlib_core.aten_full(size, fill_value, dtype=dtype)
-    value = op.Constant(value=ir.tensor(fill_value, dtype=ir.DataType(dtype)))
-    return op.Expand(value, op.Cast(size, to=_INT64))
+    return op.Expand(_fill_value(fill_value, dtype), op.Cast(size, to=_INT64))
 
 
 def aten_full_like(self, fill_value: float, dtype: int = -1, layout: str = "", device: str = "",
@@ -221,9 +226,7 @@ def aten_full_like(self, fill_value: float, dtype: int = -1, layout: str = "", d
     """full_like(Tensor self, Scalar fill_value, *, ScalarType? dtype=None, ...)."""
     if dtype != -1 and not _number(fill_value):
         return torchlib_core.aten_full_like(self, fill_value, dtype=dtype)
-    value = _scalar_like(fill_value, self) if dtype == -1 else \
-        op.Constant(value=ir.tensor(fill_value, dtype=ir.DataType(dtype)))
-    return op.Expand(value, op.Shape(self))
+    return op.Expand(_fill_value(fill_value, dtype, self), op.Shape(self))
 
 
 def aten_new_full(self, size: INT64, fill_value: float, dtype: int = -1, layout: str = "",
@@ -231,9 +234,7 @@ def aten_new_full(self, size: INT64, fill_value: float, dtype: int = -1, layout:
     """new_full(Tensor self, SymInt[] size, Scalar fill_value, *, ScalarType? dtype=None, ...)."""
     if dtype != -1 and not _number(fill_value):
         return torchlib_core.aten_new_full(self, size, fill_value, dtype=dtype)
-    value = _scalar_like(fill_value, self) if dtype == -1 else \
-        op.Constant(value=ir.tensor(fill_value, dtype=ir.DataType(dtype)))
-    return op.Expand(value, op.Cast(size, to=_INT64))
+    return op.Expand(_fill_value(fill_value, dtype, self), op.Cast(size, to=_INT64))
 
 
 def aten_fill_scalar(self, value: float):
@@ -287,17 +288,17 @@ def _floor_divide(self, other):
     if self.dtype not in _FLOATS:
         quotient = op.Div(self, other)
         rest = op.Sub(self, op.Mul(quotient, other))
-        zero = op.CastLike(op.Constant(value_int=0), self)
+        zero = _scalar_like(0, self)
         inexact_negative = op.And(op.Not(op.Equal(rest, zero)),
                                   op.Xor(op.Less(rest, zero), op.Less(other, zero)))
         return op.Sub(quotient, op.CastLike(inexact_negative, self))
-    zero = op.CastLike(op.Constant(value_float=0.0), self)
+    zero = _scalar_like(0.0, self)
     mod = op.Mod(self, other, fmod=1)
     div = op.Div(op.Sub(self, mod), other)
     div = op.Sub(div, op.CastLike(op.And(op.Not(op.Equal(mod, zero)),
                                          op.Xor(op.Less(other, zero), op.Less(mod, zero))), self))
     floored = op.Floor(div)
-    half = op.CastLike(op.Constant(value_float=0.5), self)
+    half = _scalar_like(0.5, self)
     floored = op.Add(floored, op.CastLike(op.Greater(op.Sub(div, floored), half), self))
     quotient = op.Div(self, other)
     result = op.Where(op.Equal(other, zero), quotient, floored)
@@ -351,7 +352,7 @@ def aten_remainder(self, other):
     0.09999; and NaN for 0 % inf, torch 0)."""
     if self.dtype not in _FLOATS:
         return op.Mod(self, other)
-    zero = op.CastLike(op.Constant(value_float=0.0), self)
+    zero = _scalar_like(0.0, self)
     mod = op.Mod(self, other, fmod=1)
     moved = op.And(op.Not(op.Equal(mod, zero)), op.Xor(op.Less(other, zero), op.Less(mod, zero)))
     # mod + (moved ? other : 0) would turn a -0.0 remainder into +0.0; Where's else branch keeps it
@@ -367,7 +368,7 @@ def aten_remainder_scalar(self, other: float):
 def _log1p(x):
     """log(1 + x) to a few ulp near 0 (Goldberg: log(u) * x / (u - 1) with u = 1 + x);
     torchlib's Log(1 + x) was 5% off at x = 1e-6."""
-    one = op.CastLike(op.Constant(value_float=1.0), x)
+    one = _scalar_like(1.0, x)
     u = op.Add(one, x)
     scaled = op.Div(op.Mul(op.Log(u), x), op.Sub(u, one))
     result = op.Where(op.Equal(u, one), x, scaled)
@@ -383,7 +384,7 @@ def aten_log1p(self):
 def aten_expm1(self):
     """expm1(Tensor self): exp(x) - 1 to a few ulp near 0 (Kahan: (u - 1) * x / log(u) with
     u = exp(x)); torchlib's Exp(x) - 1 was 5% off at x = 1e-6 and 0 for tiny x."""
-    one = op.CastLike(op.Constant(value_float=1.0), self)
+    one = _scalar_like(1.0, self)
     u = op.Exp(self)
     less_one = op.Sub(u, one)
     scaled = op.Div(op.Mul(less_one, self), op.Log(u))
@@ -396,7 +397,7 @@ def aten_expm1(self):
 def aten_xlogy(self, other):
     """xlogy.Tensor(Tensor self, Tensor other): NaN where ``other`` is NaN, else 0 where
     ``self`` is 0 (torchlib gave 0 for xlogy(0, nan))."""
-    zero = op.CastLike(op.Constant(value_float=0.0), self)
+    zero = _scalar_like(0.0, self)
     result = op.Where(op.Equal(self, zero), zero, op.Mul(self, op.Log(other)))
     return op.Where(op.IsNaN(other), other, result)
 
@@ -408,7 +409,7 @@ def _log_add_exp(self, other, base2: bool):
     high = op.Max(self, other)
     gap = op.Neg(op.Abs(op.Sub(self, other)))
     if base2:
-        two = op.CastLike(op.Constant(value_float=2.0), self)
+        two = _scalar_like(2.0, self)
         inv_ln2 = _scalar_like(1.0 / math.log(2.0), self)
         result = op.Add(high, op.Mul(_log1p(op.Pow(two, gap)), inv_ln2))
     else:
@@ -454,9 +455,9 @@ def aten_logcumsumexp(self, dim: int):
     those from the NaN on; an infinite m is replaced by 0 (x - inf would be NaN)."""
     if self.shape is not None and len(self.shape) == 0:
         return op.Identity(self)
-    zero = op.CastLike(op.Constant(value_float=0.0), self)
-    numbers = op.Where(op.IsNaN(self), op.CastLike(op.Constant(value_float=-math.inf), self), self)
-    shift = op.ReduceMax(numbers, op.Constant(value_ints=[dim]), keepdims=1)
+    zero = _scalar_like(0.0, self)
+    numbers = op.Where(op.IsNaN(self), _scalar_like(-math.inf, self), self)
+    shift = op.ReduceMax(numbers, _ints(dim), keepdims=1)
     shift = op.Where(op.IsInf(shift), zero, shift)
     total = op.CumSum(op.Exp(op.Sub(self, shift)), op.Constant(value_int=dim))
     return op.Add(op.Log(total), shift)
