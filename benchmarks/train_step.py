@@ -85,6 +85,21 @@ def compiled_copy(model, backend: str, cache_dir: str = ""):
     return clone, torch.compile(clone, backend=backend, **kwargs)
 
 
+def make_optimizer(backend: str, model, args):
+    """AdamW, the same hyper-parameters everywhere. ``--optimizer adamw``: torch's default
+    implementation for every backend (a loop over the parameters on CPU). ``fastest``: the
+    fastest each backend has: ``fused=True`` for eager, inductor and aot_eager; ort_dynamo's
+    FusedAdam (torch's AdamW update, one ORT run for all parameters) for ort."""
+    hyper = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), **hyper)
+    if backend.startswith("ort"):
+        from ort_dynamo.optim import AdamWMode, FusedAdam
+
+        return FusedAdam(model.parameters(), adam_w_mode=AdamWMode.ADAMW_TORCH, **hyper)
+    return torch.optim.AdamW(model.parameters(), fused=True, **hyper)
+
+
 def train_step(fn, opt, batch, device, autocast):
     start = time.perf_counter()
     with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
@@ -104,7 +119,7 @@ def bench_model(name, args) -> dict:
     runners = {}
     for backend in args.backends:
         clone, fn = compiled_copy(model, backend)
-        runners[backend] = (fn, torch.optim.AdamW(clone.parameters(), lr=1e-4))
+        runners[backend] = (fn, make_optimizer(backend, clone, args))
     first, times = {}, {b: [] for b in runners}
     for step in range(args.warmup + args.steps):
         if step == max(args.warmup, 1):
@@ -131,7 +146,8 @@ def peak_memory_mb(name, backend, args, warm: bool = False) -> float:
     cancel out but memory held since the first step, such as allocator arenas, counts).
     ``warm``: the backend first trains a tiny other model, so its one-time costs (lazy
     imports, ONNX registry, ORT's environment) are not counted, only this model's."""
-    out = subprocess.run([sys.executable, __file__, "--child-memory", name, backend, "--device", args.device]
+    out = subprocess.run([sys.executable, __file__, "--child-memory", name, backend, "--device", args.device,
+                          "--optimizer", args.optimizer]
                          + (["--warm-backend"] if warm else []), capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
@@ -146,7 +162,7 @@ def _child_memory(name, backend, args) -> None:
     model, batch = build(name, args.device)
     clone, fn = compiled_copy(model, backend)
     del model
-    opt = torch.optim.AdamW(clone.parameters(), lr=1e-4)
+    opt = make_optimizer(backend, clone, args)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         ort_dynamo.wait_for_kernels()
@@ -194,7 +210,7 @@ def warm_cache_first_step(name, args) -> dict:
 
 def _first_step_in_new_process(name, backend, cache, args) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child-first-step", name, backend, cache,
-                          "--device", args.device], capture_output=True, text=True, timeout=1800)
+                          "--device", args.device, "--optimizer", args.optimizer], capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -203,7 +219,7 @@ def _first_step_in_new_process(name, backend, cache, args) -> dict:
 def _child_first_step(name, backend, cache_dir, args) -> None:
     model, batch = build(name, args.device)
     clone, fn = compiled_copy(model, backend, cache_dir)
-    opt = torch.optim.AdamW(clone.parameters(), lr=1e-4)
+    opt = make_optimizer(backend, clone, args)
     seconds = train_step(fn, opt, batch, args.device, args.device == "cuda")
     print(json.dumps({"seconds": seconds, "exports": ort_dynamo.report().exports}))
 
@@ -229,6 +245,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--cache", action="store_true")
+    parser.add_argument("--optimizer", choices=["adamw", "fastest"], default="adamw",
+                        help="adamw: torch.optim.AdamW for all; fastest: each backend's fastest AdamW "
+                             "(torch fused=True; ort: ort_dynamo FusedAdam)")
     parser.add_argument("--json", help="also write results here")
     parser.add_argument("--malloc", choices=["steady", "default"], default="steady",
                         help="steady: fix glibc's mmap and trim thresholds in the timing process (see above)")
@@ -245,7 +264,7 @@ def main() -> None:
     steady = args.malloc == "steady" and _steady_malloc()
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     print(f"device: {args.device} ({device_name}), {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"malloc thresholds {'fixed' if steady else 'glibc default'}")
+          f"malloc thresholds {'fixed' if steady else 'glibc default'}, optimizer {args.optimizer}")
     print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
     results = []
     for name in args.models.split(","):

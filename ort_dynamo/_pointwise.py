@@ -426,11 +426,14 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
             rotating = any(n.op_type == _ROTATE for n in nodes)
             halves = [(0, "0", "h", "i + h"), (1, "h", "n", "i - h")] if rotating else [(0, "0", "n", None)]
             for half, lo, hi, shift in halves if k < last or closing or nodes or column_sums else ():
-                if closing:
-                    clauses = [f"reduction({kind}:{', '.join(names)})" for kind, names in (
-                        ("max", [local[n.outputs[0]] for n in closing if n.op_type == "ReduceMax"]),
-                        ("+", [local[n.outputs[0]] for n in closing if n.op_type != "ReduceMax"])) if names]
-                    lines.append("#pragma omp simd " + " ".join(clauses))
+                # Lane i reads and writes index i only (an output bound in place over its input,
+                # as optimizer steps do, included): independent lanes. Without saying so, gcc
+                # checks every input/output pair for overlap at run time, and past about ten
+                # pairs gives up and runs the loop scalar.
+                clauses = [f"reduction({kind}:{', '.join(names)})" for kind, names in (
+                    ("max", [local[n.outputs[0]] for n in closing if n.op_type == "ReduceMax"]),
+                    ("+", [local[n.outputs[0]] for n in closing if n.op_type != "ReduceMax"])) if names]
+                lines.append(" ".join(["#pragma omp simd", *clauses]))
                 body = load("i", "v") + (load(shift, "r") if shift else [])
                 for n in nodes:
                     body += [statement(n, half=half)] + ([statement(n, True, half)] if shift else [])

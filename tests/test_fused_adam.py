@@ -315,3 +315,34 @@ def test_public_path():
     import ort_dynamo
 
     assert ort_dynamo.optim.FusedAdam is FusedAdam and ort_dynamo.optim.AdamWMode is AdamWMode
+
+
+@pytest.mark.skipif(not __import__("ort_dynamo._kernels")._kernels.available(), reason="no C compiler")
+def test_on_cpu_each_parameter_updates_in_one_generated_kernel_with_the_same_bits(monkeypatch):
+    """On CPU the elementwise update runs as a pointwise kernel (one pass over p, g, m, v in
+    place of one per op), once built; before that, and without kernels, as ORT's ops. The
+    arithmetic is the same, op by op: the same bits."""
+    import ort_dynamo
+
+    shapes = [(512, 300), (300,), (7,), (1 << 16,)]  # big and tiny, every size one kernel
+    params = {k: [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
+                  for i, s in enumerate(shapes)] for k in ("kernel", "ops")}
+    opts = {k: FusedAdam(ps, lr=1e-2, eps=1e-8, weight_decay=0.1, adam_w_mode=AdamWMode.ADAMW_TORCH)
+            for k, ps in params.items()}
+    pointers = [p.data_ptr() for p in params["kernel"]]
+    for step in range(4):
+        for k in ("ops", "kernel"):
+            for i, p in enumerate(params[k]):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * step + i))
+            with monkeypatch.context() as env:
+                if k == "ops":
+                    env.setenv("ORT_DYNAMO_POINTWISE_KERNELS", "0")
+                opts[k].step()
+        ort_dynamo.wait_for_kernels()
+    (kernel_session,), (ops_session,) = opts["kernel"]._sessions.values(), opts["ops"]._sessions.values()
+    assert kernel_session.kernels == 1 and ops_session.kernels == 0
+    assert [p.data_ptr() for p in params["kernel"]] == pointers  # updated in place
+    for p, q in zip(params["kernel"], params["ops"]):
+        assert torch.equal(p, q)
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opts["kernel"].state[p][name], opts["ops"].state[q][name])

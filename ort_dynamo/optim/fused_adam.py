@@ -256,7 +256,7 @@ class FusedAdam(torch.optim.Optimizer):
         if session is None:
             model = adam_step_model(numels, param_slots, slots, len(sub.params), onnx_type(sub.dtype),
                                     self.adam_w_mode, bias_correction)
-            session = BoundSession(model, sub.device)
+            session = BoundSession(model, sub.device, pointwise_kernels=True)
             self._sessions[key] = session
             self.graphs_built += 1
         return session
