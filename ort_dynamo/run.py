@@ -146,8 +146,15 @@ class OrtRunner:
                 else:
                     model, interim = self.exported.unfused, True
             with self.report.stage("session"):
-                sess = ort.InferenceSession(model, session_options(self.options, device.type, library),
-                                            providers=providers_for(device, self.options))
+                try:
+                    sess = ort.InferenceSession(model, session_options(self.options, device.type, library),
+                                                providers=providers_for(device, self.options))
+                except Exception as exc:  # noqa: BLE001 - a library ORT refuses: run without it
+                    if not library or not self.exported.unfused:
+                        raise
+                    model, library = self._without_kernels(exc), ""
+                    sess = ort.InferenceSession(model, session_options(self.options, device.type),
+                                                providers=providers_for(device, self.options))
             if device.type == "cuda" and "CUDAExecutionProvider" not in sess.get_providers():
                 raise OrtRuntimeError(f"CUDA EP was not enabled for {self.name}: {sess.get_providers()}")
             ort_device = _ort_device(device)
@@ -166,11 +173,15 @@ class OrtRunner:
         except _kernels.KernelBuildError as exc:
             if not self.exported.unfused:
                 raise
-            warnings.warn(f"ort_dynamo: {self.report.name}/{self.name} runs without its pointwise kernels: "
-                          f"{str(exc)[:300]}", stacklevel=3)
-            self.report.kernels -= len(self.exported.kernels)
-            self.model_bytes, self.kernel_library = self.exported.unfused, None
-            return self.model_bytes, ""
+            return self._without_kernels(exc), ""
+
+    def _without_kernels(self, exc: Exception) -> bytes:
+        """From now on the model without the kernels (said once); returns it."""
+        warnings.warn(f"ort_dynamo: {self.report.name}/{self.name} runs without its pointwise kernels: "
+                      f"{type(exc).__name__}: {str(exc)[:300]}", stacklevel=4)
+        self.report.kernels -= len(self.exported.kernels)
+        self.model_bytes, self.kernel_library = self.exported.unfused, None
+        return self.model_bytes
 
     # -- running ----------------------------------------------------------------------------------
 

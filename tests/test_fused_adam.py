@@ -346,3 +346,32 @@ def test_on_cpu_each_parameter_updates_in_one_generated_kernel_with_the_same_bit
         assert torch.equal(p, q)
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opts["kernel"].state[p][name], opts["ops"].state[q][name])
+
+
+@pytest.mark.parametrize("failure", ["build", "load"])
+def test_optimizer_kernels_that_cannot_be_built_or_loaded_leave_the_plain_graph_running(monkeypatch, tmp_path,
+                                                                                         failure):
+    import concurrent.futures
+
+    from ort_dynamo import _kernels
+
+    library = concurrent.futures.Future()
+    if failure == "build":
+        library.set_exception(_kernels.KernelBuildError("cc: not found"))
+    else:  # built, but not a library ORT can load
+        (tmp_path / "kernels.so").write_bytes(b"not a shared object")
+        library.set_result(str(tmp_path / "kernels.so"))
+    monkeypatch.setattr(_kernels, "available", lambda: True)
+    monkeypatch.setattr(_kernels, "build", lambda kernels, cache_dir="": library)
+    p = torch.nn.Parameter(torch.randn(4096))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = FusedAdam([p], lr=1e-2, eps=1e-8, weight_decay=0.1, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    ref = torch.optim.AdamW([q], lr=1e-2, eps=1e-8, weight_decay=0.1)
+    with pytest.warns(UserWarning, match="optimizer graph runs without its pointwise kernels"):
+        for _ in range(3):
+            g = torch.randn(4096)
+            p.grad, q.grad = g, g.clone()
+            opt.step()
+            ref.step()
+    assert next(iter(opt._sessions.values())).kernels == 0
+    torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)

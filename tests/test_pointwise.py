@@ -277,7 +277,8 @@ def test_steps_run_without_the_kernels_until_the_compiler_is_done(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
-def test_kernels_that_fail_to_build_leave_the_model_without_them_running(monkeypatch):
+@pytest.mark.parametrize("failure", ["build", "load"])
+def test_kernels_that_fail_to_build_or_load_leave_the_model_without_them_running(monkeypatch, tmp_path, failure):
     builds = _pending_builds(monkeypatch)
     torch.manual_seed(0)
     model, x = _SwiGluAttention(), torch.randn(4, 64, 64)
@@ -287,10 +288,15 @@ def test_kernels_that_fail_to_build_leave_the_model_without_them_running(monkeyp
     compiled = torch.compile(model, backend="ort")
     model.zero_grad()
     compiled(x).square().sum().backward()  # compiles; the builds are pending
+    (tmp_path / "kernels.so").write_bytes(b"not a shared object")
     for _, future in builds:
-        future.set_exception(_kernels.KernelBuildError("cc failed on the generated kernels"))
+        if failure == "build":
+            future.set_exception(_kernels.KernelBuildError("cc failed on the generated kernels"))
+        else:  # built, but not a library ORT can load
+            future.set_result(str(tmp_path / "kernels.so"))
     model.zero_grad()
-    with pytest.warns(UserWarning, match="runs without its pointwise kernels: cc failed"):
+    reason = "KernelBuildError: cc failed" if failure == "build" else "Fail: .*kernels.so"
+    with pytest.warns(UserWarning, match="runs without its pointwise kernels: " + reason):
         out = compiled(x)
         out.square().sum().backward()
     assert ort_dynamo.report().kernels == 0
@@ -647,7 +653,7 @@ def test_saving_models_whose_kernels_fail_to_build_still_trains(monkeypatch, tmp
     options = {"save_onnx": True, "save_path": str(tmp_path / "saved"), "cache_dir": str(tmp_path / "cache")}
     compiled = torch.compile(model, backend="ort", options=options)
     model.zero_grad()
-    with pytest.warns(UserWarning, match="runs without its pointwise kernels: cc failed"):
+    with pytest.warns(UserWarning, match="runs without its pointwise kernels: KernelBuildError: cc failed"):
         out = compiled(x)
         out.square().sum().backward()
         ort_dynamo.wait_for_kernels()

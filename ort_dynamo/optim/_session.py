@@ -131,15 +131,18 @@ class BoundSession:
             fn(name, self._ort_device, elem_type, shape, ptr)
 
     def _switch_to_kernels(self) -> None:
+        """The session with the kernels replaces the plain one; if they cannot be built or
+        loaded, the plain one stays (said once): an optimization never costs the step."""
         fused, future, count = self._pending
         self._pending = None
+        plain = (self.session, self._binding)
         try:
-            library = future.result()
-        except _kernels.KernelBuildError as exc:
-            warnings.warn(f"ort_dynamo: an optimizer graph runs without its pointwise kernels: {str(exc)[:300]}",
-                          stacklevel=3)
+            self._open(fused, future.result())
+        except Exception as exc:  # noqa: BLE001 - a build error or a library ORT refuses
+            self.session, self._binding = plain
+            warnings.warn(f"ort_dynamo: an optimizer graph runs without its pointwise kernels: "
+                          f"{type(exc).__name__}: {str(exc)[:300]}", stacklevel=3)
             return
-        self._open(fused, library)
         self.kernels = count
 
     def bind(self, names: Sequence[str], tensors: Sequence[torch.Tensor], output: bool) -> None:
