@@ -110,14 +110,21 @@ def _replace(graph: ir.Graph, old: list[ir.Value], new_node: ir.Node, before: ir
             _take_over(old_value, new_value)
 
 
-def _take_over(old: ir.Value, new: ir.Value, suffix: str = "unfused") -> None:
+def _take_over(old: ir.Value, new: ir.Value, suffix: str = "unfused",
+               output_positions: dict[ir.Value, int] | None = None) -> None:
     """``new`` replaces ``old`` everywhere, graph outputs and name included; ``old`` keeps its
-    name plus ``suffix``."""
+    name plus ``suffix``. ``output_positions`` (graph output -> index, kept up to date here)
+    saves onnx_ir's scan of every graph output, which an optimizer step's thousands of outputs
+    make quadratic."""
     name, old.name = old.name, f"{old.name}_{suffix}"
     new.name = name
     if old.dtype is not None:  # values inside inlined torchlib functions carry no type
         new.dtype = old.dtype
     new.shape = old.shape
+    if output_positions is not None and old in output_positions:
+        at = output_positions.pop(old)
+        old.graph.outputs[at] = new
+        output_positions[new] = at
     old.replace_all_uses_with(new, replace_graph_outputs=True)
 
 

@@ -533,10 +533,10 @@ def table_source(kernels: list[str]) -> str:
 
 # -- the pass -------------------------------------------------------------------------------------
 
-def _take_over(old: ir.Value, new: ir.Value, suffix: str) -> None:
+def _take_over(old: ir.Value, new: ir.Value, suffix: str, output_positions: dict | None = None) -> None:
     """``new`` replaces ``old`` everywhere (``_fusions._take_over``), as float32: values inside
     inlined torchlib functions often have no type set."""
-    _take_over_value(old, new, suffix)
+    _take_over_value(old, new, suffix, output_positions)
     new.dtype = ir.DataType.FLOAT
 
 
@@ -840,6 +840,16 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
     _column_sums_through_reshapes(graph, _Graph())
     kernels = [_SCATTER_ADD_ROWS] if _scatter_add_rows(graph, _Graph()) else []
     groups, info = _groups(graph)
+    output_positions = {value: i for i, value in enumerate(graph.outputs)}
+    # Replaced nodes leave the graph together at the end: each removal scans every graph
+    # output. They stop reading their inputs at once, so later groups see only live uses.
+    replaced: list[ir.Node] = []
+
+    def replace(node: ir.Node) -> None:
+        for i in range(len(node.inputs)):
+            node.replace_input_with(i, None)
+        replaced.append(node)
+
     for group in groups:
         if len(group.nodes) < 2 and group.nodes[0].op_type not in _ALONE_OK and not _column_sum(group.nodes[0]):
             continue
@@ -877,11 +887,12 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
         for old, new in zip(targets, fused.outputs):
             written_by = old.producer() if old not in outputs else None  # a Transpose written in place
             info.shape[new] = info.dims(old)  # for later groups reading it: inferred, if not annotated
-            _take_over(old, new, "unfused")
+            _take_over(old, new, "unfused", output_positions)
             if written_by is not None:
-                graph.remove(written_by, safe=True)
-        for node in reversed(group.nodes):
-            graph.remove(node, safe=True)
+                replace(written_by)
+        for node in group.nodes:
+            replace(node)
+    graph.remove(replaced, safe=True)
     _unfold_rotate_half(graph)
     if kernels:
         model.opset_imports[DOMAIN] = 1

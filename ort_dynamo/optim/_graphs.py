@@ -257,6 +257,10 @@ def grad_stats_model(numels: Sequence[int], elem_types: Sequence[int]) -> bytes:
 def _check_aliasing(model: onnx.ModelProto) -> None:
     """Every reader of input ``x`` must be an ancestor of the writer of output ``x_out``."""
     producers = {out: node for node in model.graph.node for out in node.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in model.graph.node:
+        for name in dict.fromkeys(node.input):
+            readers.setdefault(name, []).append(node)
     outputs = {o.name for o in model.graph.output}
     for inp in model.graph.input:
         out_name = inp.name + "_out"
@@ -270,8 +274,7 @@ def _check_aliasing(model: onnx.ModelProto) -> None:
                 continue
             ancestors.add(id(node))
             stack += [producers[i] for i in node.input if i in producers]
-        readers = [n for n in model.graph.node if inp.name in n.input]
-        bad = [n.name or n.op_type for n in readers if id(n) not in ancestors]
+        bad = [n.name or n.op_type for n in readers.get(inp.name, ()) if id(n) not in ancestors]
         if bad:
             raise AssertionError(f"in-place output {out_name} could be written before {bad} read {inp.name}")
 
