@@ -375,3 +375,19 @@ def test_optimizer_kernels_that_cannot_be_built_or_loaded_leave_the_plain_graph_
             ref.step()
     assert next(iter(opt._sessions.values())).kernels == 0
     torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_graph_that_could_overwrite_a_tensor_before_reading_it_is_refused():
+    """Outputs are bound over their inputs: every reader of ``x`` must run before ``x_out``
+    is written, i.e. be an ancestor of its writer."""
+    from ort_dynamo.optim._graphs import F32, _Builder, _vec
+
+    b = _Builder()
+    b.op("Identity", "x", out="x_out")
+    b.op("Neg", "x", out="y")  # reads x, but nothing orders it before the write of x_out
+    with pytest.raises(AssertionError, match=r"x_out could be written before \['Neg'\] read x"):
+        b.model([_vec("x", F32, 4)], [_vec("x_out", F32, 4), _vec("y", F32, 4)], "unordered")
+    ordered = _Builder()
+    y = ordered.op("Neg", "x", out="y")
+    ordered.op("Add", "x", y, out="x_out")
+    ordered.model([_vec("x", F32, 4)], [_vec("x_out", F32, 4), _vec("y", F32, 4)], "ordered")
