@@ -239,6 +239,22 @@ def _groups(graph: ir.Graph) -> tuple[list[_Group], _Graph]:
             stack.extend(predecessors(unit.nodes if unit is not None else [node]))
         return False
 
+    def _sibling(node: ir.Node, shape: tuple, producers: list[ir.Node]) -> _Group | None:
+        """A group that reads one of ``node``'s full-size inputs too (SwiGLU's backward reads
+        the product's gradient for both factors): joined, the kernel reads it once and
+        ``node`` is no separate pass. Not when ``node``'s inputs come from the group, through
+        any path."""
+        for value in node.inputs:
+            if value is None or value.const_value is not None or info.dims(value) != shape:
+                continue
+            for use in value.uses():
+                group = group_of.get(use.node)
+                if group is None or group.shape != shape or len(group.nodes) >= 64:
+                    continue
+                if not any(depends_on(p, group) for p in producers):
+                    return group
+        return None
+
     for index, node in enumerate(graph):
         order[node] = index
         shape = info.elementwise_shape(node) or info.row_reduction_shape(node) or info.column_sum_shape(node)
@@ -274,6 +290,8 @@ def _groups(graph: ir.Graph) -> tuple[list[_Group], _Graph]:
             for member in other.nodes:
                 group_of[member] = chosen
             groups.remove(other)
+        if chosen is None and not candidates:
+            chosen = _sibling(node, shape, producers)
         if chosen is None:
             chosen = _Group(shape, index)
             groups.append(chosen)
