@@ -210,7 +210,8 @@ def warm_cache_first_step(name, args) -> dict:
 
 def _first_step_in_new_process(name, backend, cache, args) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child-first-step", name, backend, cache,
-                          "--device", args.device, "--optimizer", args.optimizer], capture_output=True, text=True, timeout=1800)
+                          "--device", args.device, "--optimizer", args.optimizer],
+                         capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])

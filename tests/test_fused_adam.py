@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from ort_dynamo import _kernels
 from ort_dynamo.optim import AdamWMode, FusedAdam
 
 
@@ -317,7 +318,7 @@ def test_public_path():
     assert ort_dynamo.optim.FusedAdam is FusedAdam and ort_dynamo.optim.AdamWMode is AdamWMode
 
 
-@pytest.mark.skipif(not __import__("ort_dynamo._kernels")._kernels.available(), reason="no C compiler")
+@pytest.mark.skipif(not _kernels.available(), reason="no C compiler to build kernels with")
 def test_on_cpu_each_parameter_updates_in_one_generated_kernel_with_the_same_bits(monkeypatch):
     """On CPU the elementwise update runs as a pointwise kernel (one pass over p, g, m, v in
     place of one per op), once built; before that, and without kernels, as ORT's ops. The
@@ -352,8 +353,6 @@ def test_on_cpu_each_parameter_updates_in_one_generated_kernel_with_the_same_bit
 def test_optimizer_kernels_that_cannot_be_built_or_loaded_leave_the_plain_graph_running(monkeypatch, tmp_path,
                                                                                          failure):
     import concurrent.futures
-
-    from ort_dynamo import _kernels
 
     library = concurrent.futures.Future()
     if failure == "build":
