@@ -131,7 +131,8 @@ class OrtOptions:
     pointwise_kernels: bool = _field(
         True, "On CPU, fuse chains of elementwise ops into C kernels generated and compiled (with the "
         "machine's C compiler, once, cached on disk) as an ORT custom-op library; without a compiler "
-        "they run as ORT's separate kernels.", "")
+        "they run as ORT's separate kernels. FusedAdam's update too (there only the environment "
+        "variable applies: optimizers take no options).", "")
     cache_dir: str = _field("", "Folder of an on-disk cache of exported models; empty = off.",
                             "ORTMODULE_CACHE_DIR")
 
