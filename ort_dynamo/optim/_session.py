@@ -96,7 +96,7 @@ class BoundSession:
         #: (name, output) -> (element type, shape, pointer) of everything bound, to bind again
         #: when the session with the kernels takes over.
         self._specs: dict[tuple, tuple] = {}
-        options = resolve_options(None)
+        self._options = options = resolve_options(None)
         #: (model, future library) while the kernels build; None once switched (or none wanted).
         self._pending = None
         #: Distinct pointwise kernels of the graph now running.
@@ -115,7 +115,7 @@ class BoundSession:
         self._open(model_bytes, "")
 
     def _open(self, model_bytes: bytes, library: str) -> None:
-        options = resolve_options(None)
+        options = self._options
         so = session_options(options, self.device.type, library)
         # Basic level: constant folding and Identity removal; the graph is already minimal.
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
