@@ -156,14 +156,19 @@ def _propagate_nan_through_min_max(graph: ir.Graph) -> None:
         else:
             flags = ir.node("Cast", [is_nan.outputs[0]], attributes={"to": ir.DataType.UINT8})
             seen = ir.node("ReduceMax", [flags.outputs[0], *node.inputs[1:]], attributes=dict(node.attributes))
-            nan = ir.node("CastLike", [ir.node("Constant", [], attributes={"value_float": math.nan}).outputs[0], x])
-            added += [flags, seen, nan.inputs[0].producer(), nan]
-            replacement = nan
+            added += [flags, seen, *_constant_like(math.nan, x)]
+            replacement = added[-1]
         any_nan = ir.node("Cast", [seen.outputs[0]], attributes={"to": ir.DataType.BOOL})
         fixed = ir.node("Where", [any_nan.outputs[0], replacement.outputs[0], result])
         graph.insert_after(node, [*added, any_nan, fixed])
         _fusions._take_over(result, fixed.outputs[0], "nan_blind")
         fixed.replace_input_with(2, result)  # which the take-over pointed at the fix itself
+
+
+def _constant_like(number: float, like: ir.Value) -> list[ir.Node]:
+    """The nodes making ``number`` in ``like``'s dtype, in order; the last one's output is it."""
+    constant = ir.node("Constant", [], attributes={"value_float": number})
+    return [constant, ir.node("CastLike", [constant.outputs[0], like])]
 
 
 def _sigmoid_from_exp(graph: ir.Graph) -> None:
@@ -177,11 +182,11 @@ def _sigmoid_from_exp(graph: ir.Graph) -> None:
         x = node.inputs[0]
         if x is None or x.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE):
             continue
-        one = ir.node("CastLike", [ir.node("Constant", [], attributes={"value_float": 1.0}).outputs[0], x])
+        *make_one, one = _constant_like(1.0, x)
         exp = ir.node("Exp", [ir.node("Neg", [x]).outputs[0]])
         total = ir.node("Add", [one.outputs[0], exp.outputs[0]])
         result = ir.node("Div", [one.outputs[0], total.outputs[0]])
-        graph.insert_after(node, [one.inputs[0].producer(), one, exp.inputs[0].producer(), exp, total, result])
+        graph.insert_after(node, [*make_one, one, exp.inputs[0].producer(), exp, total, result])
         _fusions._take_over(node.outputs[0], result.outputs[0], "approximate")
 
 
@@ -213,7 +218,8 @@ def _sort_nan_as_largest(graph: ir.Graph) -> None:
             return add("TopK", [key, length], outputs=2, axis=axis, largest=largest, sorted=1)[1]
 
         is_nan = add("IsNaN", [x])[0]
-        infinity = add("CastLike", [add("Constant", [], value_float=math.inf)[0], x])[0]
+        added += _constant_like(math.inf, x)
+        infinity = added[-1].outputs[0]
         length = add("Gather", [add("Shape", [x])[0], ints(axis)], axis=0)[0]
         by_value = full_sort(add("Where", [is_nan, infinity, x])[0])
         flags = add("GatherElements", [add("Cast", [is_nan], to=ir.DataType.FLOAT)[0], by_value], axis=axis)[0]
