@@ -282,49 +282,150 @@ def drop_pow_one(graph: ir.Graph) -> int:
 
 
 def bias_after_reshape(graph: ir.Graph) -> int:
-    """``Reshape(Gemm(a, b, bias))`` feeding elementwise work or a GELU ->
-    ``Reshape(MatMul(a, b)) + bias``. ORT's Gemm adds a bias by first broadcasting it over its
-    whole output (about 1 ms of a 3 ms [1024, 1024] product on two cores); added after the
-    Reshape, the bias is one pass (0.25 ms there), or joins what follows: a pointwise kernel
-    (the residual add), or ORT's BiasGelu where the sum is not saved for backward. Where the
-    Gemm's result is saved, the saved value is the sum reshaped back (a free view: ``rewrite``
-    hands Reshape outputs to PyTorch as views)."""
+    """``Reshape(Gemm(a, b, bias))`` feeding elementwise work, a GELU or a head-splitting
+    Transpose -> ``Reshape(MatMul(a, b)) + bias``. ORT's Gemm adds a bias by first broadcasting
+    it over its whole output (about 1 ms of a 3 ms [1024, 1024] product on two cores); added
+    after the Reshape, the bias is one pass (0.25 ms there), or joins what follows: a pointwise
+    kernel (the residual add), ORT's BiasGelu where the sum is not saved for backward, or the
+    pointwise kernel that writes the sum in the Transpose's layout (attention's q, k and v:
+    the Transpose's own pass goes too). Chains of Reshapes are followed (``[T, H] -> [B, S, H]
+    -> [B, S, heads, d]``), the bias reshaped to the trailing dimensions it covers, and so is
+    a Split of the last axis (GPT-2's fused q/k/v projection), each piece taking its slice of
+    the bias. Where the Gemm's result is saved, the saved value is the sum reshaped back (a
+    free view: ``rewrite`` hands Reshape outputs to PyTorch as views)."""
     count = 0
     for gemm in [n for n in graph if _op(n, "Gemm")]:
         a, b, bias = (list(gemm.inputs) + [None] * 3)[:3]
         result = gemm.outputs[0]
         attributes = {name: gemm.attributes[name].value for name in gemm.attributes}
         if bias is None or not _is_float32(result) or bias.shape is None or len(bias.shape) != 1 \
+                or not isinstance(bias.shape[0], int) \
                 or attributes.get("transA", 0) or attributes.get("transB", 0) \
                 or attributes.get("alpha", 1.0) != 1.0 or attributes.get("beta", 1.0) != 1.0 \
                 or result.shape is None or not all(isinstance(d, int) for d in result.shape) \
                 or len(result.uses()) != 1 or not _op(result.uses()[0].node, "Reshape"):
             continue
-        reshape = result.uses()[0].node
-        reshaped = reshape.outputs[0]
-        shape = reshaped.shape
-        if shape is None or len(shape) < 2 or shape[-1] != bias.shape[0] or not reshaped.uses() or not all(
-                (use.node.domain == _MS and use.node.op_type in ("Gelu", "FastGelu"))
-                or (use.node.domain in ("", "ai.onnx") and use.node.op_type in ("Add", "Mul", "Sub", "Div", "Identity"))
-                for use in reshaped.uses()):
+        first = result.uses()[0].node
+        last = _last_reshape(first)
+        site = _bias_site(last, bias.shape[0])
+        sites, split = ([site], None) if site is not None else (None, _split_of_last_axis(last.outputs[0]))
+        if split is not None and not result.is_graph_output():
+            split_node, sizes = split
+            sites = [_bias_site(_last_reshape(piece.uses()[0].node), size)
+                     if len(piece.uses()) == 1 and not piece.is_graph_output() and _op(piece.uses()[0].node, "Reshape")
+                     else None for piece, size in zip(split_node.outputs, sizes)]
+        if not sites or None in sites:
             continue
         product = ir.node("MatMul", [a, b])
         graph.insert_before(gemm, product)
         product.outputs[0].dtype, product.outputs[0].shape = result.dtype, result.shape
-        reshape.replace_input_with(0, product.outputs[0])
-        add = ir.node("Add", [reshaped, bias])
-        graph.insert_after(reshape, add)
-        # The sum takes the Reshape's place, name included: it may be a saved activation.
-        _take_over(reshaped, add.outputs[0], "without_bias")
-        add.replace_input_with(0, reshaped)
+        first.replace_input_with(0, product.outputs[0])
+        biases = [bias]
+        if split is not None:  # each piece its slice of the bias, split as the product is
+            given = split_node.inputs[1] if len(split_node.inputs) > 1 else None
+            sliced = ir.node("Split", [bias] if given is None else [bias, given], num_outputs=len(sizes),
+                             attributes={"axis": 0} if given is not None else {"axis": 0, "num_outputs": len(sizes)})
+            graph.insert_before(gemm, sliced)
+            for piece, size in zip(sliced.outputs, sizes):
+                piece.dtype, piece.shape = bias.dtype, ir.Shape([size])
+            biases = list(sliced.outputs)
+        for (reshape, dims), piece in zip(sites, biases):
+            added = _add_bias_after(graph, reshape, piece, dims)
         if result.is_graph_output():  # saved for backward: the sum, shaped as the Gemm's result
             target = _int64_constant(graph, f"{result.name}_shape", list(result.shape))
-            back = ir.node("Reshape", [add.outputs[0], target])
-            graph.insert_after(add, back)
+            back = ir.node("Reshape", [added, target])
+            graph.insert_after(added.producer(), back)
             _take_over(result, back.outputs[0], "gemm")
         graph.remove(gemm, safe=True)
         count += 1
     return count
+
+
+def _bias_site(reshape: ir.Node, size: int) -> tuple[ir.Node, list[int]] | None:
+    """(Reshape, bias dims) where a bias of ``size`` can be added after ``reshape`` at less
+    cost than Gemm's; None if it cannot."""
+    reshaped = reshape.outputs[0]
+    dims = _covering_suffix(reshaped.shape, size)
+    if dims is None or not reshaped.uses() or not all(_adds_bias_cheaply(use.node) for use in reshaped.uses()):
+        return None
+    return reshape, dims
+
+
+def _add_bias_after(graph: ir.Graph, reshape: ir.Node, bias: ir.Value, dims: list[int]) -> ir.Value:
+    """``reshape``'s output + ``bias`` (reshaped to ``dims``); the sum takes the output's place,
+    name included (it may be a saved activation). Returns the sum."""
+    reshaped = reshape.outputs[0]
+    if len(dims) > 1:  # [H] -> [heads, d]: broadcasts over [B, S, heads, d]
+        shaped = ir.node("Reshape", [bias, _int64_constant(graph, f"{reshaped.name}_bias_shape", dims)])
+        graph.insert_after(reshape, shaped)
+        shaped.outputs[0].dtype, shaped.outputs[0].shape = bias.dtype, ir.Shape(dims)
+        bias, reshape = shaped.outputs[0], shaped
+    add = ir.node("Add", [reshaped, bias])
+    graph.insert_after(reshape, add)
+    _take_over(reshaped, add.outputs[0], "without_bias")
+    add.replace_input_with(0, reshaped)
+    return add.outputs[0]
+
+
+def _split_of_last_axis(value: ir.Value) -> tuple[ir.Node, list[int]] | None:
+    """(Split, piece sizes) when ``value``'s only reader splits its last axis into known sizes."""
+    uses = value.uses()
+    if value.is_graph_output() or len(uses) != 1 or not _op(uses[0].node, "Split") or value.shape is None:
+        return None
+    split = uses[0].node
+    rank, last = len(value.shape), value.shape[-1]
+    axis = split.attributes["axis"].value if "axis" in split.attributes else 0
+    if axis not in (-1, rank - 1) or not isinstance(last, int):
+        return None
+    if len(split.inputs) > 1 and split.inputs[1] is not None:
+        if split.inputs[1].const_value is None:
+            return None
+        sizes = [int(n) for n in split.inputs[1].const_value.numpy().reshape(-1)]
+    else:
+        pieces = split.attributes["num_outputs"].value if "num_outputs" in split.attributes else 0
+        if not pieces or last % pieces:
+            return None
+        sizes = [last // pieces] * pieces
+    return (split, sizes) if sum(sizes) == last and len(sizes) == len(split.outputs) else None
+
+
+def _last_reshape(reshape: ir.Node) -> ir.Node:
+    """The last of a chain of Reshapes each only the next one reads (static shapes)."""
+    while True:
+        out = reshape.outputs[0]
+        uses = out.uses()
+        if out.is_graph_output() or len(uses) != 1 or not _op(uses[0].node, "Reshape") \
+                or uses[0].node.outputs[0].shape is None:
+            return reshape
+        reshape = uses[0].node
+
+
+def _covering_suffix(shape: ir.Shape | None, size: int) -> list[int] | None:
+    """The trailing dimensions of ``shape`` whose product is ``size`` (a bias's length):
+    ``[8, 128, 4, 64]`` and 256 -> ``[4, 64]``; None if no static suffix has that product."""
+    if shape is None:
+        return None
+    dims, product = [], 1
+    for d in reversed(list(shape)):
+        if not isinstance(d, int) or product >= size:
+            break
+        product *= d
+        dims.insert(0, d)
+    return dims if product == size and dims else None
+
+
+def _adds_bias_cheaply(node: ir.Node) -> bool:
+    """A reader of the product next to which a separate bias Add costs less than Gemm's
+    broadcast: it fuses with it (elementwise ops, GELU), or it is a Transpose keeping the last
+    axis, which the pointwise kernel of the Add writes in place of the Transpose's own pass."""
+    if node.domain == _MS:
+        return node.op_type in ("Gelu", "FastGelu")
+    if node.domain not in ("", "ai.onnx"):
+        return False
+    if node.op_type == "Transpose":
+        perm = node.attributes["perm"].value if "perm" in node.attributes else None
+        return perm is not None and len(perm) > 1 and perm[-1] == len(perm) - 1
+    return node.op_type in ("Add", "Mul", "Sub", "Div", "Identity")
 
 
 #: Name -> fusion, in the order applied. Each returns how many chains it replaced.
@@ -339,7 +440,16 @@ FUSIONS: dict[str, Callable[[ir.Graph], int]] = {
 
 def fuse(model: ir.Model) -> dict[str, int]:
     """Apply every fusion to ``model``'s main graph; return the count per fusion."""
-    counts = {name: fusion(model.graph) for name, fusion in FUSIONS.items()}
+    # Dead nodes still read their inputs, and the fusions count readers: dead ones (left by
+    # export, constant folding, or a fusion that replaced a chain: GPT-2's tanh-GELU left
+    # Pow/Add/Mul on a Linear's output) must not stop one.
+    remove_dead = ir.passes.common.RemoveUnusedNodesPass()
+    remove_dead(model)
+    counts = {}
+    for name, fusion in FUSIONS.items():
+        counts[name] = fusion(model.graph)
+        if counts[name]:
+            remove_dead(model)
     if any(counts.values()) and _MS not in model.opset_imports:
         model.opset_imports[_MS] = 1
     return counts

@@ -869,8 +869,9 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
         replaced.append(node)
 
     for group in groups:
-        if len(group.nodes) < 2 and group.nodes[0].op_type not in _ALONE_OK and not _column_sum(group.nodes[0]):
-            continue
+        # One ORT op alone gains nothing as a kernel, unless the kernel also does a Transpose's
+        # pass (a bias added to attention's q, k or v, written in the heads' layout).
+        alone = len(group.nodes) < 2 and group.nodes[0].op_type not in _ALONE_OK and not _column_sum(group.nodes[0])
         if all(isinstance(d, int) for d in group.shape) and math.prod(group.shape) < MIN_ELEMENTS:
             continue
         members = set(group.nodes)
@@ -895,6 +896,8 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
             continue  # the iteration shape must follow from the inputs at run time
         sources, perms = _transposed_reads(inputs, members, info, len(group.shape))
         targets, out_perms = _transposed_writes(outputs, len(group.shape))
+        if alone and not perms and not out_perms:
+            continue
         # Named by the hash of its code: identical chains (one per layer) share one kernel.
         code = _emit(group, info, inputs, outputs, "pw_@", perms, out_perms)
         name = "pw_" + hashlib.sha256(code.encode()).hexdigest()[:16]
