@@ -88,7 +88,23 @@ def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple[collections.
                 calls[op] += 1 / runs
                 shapes = json.dumps(event["args"].get("output_type_shape", ""))[:70]
                 per_node[f"{op} {shapes}"] += event["dur"] / 1e3 / runs
+                if op in ("MatMul", "FusedMatMul", "Gemm"):
+                    session["gemm_ms"] += event["dur"] / 1e3 / runs
+                    session["gemm_flop"] += _gemm_flop(event["args"]) / runs
     return per_op, calls, per_node, session
+
+
+def _gemm_flop(args: dict) -> int:
+    """2*M*N*K of a product from its profiled shapes (K: A's elements over the output rows)."""
+    a = list(args["input_type_shape"][0].values())[0]
+    out = list(args["output_type_shape"][0].values())[0]
+    rows = 1
+    for d in out[:-1]:
+        rows *= d
+    elements = 1
+    for d in a:
+        elements *= d
+    return 2 * rows * out[-1] * (elements // rows if rows else 0)
 
 
 def main() -> None:
@@ -108,6 +124,9 @@ def main() -> None:
         per_op, calls, per_node, session = ort_kernel_profile(args.model, args.steps, folder)
     print(f"ORT per step: {session['runs']:.0f} session runs taking {session['ms']:.1f} ms, of which "
           f"kernels {sum(per_op.values()):.1f} ms (profiling adds overhead)")
+    if session["gemm_ms"]:
+        print(f"GEMMs: {session['gemm_ms']:.1f} ms, {session['gemm_flop'] / 1e9:.2f} GFLOP, "
+              f"{session['gemm_flop'] / session['gemm_ms'] / 1e6:.0f} GF/s")
     for op, ms in per_op.most_common(args.top):
         print(f"  {op:30s} {ms:7.2f} ms  {calls[op]:5.0f} calls")
     print("heaviest nodes (op, output shape):")

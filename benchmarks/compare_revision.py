@@ -1,0 +1,89 @@
+"""The working tree's ort against a git revision's, interleaved in one process, next to eager.
+
+    .venv/bin/python benchmarks/compare_revision.py --rev HEAD~1 --models gpt2,bert --steps 25
+
+On a shared VM, step times move by several percent between runs of the same code, more than
+most single changes gain; separate runs cannot tell them apart. Here the revision's package is
+extracted (``git archive``) and imported as ``ort_dynamo_rev``, both train their own copy of the
+same model on the same batches, and their steps alternate with eager's, so noise hits all
+alike. Prints medians and the ratio new/rev. It compares the compiled model: with
+``--optimizer fastest`` both copies step with the working tree's FusedAdam.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from train_step import _steady_malloc, build, make_optimizer, train_step  # noqa: E402
+
+import ort_dynamo  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def import_revision(rev: str, folder: str):
+    """``ort_dynamo`` as of ``rev``, importable as ``ort_dynamo_rev`` (the package only uses
+    relative imports, so a renamed copy is self-contained)."""
+    archive = os.path.join(folder, "rev.tar")
+    with open(archive, "wb") as fh:
+        subprocess.run(["git", "archive", rev, "ort_dynamo"], cwd=ROOT, stdout=fh, check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(folder, filter="data")
+    os.rename(os.path.join(folder, "ort_dynamo"), os.path.join(folder, "ort_dynamo_rev"))
+    sys.path.insert(0, folder)
+    return importlib.import_module("ort_dynamo_rev")
+
+
+def compare(name: str, rev_package, args) -> dict:
+    model, batch = build(name, "cpu")
+    runners = {}
+    for label, package in (("rev", rev_package), ("new", ort_dynamo), ("eager", None)):
+        clone = copy.deepcopy(model)
+        fn = clone if package is None else torch.compile(clone, backend=package.capture.ort_backend)
+        opt = make_optimizer("eager" if package is None else "ort", clone, args)
+        for step in range(args.warmup):
+            train_step(fn, opt, batch, "cpu", False)
+            if step == 0 and package is not None:
+                package.wait_for_kernels()  # steady state: the kernels' sessions from here on
+        runners[label] = (fn, opt)
+    times = {label: [] for label in runners}
+    for _ in range(args.steps):
+        for label, (fn, opt) in runners.items():
+            times[label].append(train_step(fn, opt, batch, "cpu", False))
+    return {label: statistics.median(t) * 1e3 for label, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rev", default="HEAD", help="git revision to compare the working tree with")
+    parser.add_argument("--models", default="gpt2,bert,llama")
+    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--optimizer", choices=["adamw", "fastest"], default="fastest")
+    args = parser.parse_args()
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1 (the first step compiles)")
+    _steady_malloc()
+    with tempfile.TemporaryDirectory() as folder:
+        rev_package = import_revision(args.rev, folder)
+        print(f"working tree against {args.rev}, optimizer {args.optimizer}, median of {args.steps} steps")
+        for name in args.models.split(","):
+            ms = compare(name, rev_package, args)
+            print(f"{name:6s} rev {ms['rev']:7.1f} ms  new {ms['new']:7.1f} ms  eager {ms['eager']:7.1f} ms | "
+                  f"new/rev {ms['new'] / ms['rev']:.3f}  rev/eager {ms['rev'] / ms['eager']:.3f}  "
+                  f"new/eager {ms['new'] / ms['eager']:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
