@@ -55,6 +55,31 @@ def _op(node: ir.Node | None, op_type: str) -> bool:
     return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
+def _ints(value: ir.Value | None) -> list[int] | None:
+    """The integers of a constant (initializer or Constant node), else None."""
+    if value is None:
+        return None
+    tensor = value.const_value
+    if tensor is None:
+        producer = value.producer()
+        if producer is None or producer.op_type != "Constant":
+            return None
+        if "value_ints" in producer.attributes:
+            return [int(x) for x in producer.attributes["value_ints"].value]
+        if "value" not in producer.attributes:
+            return None
+        tensor = producer.attributes["value"].value
+    return [int(x) for x in tensor.numpy().reshape(-1)]
+
+
+def _perm_keeping_last_axis(node: ir.Node) -> list[int] | None:
+    """A standard Transpose's perm if it leaves the last axis last (rows move whole), else None."""
+    if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or "perm" not in node.attributes:
+        return None
+    perm = [int(p) for p in node.attributes["perm"].value]
+    return perm if perm and perm[-1] == len(perm) - 1 else None
+
+
 def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
     """For a binary op, the input that is not ``value`` (None if ``value`` is not one of two)."""
     a, b = (list(node.inputs) + [None, None])[:2]
@@ -378,9 +403,9 @@ def _split_of_last_axis(value: ir.Value) -> tuple[ir.Node, list[int]] | None:
     if axis not in (-1, rank - 1) or not isinstance(last, int):
         return None
     if len(split.inputs) > 1 and split.inputs[1] is not None:
-        if split.inputs[1].const_value is None:
+        sizes = _ints(split.inputs[1])
+        if sizes is None:
             return None
-        sizes = [int(n) for n in split.inputs[1].const_value.numpy().reshape(-1)]
     else:
         pieces = split.attributes["num_outputs"].value if "num_outputs" in split.attributes else 0
         if not pieces or last % pieces:
@@ -423,8 +448,7 @@ def _adds_bias_cheaply(node: ir.Node) -> bool:
     if node.domain not in ("", "ai.onnx"):
         return False
     if node.op_type == "Transpose":
-        perm = node.attributes["perm"].value if "perm" in node.attributes else None
-        return perm is not None and len(perm) > 1 and perm[-1] == len(perm) - 1
+        return _perm_keeping_last_axis(node) is not None
     return node.op_type in ("Add", "Mul", "Sub", "Div", "Identity")
 
 

@@ -23,7 +23,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from ._fusions import _int64_constant, _scalar  # _scalar: a one-element constant's value, or None
+from ._fusions import _int64_constant, _ints, _perm_keeping_last_axis, _scalar
 from ._fusions import _take_over as _take_over_value
 
 __all__ = ["DOMAIN", "fuse_pointwise", "kernel_name", "table_source"]
@@ -567,23 +567,6 @@ def _replace_node(graph: ir.Graph, node: ir.Node, steps: list[ir.Node], suffix: 
     graph.remove(node, safe=True)
 
 
-def _ints(value: ir.Value | None) -> list[int] | None:
-    """The integers of a constant (initializer or Constant node), else None."""
-    if value is None:
-        return None
-    tensor = value.const_value
-    if tensor is None:
-        producer = value.producer()
-        if producer is None or producer.op_type != "Constant":
-            return None
-        if "value_ints" in producer.attributes:
-            return [int(x) for x in producer.attributes["value_ints"].value]
-        if "value" not in producer.attributes:
-            return None
-        tensor = producer.attributes["value"].value
-    return [int(x) for x in tensor.numpy().reshape(-1)]
-
-
 def _lanes(value: ir.Value, info: _Graph, visited: list[ir.Node]) -> tuple[ir.Value, list[tuple]] | None:
     """Where each lane (index along the last axis) of ``value`` comes from, when ``value`` only
     moves lanes of one tensor ``x`` along its last axis (Slice, zero Pad, Concat, Neg, Add of
@@ -840,9 +823,8 @@ def _transposed_writes(outputs: list[ir.Value], rank: int):
         if value.is_graph_output() or len(uses) != 1 or _row_reduction(producer) or _column_sum(producer):
             continue
         transpose = uses[0].node
-        perm = [int(p) for p in transpose.attributes["perm"].value] \
-            if transpose.op_type == "Transpose" and "perm" in transpose.attributes else []
-        if transpose.domain not in ("", "ai.onnx") or len(perm) != rank or perm[-1] != rank - 1:
+        perm = _perm_keeping_last_axis(transpose)
+        if perm is None or len(perm) != rank:
             continue
         perms[index] = tuple(perm.index(d) for d in range(rank))
         targets[index] = transpose.outputs[0]

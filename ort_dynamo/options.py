@@ -135,6 +135,11 @@ class OrtOptions:
         "variable applies: optimizers take no options).", "")
     cache_dir: str = _field("", "Folder of an on-disk cache of exported models; empty = off.",
                             "ORTMODULE_CACHE_DIR")
+    shared_cpu_arena: bool = _field(
+        True, "All CPU sessions of the process allocate from one ORT arena, registered by ort_dynamo "
+        "(it replaces a CPU allocator the application registered with "
+        "`onnxruntime.create_and_register_allocator`). False: sessions use the application's "
+        "registered allocator if there is one, else each its own arena.", "")
 
     def __post_init__(self) -> None:
         _coerce_fields(self)

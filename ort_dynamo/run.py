@@ -63,23 +63,26 @@ def session_options(options: OrtOptions, device_type: str = "cpu", kernel_librar
         # A memory pattern pre-allocates each run's peak as one block; in the shared arena
         # these blocks fragment it (5-20 MB more per training process, no speed gained).
         so.enable_mem_pattern = False
-    if _shared_cpu_arena():
-        so.add_session_config_entry("session.use_env_allocators", "1")
+    if options.shared_cpu_arena:
+        _register_shared_cpu_arena()
+    # The environment's allocator where one is registered (ours, or the application's).
+    so.add_session_config_entry("session.use_env_allocators", "1")
     return so
 
 
 @functools.lru_cache(None)
-def _shared_cpu_arena() -> bool:
+def _register_shared_cpu_arena() -> None:
     """One CPU arena for all our sessions, registered once per process. Each session's own
     arena keeps its peak forever; forward and backward peak at different times, so sharing
-    one lowers a training process's memory (docs/performance.md) at no measured speed cost."""
+    one lowers a training process's memory (docs/performance.md) at no measured speed cost.
+    A registration replaces any earlier one for the same device, the application's included
+    (hence ``shared_cpu_arena=False``)."""
     memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
     # max_mem 0 (no limit), extend strategy 0 (next power of two), default chunk sizes
     try:
         ort.create_and_register_allocator(memory, ort.OrtArenaCfg(0, 0, -1, -1))
-    except Exception as exc:  # e.g. the application registered its own: sessions use that one
+    except Exception as exc:  # noqa: BLE001 - sessions then use their own arenas
         log.debug("shared CPU arena not registered (%s)", exc)
-    return True
 
 
 def providers_for(device: torch.device, options: OrtOptions) -> list:

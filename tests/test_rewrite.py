@@ -5,6 +5,7 @@ import math
 import glob
 import os
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
@@ -268,3 +269,55 @@ def test_reshaped_outputs_come_back_as_views_not_copies():
     torch.testing.assert_close(flat, partition(x)[0])
     torch.testing.assert_close(sines, partition(x)[1])
     assert flat.shape == (20,) and flat._base is not None  # a view of the buffer ORT returned
+
+
+def _qkv_projection_split_by(sizes_from: str) -> onnx.ModelProto:
+    """GPT-2's fused q/k/v projection as ONNX: Gemm -> Reshape -> Split of the last axis into
+    three (sizes from an initializer or a ``Constant`` node) -> per piece a Reshape into
+    [B, S, heads, d] and a Transpose into heads."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((16, 48)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(48).astype(np.float32), "bias"),
+             numpy_helper.from_array(np.array([2, 4, 48], np.int64), "tokens_shape"),
+             numpy_helper.from_array(np.array([2, 4, 2, 8], np.int64), "heads_shape")]
+    nodes = [helper.make_node("Gemm", ["x", "w", "bias"], ["qkv"]),
+             helper.make_node("Reshape", ["qkv", "tokens_shape"], ["qkv_3d"])]
+    if sizes_from == "initializer":
+        inits.append(numpy_helper.from_array(np.array([16, 16, 16], np.int64), "sizes"))
+    else:
+        nodes.append(helper.make_node("Constant", [], ["sizes"], value_ints=[16, 16, 16]))
+    nodes.append(helper.make_node("Split", ["qkv_3d", "sizes"], ["q", "k", "v"], axis=-1))
+    for name in "qkv":
+        nodes += [helper.make_node("Reshape", [name, "heads_shape"], [f"{name}_4d"]),
+                  helper.make_node("Transpose", [f"{name}_4d"], [f"{name}_heads"], perm=[0, 2, 1, 3])]
+    graph = helper.make_graph(nodes, "qkv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 16])],
+                              [helper.make_tensor_value_info(f"{n}_heads", TensorProto.FLOAT, [2, 2, 4, 8])
+                               for n in "qkv"], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 9
+    return onnx.shape_inference.infer_shapes(model)
+
+
+@pytest.mark.parametrize("sizes_from", ["initializer", "constant_node"])
+def test_split_qkv_bias_leaves_the_gemm_whatever_holds_the_split_sizes(sizes_from):
+    """The split sizes may come from an initializer or a ``Constant`` node (what the exporter
+    left unfolded); either way each piece gets its slice of the bias, and the outputs agree."""
+    import onnx_ir as ir
+
+    from ort_dynamo import _fusions
+
+    proto = _qkv_projection_split_by(sizes_from)
+    model = ir.serde.deserialize_model(proto)
+    assert _fusions.bias_after_reshape(model.graph) == 1
+    ops = collections.Counter(node.op_type for node in model.graph)
+    assert ops["Gemm"] == 0 and ops["MatMul"] == 1 and ops["Add"] == 3, ops
+
+    x = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+    for got, want in zip(run(ir.serde.serialize_model(model)), run(proto)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -255,3 +255,27 @@ def test_cpu_sessions_share_one_arena():
     x = torch.randn(4, 8)
     compiled(x).sum().backward()
     assert ort_dynamo.report().sessions == 2 and ort_dynamo.report().fallback_nodes == 0
+
+
+def test_shared_cpu_arena_off_keeps_the_applications_own_cpu_allocator():
+    """An application registered its own CPU arena (capped at 1 MB here). By default
+    ort_dynamo's shared arena replaces it, and a 4 MB output fits; with
+    ``shared_cpu_arena=False`` our sessions allocate from the application's, and the cap shows."""
+    code = textwrap.dedent("""
+        import sys, onnxruntime as ort, torch
+        import ort_dynamo
+        memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(memory, ort.OrtArenaCfg(1 << 20, 0, -1, -1))
+        options = {"shared_cpu_arena": sys.argv[1] == "shared", "fallback_policy": "DISABLE"}
+        f = torch.compile(torch.nn.Linear(256, 256), backend="ort", options=options)
+        try:
+            with torch.no_grad():
+                f(torch.randn(4096, 256))
+            print("RAN")
+        except ort_dynamo.OrtRuntimeError as exc:
+            print("CAPPED" if "Available memory" in str(exc) else exc)
+    """)
+    for arena, expected in (("shared", "RAN"), ("own", "CAPPED")):
+        result = subprocess.run([sys.executable, "-c", code, arena], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.strip().splitlines()[-1] == expected, (arena, result.stdout[-2000:])
