@@ -1,0 +1,56 @@
+"""Where a training step's memory sits: RSS after forward, backward and optimizer, per step,
+for one backend in a fresh process (the numbers in docs/performance.md, "where ort's extra
+megabytes sit").
+
+    .venv/bin/python benchmarks/memory_phases.py --model bert --backend eager
+    .venv/bin/python benchmarks/memory_phases.py --model bert --backend ort
+
+Megabytes over the RSS before the first step (as train_step.py --memory counts them), after a
+tiny warm-up model so one-time start-up is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from train_step import _peak_rss_mb, _reset_peak_rss, _rss_mb, build, compiled_copy  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="bert", choices=["gpt2", "bert", "llama"])
+    parser.add_argument("--backend", default="ort", choices=["eager", "ort", "ort_recompute"])
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+
+    if args.backend != "eager":
+        tiny = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
+        compiled_copy(tiny, args.backend)[1](torch.randn(2, 8, requires_grad=True)).sum().backward()
+    model, batch = build(args.model, "cpu")
+    _, fn = compiled_copy(model, args.backend)
+    del model  # the copy trains (eager too), as in train_step.py --memory
+    opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
+    start = _rss_mb()
+    print(f"{args.model} {args.backend}: RSS MB over the first step's start (current / peak of the phase)")
+    for step in range(args.steps):
+        row = []
+        for phase in ("forward", "backward", "optimizer"):
+            _reset_peak_rss()
+            if phase == "forward":
+                loss = fn(**batch).loss
+            elif phase == "backward":
+                loss.backward()
+            else:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            row.append(f"{phase} {_rss_mb() - start:6.1f} / {_peak_rss_mb() - start:6.1f}")
+        print(f"step {step}: " + " | ".join(row))
+
+
+if __name__ == "__main__":
+    main()
