@@ -7,6 +7,9 @@ megabytes sit").
 
 Megabytes over the RSS before the first step (as train_step.py --memory counts them), after a
 tiny warm-up model so one-time start-up is not counted.
+
+    # the shared arena with other settings (OrtArenaCfg keys; -1: ORT's default)
+    .venv/bin/python benchmarks/memory_phases.py --model llama --arena initial_chunk_size_bytes=-1
 """
 
 from __future__ import annotations
@@ -26,7 +29,17 @@ def main() -> None:
     parser.add_argument("--model", default="bert", choices=["gpt2", "bert", "llama"])
     parser.add_argument("--backend", default="ort", choices=["eager", "ort", "ort_recompute"])
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--arena", default="",
+                        help="comma-separated KEY=VALUE overriding ort_dynamo's shared-arena settings")
     args = parser.parse_args()
+    if args.arena:
+        from ort_dynamo import run as run_stage
+
+        settings = dict(item.split("=") for item in args.arena.split(","))
+        unknown = set(settings) - set(run_stage._SHARED_ARENA_CONFIG)
+        if unknown:
+            parser.error(f"--arena: unknown keys {sorted(unknown)}; known: {sorted(run_stage._SHARED_ARENA_CONFIG)}")
+        run_stage._SHARED_ARENA_CONFIG.update({key: int(value) for key, value in settings.items()})
 
     if args.backend != "eager":
         tiny = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
@@ -36,7 +49,8 @@ def main() -> None:
     del model  # the copy trains (eager too), as in train_step.py --memory
     opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
     start = _rss_mb()
-    print(f"{args.model} {args.backend}: RSS MB over the first step's start (current / peak of the phase)")
+    arena = f", arena {args.arena}" if args.arena else ""
+    print(f"{args.model} {args.backend}{arena}: RSS MB over the first step's start (current / peak of the phase)")
     for step in range(args.steps):
         row = []
         for phase in ("forward", "backward", "optimizer"):

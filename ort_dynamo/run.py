@@ -70,6 +70,14 @@ def session_options(options: OrtOptions, device_type: str = "cpu", kernel_librar
     return so
 
 
+#: The shared arena's settings (OrtArenaCfg keys). One large first region instead of regions
+#: doubling from 1 MB: its untouched pages cost no memory, and best-fit keeps reusing its low
+#: addresses, where doubling regions spread a step's tensors over several (Llama: 212 against
+#: 222 MB resident; ``benchmarks/memory_phases.py --arena`` compares settings).
+_SHARED_ARENA_CONFIG = {"max_mem": 0, "arena_extend_strategy": 0, "initial_chunk_size_bytes": 256 << 20,
+                        "max_dead_bytes_per_chunk": 64 << 10}
+
+
 @functools.lru_cache(None)
 def _register_shared_cpu_arena() -> None:
     """One CPU arena for all our sessions, registered once per process. Each session's own
@@ -78,11 +86,10 @@ def _register_shared_cpu_arena() -> None:
     A registration replaces any earlier one for the same device, the application's included
     (hence ``shared_cpu_arena=False``)."""
     memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-    # max_mem 0 (no limit), extend strategy 0 (next power of two), default chunk sizes
     try:
-        ort.create_and_register_allocator(memory, ort.OrtArenaCfg(0, 0, -1, -1))
+        ort.create_and_register_allocator(memory, ort.OrtArenaCfg(_SHARED_ARENA_CONFIG))
     except Exception as exc:  # noqa: BLE001 - sessions then use their own arenas
-        log.debug("shared CPU arena not registered (%s)", exc)
+        log.warning("ort_dynamo: shared CPU arena not registered, each session keeps its own (%s)", exc)
 
 
 def providers_for(device: torch.device, options: OrtOptions) -> list:
