@@ -139,7 +139,8 @@ class OrtOptions:
         True, "All CPU sessions of the process allocate from one ORT arena, registered by ort_dynamo "
         "(it replaces a CPU allocator the application registered with "
         "`onnxruntime.create_and_register_allocator`). False: sessions use the application's "
-        "registered allocator if there is one, else each its own arena.", "")
+        "registered allocator if there is one, else each its own arena. The shared arena's first "
+        "region is 256 MB of address space; its pages take memory only once used.", "")
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
