@@ -2,6 +2,11 @@
 shapes of the benchmark models' training steps, one process, same threads.
 
     .venv/bin/python benchmarks/gemm.py
+    .venv/bin/python benchmarks/gemm.py --cold   # operands not in cache, as in a training step
+
+``--cold``: each call gets operands from a rotation of 6 copies and, before it (not timed), a
+32 MB write evicts the caches. In a training step most operands come from memory: saved
+activations were written during the forward, gradients a few kernels earlier.
 """
 
 from __future__ import annotations
@@ -36,13 +41,19 @@ def _session(a_shape, b_shape, trans_a: int, trans_b: int) -> ort.InferenceSessi
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
+_EVICT = np.zeros(8 << 20, np.float32)  # 32 MB, more than this machine's last-level cache
+
+
+def _median_ms(fn, repeats: int, cold: bool) -> float:
+    """``fn(i)`` runs call ``i``; with ``cold`` the caches are evicted before each (untimed)."""
+    for i in range(3):
+        fn(i)
     times = []
-    for _ in range(repeats):
+    for i in range(repeats):
+        if cold:
+            np.add(_EVICT, 1.0, out=_EVICT)
         start = time.perf_counter()
-        fn()
+        fn(i)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
@@ -50,21 +61,28 @@ def _median_ms(fn, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--cold", action="store_true", help="operands from memory, not cache (see above)")
     args = parser.parse_args()
-    print(f"threads: {torch.get_num_threads()}, onnxruntime {ort.__version__}, torch {torch.__version__}")
+    copies = 6 if args.cold else 1
+    print(f"threads: {torch.get_num_threads()}, onnxruntime {ort.__version__}, torch {torch.__version__}, "
+          f"operands {'cold' if args.cold else 'in cache'}")
     ratios = []
     for m, k, n in SHAPES:
         for trans_a, trans_b in ((0, 0), (0, 1), (1, 0)):
             a_shape, b_shape = ([k, m] if trans_a else [m, k]), ([n, k] if trans_b else [k, n])
-            a, b = np.random.randn(*a_shape).astype(np.float32), np.random.randn(*b_shape).astype(np.float32)
+            a = [np.random.randn(*a_shape).astype(np.float32) for _ in range(copies)]
+            b = [np.random.randn(*b_shape).astype(np.float32) for _ in range(copies)]
             session = _session(a_shape, b_shape, trans_a, trans_b)
-            ort_ms = _median_ms(lambda: session.run(None, {"a": a, "b": b}), args.repeats)
-            ta, tb = torch.from_numpy(a), torch.from_numpy(b)
-            ta, tb = (ta.t() if trans_a else ta), (tb.t() if trans_b else tb)
-            torch_ms = _median_ms(lambda: torch.mm(ta, tb), args.repeats)
+            ort_ms = _median_ms(lambda i: session.run(None, {"a": a[i % copies], "b": b[i % copies]}),
+                                args.repeats, args.cold)
+            ta = [torch.from_numpy(x).t() if trans_a else torch.from_numpy(x) for x in a]
+            tb = [torch.from_numpy(x).t() if trans_b else torch.from_numpy(x) for x in b]
+            torch_ms = _median_ms(lambda i: torch.mm(ta[i % copies], tb[i % copies]), args.repeats, args.cold)
             ratios.append(ort_ms / torch_ms)
+            gflop = 2 * m * k * n / 1e6
             print(f"M {m:5d} K {k:5d} N {n:5d} transA {trans_a} transB {trans_b}: "
-                  f"ort {ort_ms:6.2f} ms  torch {torch_ms:6.2f} ms  ort/torch {ort_ms / torch_ms:.2f}")
+                  f"ort {ort_ms:6.2f} ms ({gflop / ort_ms:3.0f} GF/s)  torch {torch_ms:6.2f} ms  "
+                  f"ort/torch {ort_ms / torch_ms:.2f}")
     print(f"geometric mean ort/torch: {statistics.geometric_mean(ratios):.2f}")
 
 
