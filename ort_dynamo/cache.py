@@ -86,7 +86,7 @@ def load(cache_dir: str, key: str) -> tuple[ExportedGraph, bytes] | None:
             model=None,
             input_names=meta["input_names"],
             output_names=meta["output_names"],
-            slots=[OutputSlot(slot["kind"], slot["index"], tuple(slot["value"]) if slot["kind"] == "view" else slot["value"])
+            slots=[OutputSlot(slot["kind"], slot["index"], tuple(slot["value"]) if slot["kind"] in ("view", "permute") else slot["value"])
                    for slot in meta["slots"]],
             output_dtypes=[getattr(torch, name) for name in meta["output_dtypes"]],
             input_kinds=meta["input_kinds"],

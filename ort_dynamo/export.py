@@ -117,7 +117,9 @@ def _lazy_torchlib_registry(opset: int):
 class OutputSlot:
     """Where output ``i`` of the FX graph comes from at run time."""
 
-    kind: str  # "ort": ONNX output #index; "view": its .view(value); "input": FX input #index; "const": value
+    #: "ort": ONNX output #index; "view": its .view(value); "permute": its .permute(value);
+    #: "input": FX input #index; "const": value
+    kind: str
     index: int = 0
     value: Any = None
 
@@ -451,7 +453,7 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
     model.graph.outputs.clear()
     input_index = {n.name: i for i, n in enumerate(placeholders)}
     fx_outputs, returns_tuple = _output_nodes(gm)
-    slots, ort_index, output_dtypes = [], {}, []
+    slots, ort_index, output_dtypes, output_slots = [], {}, [], {}
     for out in fx_outputs:
         if out is None or not isinstance(out, torch.fx.Node):
             slots.append(OutputSlot("const", value=out))
@@ -463,7 +465,10 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
             if out.name not in ort_index:
                 ort_index[out.name] = len(model.graph.outputs)
                 value = values[out.name]
-                if value.is_graph_input() or value in model.graph.outputs:
+                order = _contiguous_order(out.meta["val"])
+                if order is not None:
+                    value = _buffer_layout(model.graph, value, order, out.name)
+                elif value.is_graph_input() or value in model.graph.outputs:
                     # A lowering that returns its input unchanged: ORT would hand back the
                     # input's (possibly freed) buffer. An Identity gives a fresh result.
                     copy = ir.node("Identity", [value])
@@ -473,7 +478,9 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
                     value = copy.outputs[0]
                 model.graph.outputs.append(value)
                 output_dtypes.append(out.meta["val"].dtype)
-            slots.append(OutputSlot("ort", ort_index[out.name]))
+                output_slots[out.name] = (OutputSlot("ort", ort_index[out.name]) if order is None else
+                                          OutputSlot("permute", ort_index[out.name], _inverse(order)))
+            slots.append(output_slots[out.name])
 
     permutations = _take_permuted_inputs(model.graph, [_contiguous_order(n.meta["val"]) for n in placeholders])
     _ir_passes.add_opset_imports(model)
@@ -503,6 +510,25 @@ def _contiguous_order(val) -> list[int] | None:
     order = sorted(range(val.dim()), key=lambda d: (-val.stride(d), d))
     permuted = val.permute(order)
     return order if permuted.is_contiguous() else None
+
+
+def _inverse(order: list[int]) -> tuple[int, ...]:
+    return tuple(order.index(d) for d in range(len(order)))
+
+
+def _buffer_layout(graph: "ir.Graph", value: "ir.Value", order: list[int], name: str) -> "ir.Value":
+    """A graph output that PyTorch has as a permuted view (a saved ``k.transpose(-2, -1)``):
+    ORT returns the tensor in its buffer's layout, ``Transpose(value, order)``, and run.py
+    permutes it back, a free view with eager's strides. The backward then takes that buffer
+    as it is (``_take_permuted_inputs``) instead of copying a contiguous tensor into it. Where
+    ``value`` is itself a Transpose, ORT cancels the pair: no pass at all."""
+    buffer = ir.node("Transpose", [value], attributes={"perm": list(order)})
+    buffer.outputs[0].name = name + "_buffer"
+    buffer.outputs[0].dtype = value.dtype
+    if value.shape is not None:
+        buffer.outputs[0].shape = ir.Shape([value.shape[d] for d in order])
+    graph.append(buffer)
+    return buffer.outputs[0]
 
 
 def _take_permuted_inputs(graph: "ir.Graph", permutations: list) -> list:

@@ -257,6 +257,8 @@ class OrtRunner:
                 out.append(results[slot.index])
             elif slot.kind == "view":  # rewrite.py: a Reshape output ORT would have copied
                 out.append(results[slot.index].view(slot.value))
+            elif slot.kind == "permute":  # export.py: a permuted view, as eager has it
+                out.append(results[slot.index].permute(slot.value))
             elif slot.kind == "input":
                 out.append(args[slot.index])
             else:

@@ -1,5 +1,6 @@
 """The run stage: zero-copy hand-off, sessions per graph, shapes, odd inputs and outputs."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -302,3 +303,46 @@ def test_shared_cpu_arena_off_keeps_the_applications_own_cpu_allocator():
                                     timeout=300)
             assert result.returncode == 0, result.stderr[-3000:]
             assert result.stdout.strip().splitlines()[-1] == expected, (arena, when, result.stdout[-2000:])
+
+
+class _Attention(nn.Module):
+    """Scaled dot-product attention over heads: its backward takes saved permuted views
+    (the heads' transposes, kᵀ)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = (t.view(2, 8, 2, 8).transpose(1, 2) for t in self.qkv(x).split(16, dim=-1))
+        return nn.functional.scaled_dot_product_attention(q, k, v).pow(2).sum()
+
+
+def test_saved_permuted_views_keep_eagers_strides_and_reach_backward_without_a_copy(monkeypatch):
+    """A graph output that eager has as a permuted view (a saved kᵀ, a transposed gradient one
+    backward segment hands the next) comes back from ORT in its buffer's layout and is
+    permuted in PyTorch, with eager's strides; the graph that reads it takes it as it is,
+    with no ``.contiguous()`` copy on the way in (there was one before)."""
+    from ort_dynamo.export import ExportedGraph
+
+    layouts = []
+    real = ExportedGraph.ort_layout
+
+    def recorded(self, index, tensor):
+        out = real(self, index, tensor)
+        if self.input_permutations and self.input_permutations[index] is not None:
+            layouts.append((tuple(tensor.shape), out.is_contiguous()))
+        return out
+
+    monkeypatch.setattr(ExportedGraph, "ort_layout", recorded)
+    torch.manual_seed(0)
+    eager = _Attention()
+    compiled = torch.compile(copy.deepcopy(eager), backend="ort", options={"fallback_policy": "DISABLE"})
+    x = torch.randn(2, 8, 16)
+    eager(x).backward()
+    compiled(x).backward()
+    for (name, want), got in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)
+    permuted = [shape for shape, contiguous in layouts if len(shape) >= 3]
+    assert permuted, layouts  # permuted views did arrive
+    assert all(contiguous for _, contiguous in layouts), layouts
