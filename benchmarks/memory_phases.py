@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--model", default="bert", choices=["gpt2", "bert", "llama"])
     parser.add_argument("--backend", default="ort", choices=["eager", "ort", "ort_recompute"])
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--no-copy", action="store_true",
+                        help="train the built model itself, not a deep copy (no freed heap left behind)")
     parser.add_argument("--arena", default="",
                         help="comma-separated KEY=VALUE overriding ort_dynamo's shared-arena settings")
     args = parser.parse_args()
@@ -45,8 +47,11 @@ def main() -> None:
         tiny = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
         compiled_copy(tiny, args.backend)[1](torch.randn(2, 8, requires_grad=True)).sum().backward()
     model, batch = build(args.model, "cpu")
-    _, fn = compiled_copy(model, args.backend)
-    del model  # the copy trains (eager too), as in train_step.py --memory
+    if args.no_copy:  # as a user's script: the model itself, compiled
+        fn = model if args.backend == "eager" else compiled_copy(model, args.backend, copy_model=False)[1]
+    else:
+        _, fn = compiled_copy(model, args.backend)
+        del model  # the copy trains (eager too), as in train_step.py --memory
     opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
     start = _rss_mb()
     arena = f", arena {args.arena}" if args.arena else ""

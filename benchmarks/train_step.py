@@ -70,10 +70,11 @@ def build(name: str, device: str):
     return model.to(device).train(), {"input_ids": ids.to(device), "labels": ids.to(device)}
 
 
-def compiled_copy(model, backend: str, cache_dir: str = ""):
+def compiled_copy(model, backend: str, cache_dir: str = "", copy_model: bool = True):
     """``backend`` is a torch.compile backend name, "eager", or "ort_recompute" (ort with
-    memory_opt_level=1: activations recomputed in backward)."""
-    clone = copy.deepcopy(model)
+    memory_opt_level=1: activations recomputed in backward). ``copy_model=False`` compiles
+    ``model`` itself."""
+    clone = copy.deepcopy(model) if copy_model else model
     if backend == "eager":
         return clone, clone
     options = {}
