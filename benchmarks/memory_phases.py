@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from train_step import _peak_rss_mb, _reset_peak_rss, _rss_mb, build, compiled_copy  # noqa: E402
+from train_step import _peak_rss_mb, _reset_peak_rss, _rss_mb, build, compiled_copy, warm_backend  # noqa: E402
 
 
 def main() -> None:
@@ -43,15 +43,12 @@ def main() -> None:
             parser.error(f"--arena: unknown keys {sorted(unknown)}; known: {sorted(run_stage._SHARED_ARENA_CONFIG)}")
         run_stage._SHARED_ARENA_CONFIG.update({key: int(value) for key, value in settings.items()})
 
-    if args.backend != "eager":
-        tiny = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8))
-        compiled_copy(tiny, args.backend)[1](torch.randn(2, 8, requires_grad=True)).sum().backward()
+    warm_backend(args.backend, "cpu")
     model, batch = build(args.model, "cpu")
-    if args.no_copy:  # as a user's script: the model itself, compiled
-        fn = model if args.backend == "eager" else compiled_copy(model, args.backend, copy_model=False)[1]
-    else:
-        _, fn = compiled_copy(model, args.backend)
-        del model  # the copy trains (eager too), as in train_step.py --memory
+    # --no-copy: the model itself trains, as in a user's script; else a copy (eager too), as in
+    # train_step.py --memory, and the original is freed.
+    _, fn = compiled_copy(model, args.backend, copy_model=not args.no_copy)
+    del model
     opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
     start = _rss_mb()
     arena = f", arena {args.arena}" if args.arena else ""

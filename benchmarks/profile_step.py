@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import sys
 import tempfile
@@ -98,13 +99,8 @@ def _gemm_flop(args: dict) -> int:
     """2*M*N*K of a product from its profiled shapes (K: A's elements over the output rows)."""
     a = list(args["input_type_shape"][0].values())[0]
     out = list(args["output_type_shape"][0].values())[0]
-    rows = 1
-    for d in out[:-1]:
-        rows *= d
-    elements = 1
-    for d in a:
-        elements *= d
-    return 2 * rows * out[-1] * (elements // rows if rows else 0)
+    rows = math.prod(out[:-1])
+    return 2 * rows * out[-1] * (math.prod(a) // rows if rows else 0)
 
 
 def main() -> None:

@@ -155,11 +155,19 @@ def peak_memory_mb(name, backend, args, warm: bool = False) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def warm_backend(backend: str, device: str) -> None:
+    """Train a tiny other model with ``backend``, so that its one-time costs (lazy imports,
+    ONNX registry, ORT's environment) come before a measurement, not in it."""
+    if backend == "eager":
+        return
+    tiny = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8)).to(device)
+    _, fn = compiled_copy(tiny, backend)
+    fn(torch.randn(2, 8, device=device, requires_grad=True)).sum().backward()
+
+
 def _child_memory(name, backend, args) -> None:
-    if args.warm_backend and backend != "eager":
-        tiny = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8)).to(args.device)
-        _, fn = compiled_copy(tiny, backend)
-        fn(torch.randn(2, 8, device=args.device, requires_grad=True)).sum().backward()
+    if args.warm_backend:
+        warm_backend(backend, args.device)
     model, batch = build(name, args.device)
     clone, fn = compiled_copy(model, backend)
     del model

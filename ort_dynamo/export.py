@@ -453,7 +453,8 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
     model.graph.outputs.clear()
     input_index = {n.name: i for i, n in enumerate(placeholders)}
     fx_outputs, returns_tuple = _output_nodes(gm)
-    slots, ort_index, output_dtypes, output_slots = [], {}, [], {}
+    slots, output_dtypes = [], []
+    ort_slots: dict[str, OutputSlot] = {}  # FX output name -> its ONNX output, made once
     for out in fx_outputs:
         if out is None or not isinstance(out, torch.fx.Node):
             slots.append(OutputSlot("const", value=out))
@@ -462,8 +463,8 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
         elif not isinstance(out.meta.get("val"), torch.Tensor):
             raise TypeError(f"graph output {out.name!r} is not a tensor ({type(out.meta.get('val'))})")
         else:
-            if out.name not in ort_index:
-                ort_index[out.name] = len(model.graph.outputs)
+            if out.name not in ort_slots:
+                index = len(model.graph.outputs)
                 value = values[out.name]
                 order = _contiguous_order(out.meta["val"])
                 if order is not None:
@@ -478,9 +479,9 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
                     value = copy.outputs[0]
                 model.graph.outputs.append(value)
                 output_dtypes.append(out.meta["val"].dtype)
-                output_slots[out.name] = (OutputSlot("ort", ort_index[out.name]) if order is None else
-                                          OutputSlot("permute", ort_index[out.name], _inverse(order)))
-            slots.append(output_slots[out.name])
+                ort_slots[out.name] = (OutputSlot("ort", index) if order is None else
+                                       OutputSlot("permute", index, _inverse(order)))
+            slots.append(ort_slots[out.name])
 
     permutations = _take_permuted_inputs(model.graph, [_contiguous_order(n.meta["val"]) for n in placeholders])
     _ir_passes.add_opset_imports(model)
@@ -547,8 +548,7 @@ def _take_permuted_inputs(graph: "ir.Graph", permutations: list) -> list:
         dims = list(logical.shape.dims)
         contiguous = ir.Value(name=logical.name, type=logical.type, shape=ir.Shape([dims[d] for d in order]))
         logical.name = f"{contiguous.name}_replaced"
-        inverse = [order.index(d) for d in range(len(order))]
-        restore = ir.node("Transpose", [contiguous], attributes={"perm": inverse})
+        restore = ir.node("Transpose", [contiguous], attributes={"perm": list(_inverse(order))})
         graph.insert_before(first, restore)
         logical.replace_all_uses_with(restore.outputs[0])
         restore.outputs[0].name = f"{contiguous.name}_logical"

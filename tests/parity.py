@@ -47,3 +47,20 @@ def assert_all_on_ort():
     assert report.ort_nodes > 0, str(report)
     assert report.fallback_nodes == 0, str(report)
     assert report.runs > 0, str(report)
+
+
+def partition_runner(fn: Callable, *examples: torch.Tensor):
+    """``fn`` traced, exported, rewritten and ready to run as one ORT partition, the way
+    capture hands a partition to the run stage. Returns (exported graph, runner)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_dynamo.export import export_graph
+    from ort_dynamo.options import OrtOptions
+    from ort_dynamo.report import GraphReport
+    from ort_dynamo.rewrite import rewrite
+    from ort_dynamo.run import OrtRunner
+
+    gm = make_fx(fn, tracing_mode="fake")(*examples)
+    exported = export_graph(gm)
+    model_bytes = rewrite(exported, OrtOptions())
+    return exported, OrtRunner(exported, model_bytes, OrtOptions(), GraphReport("test", "inference"), gm, "fused_0")

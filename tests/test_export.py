@@ -7,6 +7,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ort_dynamo.export import export_graph
+from parity import partition_runner
 
 
 def _run(exported, *inputs):
@@ -70,25 +71,13 @@ def test_python_floats_in_float64_graphs_are_exact():
         assert a.dtype == torch.float64 and torch.equal(a, e), (a, e)
 
 
-def _runner(fn, *examples):
-    from ort_dynamo import rewrite as rewrite_stage
-    from ort_dynamo.options import OrtOptions
-    from ort_dynamo.report import GraphReport
-    from ort_dynamo.run import OrtRunner
-
-    gm = make_fx(fn, tracing_mode="fake")(*examples)
-    exported = export_graph(gm)
-    model_bytes = rewrite_stage.rewrite(exported, OrtOptions())
-    return exported, OrtRunner(exported, model_bytes, OrtOptions(), GraphReport("test", "inference"), gm, "fused_0")
-
-
 def test_an_output_eager_has_as_a_permuted_view_keeps_eagers_strides():
     """``(x * 2).transpose(1, 2)`` is a view in eager: ORT returns the product in its own
     layout and PyTorch permutes it, so strides (and a reader's layout) match eager's."""
     def fn(x):
         return (x * 2).transpose(1, 2)
 
-    exported, runner = _runner(fn, torch.randn(2, 3, 4))
+    exported, runner = partition_runner(fn, torch.randn(2, 3, 4))
     assert [slot.kind for slot in exported.slots] == ["permute"], exported.slots
     x = torch.randn(2, 3, 4)
     got, want = runner(x), fn(x)
@@ -102,7 +91,7 @@ def test_a_transposed_input_comes_back_as_a_tensor_of_its_own_with_eagers_stride
     def fn(x):
         return x.t()
 
-    exported, runner = _runner(fn, torch.randn(3, 4))
+    exported, runner = partition_runner(fn, torch.randn(3, 4))
     x = torch.randn(3, 4)
     got = runner(x)
     torch.testing.assert_close(got, x.t())

@@ -15,6 +15,7 @@ import torch.nn as nn
 import ort_dynamo
 from ort_dynamo.options import OrtOptions
 from ort_dynamo.run import session_options
+from parity import partition_runner
 
 
 def _optimized_op_types(path):
@@ -248,22 +249,12 @@ def test_reshaped_outputs_come_back_as_views_not_copies():
     one backward segment to the next); the rewrite outputs its input and PyTorch takes a
     .view(shape) instead. Views that are outputs of the whole graph are PyTorch views before
     export already (tests/test_backward_memory.py)."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from ort_dynamo import export as export_stage
-    from ort_dynamo import rewrite as rewrite_stage
-    from ort_dynamo.report import GraphReport
-    from ort_dynamo.run import OrtRunner
-
     def partition(x):
         y = x.tanh() * 2
         return y.view(-1), y.view(20, 1).sin()
 
-    gm = make_fx(partition, tracing_mode="fake")(torch.randn(4, 5))
-    exported = export_stage.export_graph(gm)
-    model_bytes = rewrite_stage.rewrite(exported, OrtOptions())
+    exported, runner = partition_runner(partition, torch.randn(4, 5))
     assert [slot.kind for slot in exported.slots] == ["view", "ort"], exported.slots
-    runner = OrtRunner(exported, model_bytes, OrtOptions(), GraphReport("test", "inference"), gm, "fused_0")
     x = torch.randn(4, 5)
     flat, sines = runner(x)
     torch.testing.assert_close(flat, partition(x)[0])
