@@ -47,7 +47,7 @@ def phase_times(name: str, backend: str, steps: int) -> dict:
     return {k: v / steps * 1e3 for k, v in totals.items()}
 
 
-def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple[collections.Counter, ...]:
+def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple:
     runners = []
     make_options, make_runner = run_stage.session_options, run_stage.OrtRunner.__init__
 
@@ -74,6 +74,7 @@ def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple[collections.
     paths = [session.end_profiling() for runner in runners for session, *_ in runner._sessions.values()]
     per_op, calls, per_node = collections.Counter(), collections.Counter(), collections.Counter()
     session = collections.Counter()
+    per_gemm = collections.defaultdict(lambda: [0.0, 0.0])  # operand shapes -> [ms, FLOP] per step
     for path in paths:
         with open(path) as fh:
             events = json.load(fh)
@@ -92,7 +93,12 @@ def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple[collections.
                 if op in ("MatMul", "FusedMatMul", "Gemm"):
                     session["gemm_ms"] += event["dur"] / 1e3 / runs
                     session["gemm_flop"] += _gemm_flop(event["args"]) / runs
-    return per_op, calls, per_node, session
+                    a, b = [list(d.values())[0] for d in event["args"]["input_type_shape"][:2]]
+                    out = list(event["args"]["output_type_shape"][0].values())[0]
+                    entry = per_gemm[f"{op} {a} x {b} -> {out}"]
+                    entry[0] += event["dur"] / 1e3 / runs
+                    entry[1] += _gemm_flop(event["args"]) / runs
+    return per_op, calls, per_node, session, per_gemm
 
 
 def _gemm_flop(args: dict) -> int:
@@ -117,12 +123,14 @@ def main() -> None:
         print(f"{backend:9s} forward {t['forward']:6.1f} ms  backward {t['backward']:6.1f} ms  "
               f"optimizer {t['optimizer']:5.1f} ms  total {sum(t.values()):6.1f} ms")
     with tempfile.TemporaryDirectory() as folder:
-        per_op, calls, per_node, session = ort_kernel_profile(args.model, args.steps, folder)
+        per_op, calls, per_node, session, per_gemm = ort_kernel_profile(args.model, args.steps, folder)
     print(f"ORT per step: {session['runs']:.0f} session runs taking {session['ms']:.1f} ms, of which "
           f"kernels {sum(per_op.values()):.1f} ms (profiling adds overhead)")
     if session["gemm_ms"]:
         print(f"GEMMs: {session['gemm_ms']:.1f} ms, {session['gemm_flop'] / 1e9:.2f} GFLOP, "
               f"{session['gemm_flop'] / session['gemm_ms'] / 1e6:.0f} GF/s")
+        for shapes, (ms, flop) in sorted(per_gemm.items(), key=lambda item: -item[1][0])[:args.top]:
+            print(f"  {ms:7.2f} ms  {flop / ms / 1e6:4.0f} GF/s  {shapes}")
     for op, ms in per_op.most_common(args.top):
         print(f"  {op:30s} {ms:7.2f} ms  {calls[op]:5.0f} calls")
     print("heaviest nodes (op, output shape):")
