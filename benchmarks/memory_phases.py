@@ -10,13 +10,20 @@ tiny warm-up model so one-time start-up is not counted.
 
     # the shared arena with other settings (OrtArenaCfg keys; -1: ORT's default)
     .venv/bin/python benchmarks/memory_phases.py --model llama --arena initial_chunk_size_bytes=-1
+
+    # live bytes instead of RSS: what is allocated and not yet freed, whatever the allocators
+    # keep (glibc only; ORT's arena is turned off so that its tensors are counted one by one)
+    .venv/bin/python benchmarks/memory_phases.py --model bert --backend ort --live
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -33,7 +40,12 @@ def main() -> None:
                         help="train the built model itself, not a deep copy (no freed heap left behind)")
     parser.add_argument("--arena", default="",
                         help="comma-separated KEY=VALUE overriding ort_dynamo's shared-arena settings")
+    parser.add_argument("--live", action="store_true",
+                        help="live bytes (malloc'ed, not freed) instead of RSS; ORT's arena off")
     args = parser.parse_args()
+    if args.live and args.arena:
+        parser.error("--live turns ORT's arena off: --arena does not apply")
+    measure = _live_bytes_counters() if args.live else None
     if args.arena:
         from ort_dynamo import run as run_stage
 
@@ -50,13 +62,15 @@ def main() -> None:
     _, fn = compiled_copy(model, args.backend, copy_model=not args.no_copy)
     del model
     opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
-    start = _rss_mb()
+    now, peak, reset_peak = measure or (_rss_mb, _peak_rss_mb, _reset_peak_rss)
+    start = now()
     arena = f", arena {args.arena}" if args.arena else ""
-    print(f"{args.model} {args.backend}{arena}: RSS MB over the first step's start (current / peak of the phase)")
+    what = "live MB (ORT's arena off)" if args.live else "RSS MB"
+    print(f"{args.model} {args.backend}{arena}: {what} over the first step's start (current / peak of the phase)")
     for step in range(args.steps):
         row = []
         for phase in ("forward", "backward", "optimizer"):
-            _reset_peak_rss()
+            reset_peak()
             if phase == "forward":
                 loss = fn(**batch).loss
             elif phase == "backward":
@@ -64,8 +78,40 @@ def main() -> None:
             else:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            row.append(f"{phase} {_rss_mb() - start:6.1f} / {_peak_rss_mb() - start:6.1f}")
+            row.append(f"{phase} {now() - start:6.1f} / {peak() - start:6.1f}")
         print(f"step {step}: " + " | ".join(row))
+
+
+def _live_bytes_counters():
+    """(now, peak, reset_peak) in MB from csrc/live_bytes.c, which this process must have
+    been started with: if it was not, it is compiled and the script runs again under it."""
+    variable = "MEMORY_PHASES_LIVE_BYTES"
+    if os.environ.get(variable) != "1":
+        folder = tempfile.mkdtemp(prefix="live_bytes_")
+        library = os.path.join(folder, "live_bytes.so")
+        source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "live_bytes.c")
+        subprocess.run([os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", "-o", library, source], check=True)
+        env = {**os.environ, variable: "1", "LD_PRELOAD": library}
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    process = ctypes.CDLL(None)
+    process.live_bytes_now.restype = process.live_bytes_peak.restype = ctypes.c_long
+    # ORT's arena would count as one block: each session allocates from malloc instead.
+    from ort_dynamo import run as run_stage
+
+    with_arena = run_stage.session_options
+
+    def without_arena(*args, **kwargs):
+        so = with_arena(*args, **kwargs)
+        so.enable_cpu_mem_arena = False
+        return so
+
+    from ort_dynamo.optim import _session as optimizer_sessions
+
+    run_stage._register_shared_cpu_arena = lambda: None
+    run_stage.session_options = optimizer_sessions.session_options = without_arena
+    return (lambda: process.live_bytes_now() / 2**20, lambda: process.live_bytes_peak() / 2**20,
+            process.live_bytes_reset_peak)
 
 
 if __name__ == "__main__":

@@ -698,15 +698,62 @@ _SCATTER_ADD_ROWS = "\n".join([
     "PW_KERNEL(ScatterAddRows, 3, ScatterAddRows_types, ScatterAddRows_none, 1, ScatterAddRows_none, 0, 0, 0, 0, "
     "pw_scatter_add_rows);",
 ]) + "\n"
+#: The same into zeros: its first input is the zeros' shape (int64), not the zeros.
+_SCATTER_ADD_ROWS_TO_ZEROS = "\n".join([
+    '#include "pointwise.h"',
+    "static const int ScatterAddRowsToZeros_types[] = {PW_INT64, PW_INT64, PW_FLOAT};",
+    "static const int ScatterAddRowsToZeros_none[] = {0};",
+    "PW_KERNEL(ScatterAddRowsToZeros, 3, ScatterAddRowsToZeros_types, ScatterAddRowsToZeros_none, 1, "
+    "ScatterAddRowsToZeros_none, 0, 0, 0, 0, pw_scatter_add_rows);",
+]) + "\n"
 
 
-def _scatter_add_rows(graph: ir.Graph, info: _Graph) -> int:
+def _constant_zeros(value: ir.Value) -> list[ir.Node] | None:
+    """The nodes that make ``value`` if it is all zeros of a constant shape (a
+    ``ConstantOfShape`` of 0, or a zero expanded, through Reshape and Cast), else None. ORT
+    would fold them into an initializer kept for the session's life."""
+    chain = []
+    while True:
+        tensor = _constant_tensor(value)
+        if tensor is not None:  # folded already (small zeros are, by the exporter)
+            return chain if not tensor.numpy().any() else None
+        node = value.producer()
+        if node is None or node.domain not in ("", "ai.onnx") or len(node.outputs) != 1:
+            return None
+        chain.append(node)
+        if node.op_type in ("Reshape", "Cast", "Identity") and node.inputs:
+            value = node.inputs[0]
+        elif node.op_type == "ConstantOfShape":
+            fill = node.attributes["value"].value.numpy() if "value" in node.attributes else np.zeros(1)
+            return chain if not fill.any() and _constant(node.inputs[0]) else None
+        elif node.op_type == "Expand":
+            return chain if _scalar(node.inputs[0]) == 0.0 and _constant(node.inputs[1]) else None
+        else:
+            return None
+
+
+def _constant_tensor(value: ir.Value | None):
+    """The tensor of an initializer or Constant node, else None."""
+    if value is None or value.const_value is not None:
+        return value.const_value if value is not None else None
+    producer = value.producer()
+    if producer is None or producer.op_type != "Constant" or "value" not in producer.attributes:
+        return None
+    return producer.attributes["value"].value
+
+
+def _constant(value: ir.Value | None) -> bool:
+    return _constant_tensor(value) is not None
+
+
+def _scatter_add_rows(graph: ir.Graph, info: _Graph) -> list[bool]:
     """``ScatterElements(data, Expand(index[N, 1]), updates, axis=0, reduction=add)``, the
     embedding gradient as ``decompositions`` writes it (whole rows of ``updates`` added to rows
-    of ``data``) -> ``ScatterAddRows(data, index, updates)``. ORT's ScatterElements takes an
-    index per element through a generic loop: 1.9 ms for a 1024x256 gradient. Returns the
-    number replaced."""
-    replaced = 0
+    of ``data``) -> ``ScatterAddRows(data, index, updates)``, or ``ScatterAddRowsToZeros(shape,
+    index, updates)`` where ``data`` is constant zeros (an embedding's gradient starts from them).
+    ORT's ScatterElements takes an index per element through a generic loop: 1.9 ms for a
+    1024x256 gradient. Returns, per node replaced, whether it went into zeros."""
+    replaced = []
     for node in list(graph):
         if node.domain not in ("", "ai.onnx") or node.op_type != "ScatterElements" or len(node.inputs) != 3:
             continue
@@ -727,8 +774,17 @@ def _scatter_add_rows(graph: ir.Graph, info: _Graph) -> int:
                 or expanded != update_shape or len(update_shape) != len(shape) or update_shape[1:] != shape[1:] \
                 or index_shape[0] != update_shape[0]:
             continue  # not one index per whole row
-        _replace_node(graph, node, [ir.node("ScatterAddRows", [data, index, updates], domain=DOMAIN)], "elements")
-        replaced += 1
+        zeros = _constant_zeros(data)
+        if zeros is not None and all(isinstance(d, int) for d in shape):
+            dims = _int64_constant(graph, f"{node.outputs[0].name}_zeros_shape", shape)
+            _replace_node(graph, node, [ir.node("ScatterAddRowsToZeros", [dims, index, updates], domain=DOMAIN)],
+                          "elements")
+            for dead in zeros:  # now read by nothing
+                if dead.graph is not None and not any(v.uses() or v.is_graph_output() for v in dead.outputs):
+                    graph.remove(dead, safe=True)
+        else:
+            _replace_node(graph, node, [ir.node("ScatterAddRows", [data, index, updates], domain=DOMAIN)], "elements")
+        replaced.append(zeros is not None)
     return replaced
 
 
@@ -838,7 +894,9 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
     _expand_softmax(graph, _Graph())
     _fold_rotate_half(graph, _Graph())
     _column_sums_through_reshapes(graph, _Graph())
-    kernels = [_SCATTER_ADD_ROWS] if _scatter_add_rows(graph, _Graph()) else []
+    into_zeros = _scatter_add_rows(graph, _Graph())
+    kernels = [_SCATTER_ADD_ROWS] if not all(into_zeros) else []
+    kernels += [_SCATTER_ADD_ROWS_TO_ZEROS] if any(into_zeros) else []
     groups, info = _groups(graph)
     output_positions = {value: i for i, value in enumerate(graph.outputs)}
     # Replaced nodes leave the graph together at the end: each removal scans every graph

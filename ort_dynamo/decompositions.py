@@ -465,6 +465,40 @@ def own_decompositions() -> dict:
         flat = x.reshape(*lead, -1, *rest)
         return aten.scatter_add(flat, p, spread, rows.to(x.dtype)).reshape(x.shape)
 
+    # The target's one-hot as a comparison with the class numbers, not a scatter into zeros
+    # (torch's decomposition): ORT folds those zeros into an initializer, [tokens, vocab]
+    # floats kept for the life of the session, and the scatter writes a second copy. The
+    # comparison's result fuses into the kernel that reads it. (The forward checked shapes.)
+    @register(aten.nll_loss_backward.default)
+    @register(aten.nll_loss2d_backward.default)
+    def nll_loss_backward_one_hot(grad_output, x, target, weight, reduction, ignore_index, total_weight):
+        channel_dim = 0 if x.dim() < 2 else 1
+        if reduction == 1:  # mean
+            grad_output = grad_output / total_weight
+        if x.dim() == 1 and target.dim() > 0:
+            target = target[0]  # as ATen's kernel: an unbatched input reads one target
+        target = target.unsqueeze(channel_dim)
+        kept = target != ignore_index
+        classes = torch.arange(x.shape[channel_dim], device=x.device)
+        classes = classes.reshape([-1] + [1] * (x.dim() - 1 - channel_dim))
+        one_hot = classes == torch.where(kept, target, 0)
+        grad_input = torch.where(one_hot, torch.full((), -1.0, dtype=x.dtype, device=x.device),
+                                 torch.zeros((), dtype=x.dtype, device=x.device))
+        if grad_input.dim() > grad_output.dim() > 0:
+            grad_output = grad_output.unsqueeze(channel_dim)
+        if weight is not None:
+            shape = [1] * x.dim()
+            shape[channel_dim] = weight.shape[0]
+            grad_output = grad_output * weight.reshape(shape)
+        return grad_input * torch.where(kept, grad_output, 0)
+
+    # Zeros that name no tensor: ``new_zeros(grad, size)`` reads only the gradient's dtype, but
+    # as a graph node it depends on it, so the backward's segments could not make the zeros
+    # where they are first read (partition._place_constants_with_their_readers).
+    @register(aten.new_zeros.default)
+    def new_zeros_of_no_tensor(x, size, dtype=None, layout=None, device=None, pin_memory=None):
+        return torch.zeros(size, dtype=dtype or x.dtype, device=device or x.device)
+
     @register(aten.index_add.default)
     def index_add_as_scatter_add(x, dim, index, source, alpha=1):
         if x.dim() == 0:

@@ -144,7 +144,8 @@ class ExportedGraph:
     #: C source of each ``ort_dynamo.pointwise`` kernel the model uses (``_pointwise``).
     kernels: list = dataclasses.field(default_factory=list)
     #: The model as it was before those kernels replaced its elementwise chains: it runs
-    #: while they compile. In memory only (a cached model's kernels are normally on disk).
+    #: while they compile. In memory only (a cached model's kernels are normally on disk),
+    #: and only until a session has loaded the kernels.
     unfused: bytes = b""
 
     def ort_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ from .lowerings import dtype_refusal
 from .options import FallbackPolicy
 from .report import FallbackNode, GraphReport
 
+aten = torch.ops.aten
+
 __all__ = ["partition", "UnsupportedOpError", "Partitioned"]
 
 #: (op, reason) pairs already warned about in this process; reset() clears it.
@@ -250,6 +252,11 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     return Partitioned(fused, names, verdicts)
 
 
+#: Ops whose result is a view of their input in eager (no memory of their own).
+_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.expand.default, aten.unsqueeze.default,
+                    aten.squeeze.dim, aten.squeeze.dims, aten.permute.default, aten.t.default,
+                    aten.transpose.int, aten.alias.default})
+
 #: Below this many nodes a segment's ORT run costs more than the memory it frees.
 _MIN_SEGMENT_NODES = 32
 
@@ -268,6 +275,7 @@ def _in_segments(partitions: list[Partition], segments: int, gm: torch.fx.GraphM
         heads = [n for n in nodes if n.target is not operator.getitem]
         size = max(_MIN_SEGMENT_NODES, -(-len(heads) // segments))
         piece_of = {node: i // size for i, node in enumerate(heads)}
+        _place_constants_with_their_readers(heads, piece_of)
         for node in nodes:  # a tuple's items go with the node that made it
             if node.target is operator.getitem:
                 piece_of[node] = piece_of.get(node.args[0], 0)
@@ -276,6 +284,23 @@ def _in_segments(partitions: list[Partition], segments: int, gm: torch.fx.GraphM
             if members:
                 pieces.append(Partition(id=len(pieces), nodes=members))
     return pieces
+
+
+def _place_constants_with_their_readers(heads: list[torch.fx.Node], piece_of: dict) -> None:
+    """Nodes made from no tensor at all (the zeros a gradient starts from, an arange), and
+    views, go to the first segment that reads them. Left where the graph order puts them, a
+    constant would be made segments earlier and held in between, and ORT would see zeros it
+    cannot fold away (``_pointwise._constant_zeros``); a view would reach the next segment
+    as a separate, materialized tensor (an expanded index: ``_pointwise._scatter_add_rows``
+    then no longer sees the Expand). Its base crosses instead, the same memory."""
+    constant = set()
+    for node in heads:
+        if all(a in constant for a in node.all_input_nodes):
+            constant.add(node)
+    for node in reversed(heads):  # readers first, so a chain follows its last reader
+        readers = list(node.users)
+        if (node in constant or node.target in _VIEWS) and readers and all(u in piece_of for u in readers):
+            piece_of[node] = max(piece_of[node], min(piece_of[u] for u in readers))
 
 
 def _copy_placeholder_meta(sub: torch.fx.GraphModule, call: torch.fx.Node) -> None:

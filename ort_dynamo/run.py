@@ -165,6 +165,9 @@ class OrtRunner:
                     model, library = self._without_kernels(exc), ""
                     sess = ort.InferenceSession(model, session_options(self.options, device.type),
                                                 providers=providers_for(device, self.options))
+            if library:
+                # The kernels loaded: the model without them (MBs per partition) is done with.
+                self.exported.unfused = b""
             if device.type == "cuda" and "CUDAExecutionProvider" not in sess.get_providers():
                 raise OrtRuntimeError(f"CUDA EP was not enabled for {self.name}: {sess.get_providers()}")
             ort_device = _ort_device(device)

@@ -1,6 +1,8 @@
 """Training memory: saved activations are freed as the backward goes (backward_segments) and
 views that make graph outputs are PyTorch views, not ORT copies."""
 
+import copy
+import math
 import weakref
 
 import pytest
@@ -152,3 +154,50 @@ def test_transposed_inputs_reach_ort_without_a_copy_and_fallback_still_sees_view
     monkeypatch.setattr(run_stage.OrtRunner, "_run", broken)
     with pytest.warns(UserWarning, match="running it in PyTorch"):
         torch.testing.assert_close(compiled(x, y), f(x, y))  # the FX fallback takes the views as they are
+
+
+class _TinyLanguageModel(nn.Module):
+    def __init__(self, vocab=256, hidden=32, length=16):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, hidden), nn.Embedding(length, hidden)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids):
+        return self.head((self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))).tanh())
+
+
+def test_gradients_that_start_from_zeros_leave_no_zeros_in_the_sessions(monkeypatch, tmp_path):
+    """The embeddings' gradients and the loss's start from zeros ([vocab, hidden], [tokens,
+    vocab]). ORT folds zeros of a constant shape into an initializer kept for the session's
+    life; none is left for it to fold, and the gradients are eager's (padding id and an
+    ignored class among the targets)."""
+    sessions = []
+    real = run_stage.session_options
+
+    def saving_optimized_models(options, device_type="cpu", kernel_library=""):
+        so = real(options, device_type, kernel_library)
+        so.optimized_model_filepath = str(tmp_path / f"session_{len(sessions)}.onnx")
+        sessions.append(so.optimized_model_filepath)
+        return so
+
+    monkeypatch.setattr(run_stage, "session_options", saving_optimized_models)
+    ort_dynamo.reset()
+    torch.manual_seed(0)
+    model, ids = _TinyLanguageModel(), torch.randint(0, 256, (4, 16))
+    ids[0, :4], targets = 0, ids.roll(-1, dims=1)
+
+    def loss_of(m):
+        return nn.functional.cross_entropy(m(ids).flatten(0, 1), targets.flatten(), ignore_index=0)
+
+    compiled = torch.compile(copy.deepcopy(model), backend="ort", options={"fallback_policy": "DISABLE"})
+    loss_of(compiled).backward()
+    ort_dynamo.wait_for_kernels()  # the sessions with the kernels are made on the next step
+    compiled.zero_grad()
+    loss_of(compiled).backward()
+    loss_of(model).backward()
+    for (name, want), got in zip(model.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)
+    import onnx
+
+    sizes = {path: max([math.prod(t.dims) for t in onnx.load(path).graph.initializer], default=0) for path in sessions}
+    assert len(sizes) >= 3 and max(sizes.values()) < 16 * 32, sizes  # the smallest zeros: positions'

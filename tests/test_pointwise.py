@@ -1,6 +1,7 @@
 """Pointwise kernels: elementwise chains run as one generated C kernel each, with the results
 of ORT's separate kernels (ort_dynamo/_pointwise.py, _kernels.py, csrc/pointwise.h)."""
 
+import gc
 import glob
 import os
 import subprocess
@@ -15,6 +16,7 @@ import torch.nn as nn
 
 import ort_dynamo
 from ort_dynamo import _kernels, _pointwise
+from ort_dynamo.run import OrtRunner
 
 pytestmark = pytest.mark.skipif(not _kernels.available(), reason="no C compiler to build kernels with")
 
@@ -258,7 +260,8 @@ def _pending_builds(monkeypatch):
 
 def test_steps_run_without_the_kernels_until_the_compiler_is_done(monkeypatch):
     """The compiler's time never holds up a step: until a partition's kernels are built, its
-    model without them runs; the step after they are ready uses them. Same results."""
+    model without them runs; the step after they are ready uses them, and the model without
+    them is let go. Same results."""
     builds = _pending_builds(monkeypatch)
     torch.manual_seed(0)
     model, x = _SwiGluAttention(), torch.randn(4, 64, 64)
@@ -272,6 +275,9 @@ def test_steps_run_without_the_kernels_until_the_compiler_is_done(monkeypatch):
     out = compiled(x)
     out.square().sum().backward()
     assert ort_dynamo.report().sessions == 2 * sessions  # each partition's session, now with kernels
+    pending = {id(future) for _, future in builds}
+    runners = [o for o in gc.get_objects() if type(o) is OrtRunner and id(o.kernel_library) in pending]
+    assert len(runners) == len(builds) and not any(runner.exported.unfused for runner in runners)
     second = [out.detach()] + [p.grad.clone() for p in model.parameters()]
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
@@ -489,7 +495,8 @@ class _Embeddings(nn.Module):
 
 def test_embedding_gradients_add_whole_rows_in_one_kernel(tmp_path):
     """An embedding's gradient (a scatter-add of rows, repeated and padding ids included) is one
-    ScatterAddRows kernel, not ORT's per-element ScatterElements, with eager's gradients."""
+    ScatterAddRows kernel, not ORT's per-element ScatterElements, with eager's gradients; it
+    adds into zeros it makes itself (ScatterAddRowsToZeros), no zeros tensor of the graph."""
     torch.manual_seed(0)
     model, ids = _Embeddings(), torch.randint(0, 1000, (8, 128))
     ids[0, :5], ids[1] = 3, 7  # padding, and one id 128 times
@@ -500,39 +507,54 @@ def test_embedding_gradients_add_whole_rows_in_one_kernel(tmp_path):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6 * p.grad.abs().max().item())
     backward = glob.glob(str(tmp_path / "*backward*.onnx"))
     ops = _ops(backward)
-    assert ops.count("ScatterAddRows") == 2 and "ScatterElements" not in ops
+    assert ops.count("ScatterAddRowsToZeros") == 2 and "ScatterElements" not in ops
 
 
-def _scatter_session():
-    data = ir.Value(name="data", shape=ir.Shape([6, 4]), type=ir.TensorType(ir.DataType.FLOAT))
+def _scatter_session(into_zeros: bool):
+    """ScatterElements(data, Expand(index), updates) fused; ``into_zeros``: data is a
+    ConstantOfShape of 0 (which ORT would fold into an initializer), not a graph input."""
     index = ir.Value(name="index", shape=ir.Shape([5, 1]), type=ir.TensorType(ir.DataType.INT64))
     updates = ir.Value(name="updates", shape=ir.Shape([5, 4]), type=ir.TensorType(ir.DataType.FLOAT))
     shape = ir.Value(name="shape", const_value=ir.tensor(np.array([5, 4], dtype=np.int64)))
+    data_shape = ir.Value(name="data_shape", const_value=ir.tensor(np.array([6, 4], dtype=np.int64)))
     expand = ir.node("Expand", [index, shape])
     expand.outputs[0].shape, expand.outputs[0].dtype = ir.Shape([5, 4]), ir.DataType.INT64
+    nodes, inputs = [expand], [index, updates]
+    if into_zeros:
+        nodes.insert(0, ir.node("ConstantOfShape", [data_shape]))
+        data = nodes[0].outputs[0]
+    else:
+        data = ir.Value(name="data", type=ir.TensorType(ir.DataType.FLOAT))
+        inputs.insert(0, data)
+    data.shape, data.dtype = ir.Shape([6, 4]), ir.DataType.FLOAT
     scatter = ir.node("ScatterElements", [data, expand.outputs[0], updates], attributes={"axis": 0, "reduction": "add"})
     scatter.outputs[0].name = "out"
-    graph = ir.Graph([data, index, updates], scatter.outputs, nodes=[expand, scatter], initializers=[shape],
+    graph = ir.Graph(inputs, scatter.outputs, nodes=[*nodes, scatter], initializers=[shape, data_shape],
                      opset_imports={"": 18})
     model = ir.Model(graph, ir_version=10)
     kernels = _pointwise.fuse_pointwise(model)
-    assert [_pointwise.kernel_name(k) for k in kernels] == ["ScatterAddRows"]
+    assert [_pointwise.kernel_name(k) for k in kernels] == ["ScatterAddRowsToZeros" if into_zeros else "ScatterAddRows"]
+    assert "ConstantOfShape" not in [node.op_type for node in model.graph]
     so = ort.SessionOptions()
     so.register_custom_ops_library(_kernels.library(kernels))
     return ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
                                 providers=["CPUExecutionProvider"])
 
 
-def test_scatter_add_rows_follows_onnx_and_rejects_indices_out_of_range():
-    session = _scatter_session()
+@pytest.mark.parametrize("into_zeros", [False, True])
+def test_scatter_add_rows_follows_onnx_and_rejects_indices_out_of_range(into_zeros):
+    session = _scatter_session(into_zeros)
     data, updates = np.random.randn(6, 4).astype(np.float32), np.random.randn(5, 4).astype(np.float32)
+    if into_zeros:
+        data[:] = 0.0
+    feeds = {"updates": updates} if into_zeros else {"data": data, "updates": updates}
     index = np.array([[0], [5], [-1], [2], [0]], dtype=np.int64)  # repeated, and negative as ONNX allows
     want = data.copy()
     for r, i in enumerate(index[:, 0]):
         want[i] += updates[r]
-    np.testing.assert_allclose(session.run(None, {"data": data, "index": index, "updates": updates})[0], want, rtol=1e-6)
-    with pytest.raises(Exception, match="ScatterAddRows: index out of range"):
-        session.run(None, {"data": data, "index": np.array([[0], [6], [1], [1], [1]]), "updates": updates})
+    np.testing.assert_allclose(session.run(None, {**feeds, "index": index})[0], want, rtol=1e-6)
+    with pytest.raises(Exception, match="ScatterAddRows(ToZeros)?: index out of range"):
+        session.run(None, {**feeds, "index": np.array([[0], [6], [1], [1], [1]])})
 
 
 class _DenseBlock(nn.Module):

@@ -306,8 +306,8 @@ def test_shared_cpu_arena_off_keeps_the_applications_own_cpu_allocator():
 
 
 class _Attention(nn.Module):
-    """Scaled dot-product attention over heads: its backward takes saved permuted views
-    (the heads' transposes, kᵀ)."""
+    """Scaled dot-product attention over heads, k computed (as rotary embeddings compute
+    Llama's): its backward takes saved permuted views (the heads' transposes, kᵀ)."""
 
     def __init__(self):
         super().__init__()
@@ -315,14 +315,14 @@ class _Attention(nn.Module):
 
     def forward(self, x):
         q, k, v = (t.view(2, 8, 2, 8).transpose(1, 2) for t in self.qkv(x).split(16, dim=-1))
-        return nn.functional.scaled_dot_product_attention(q, k, v).pow(2).sum()
+        return nn.functional.scaled_dot_product_attention(q, k.tanh(), v).pow(2).sum()
 
 
 def test_saved_permuted_views_keep_eagers_strides_and_reach_backward_without_a_copy(monkeypatch):
-    """A graph output that eager has as a permuted view (a saved kᵀ, a transposed gradient one
-    backward segment hands the next) comes back from ORT in its buffer's layout and is
-    permuted in PyTorch, with eager's strides; the graph that reads it takes it as it is,
-    with no ``.contiguous()`` copy on the way in (there was one before)."""
+    """A graph output that eager has as a permuted view (a saved kᵀ) comes back from ORT in
+    its buffer's layout and is permuted in PyTorch, with eager's strides; the graph that
+    reads it takes it as it is, with no ``.contiguous()`` copy on the way in (there was one
+    before)."""
     from ort_dynamo.export import ExportedGraph
 
     layouts = []

@@ -140,7 +140,8 @@ static inline int64_t pw_out_offset(const PwArgs* a, int j, int64_t r) {
 
 /* out = data; out[index[r]] += updates[r] for each row r (rows: the first axis): the gradient
  * of an embedding. Parallel over columns, so no two threads add to one element and each sum
- * is taken in row order. */
+ * is taken in row order. With a first input of type PW_INT64 (ScatterAddRowsToZeros), that
+ * input is data's shape and data is all zeros. */
 PW_HIDDEN OrtStatus* pw_scatter_add_rows(const OrtApiTable* api, OrtKernelContext* ctx, const struct PwKernelDef* def);
 
 PW_HIDDEN OrtStatus* pw_register(OrtSessionOptions* options, const OrtApiBase* base,

@@ -102,7 +102,23 @@ OrtStatus* pw_scatter_add_rows(const OrtApiTable* api, OrtKernelContext* ctx, co
   PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 0, &data));
   PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 1, &index));
   PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 2, &updates));
-  PW_TRY(pw_shape(api, data, data_dims, &data_rank));
+  /* ScatterAddRowsToZeros: input 0 is the shape of all-zero data (int64), not the data. */
+  const int into_zeros = def->types[0] == PW_INT64;
+  if (into_zeros) {
+    int64_t shape_dims[PW_MAX_RANK];
+    size_t shape_rank;
+    void* shape_data;
+    PW_TRY(pw_shape(api, data, shape_dims, &shape_rank));
+    if (shape_rank != 1 || shape_dims[0] < 1 || shape_dims[0] > PW_MAX_RANK)
+      return pw_error(&k, "the zeros' shape must list 1 to 8 sizes");
+    PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)data, &shape_data));
+    data_rank = (size_t)shape_dims[0];
+    memcpy(data_dims, shape_data, data_rank * sizeof(int64_t));
+    for (size_t d = 0; d < data_rank; ++d)
+      if (data_dims[d] < 0) return pw_error(&k, "the zeros' shape has a negative size");
+  } else {
+    PW_TRY(pw_shape(api, data, data_dims, &data_rank));
+  }
   PW_TRY(pw_shape(api, index, index_dims, &index_rank));
   PW_TRY(pw_shape(api, updates, update_dims, &update_rank));
   if (data_rank < 1 || data_rank > PW_MAX_RANK || update_rank != data_rank || index_rank > PW_MAX_RANK)
@@ -125,7 +141,8 @@ OrtStatus* pw_scatter_add_rows(const OrtApiTable* api, OrtKernelContext* ctx, co
   const int64_t* idx = (const int64_t*)index_data;
   for (int64_t r = 0; r < indices; ++r)
     if (idx[r] < -data_dims[0] || idx[r] >= data_dims[0]) return pw_error(&k, "index out of range");
-  if (numel && out_data != data_data) memcpy(out_data, data_data, (size_t)numel * sizeof(float));
+  if (numel && into_zeros) memset(out_data, 0, (size_t)numel * sizeof(float));
+  else if (numel && out_data != data_data) memcpy(out_data, data_data, (size_t)numel * sizeof(float));
   PwScatter s = {(float*)out_data, (const float*)update_data, idx, indices, row, 64, data_dims[0]};
   if (row == 0 || indices == 0) return NULL;
   /* Columns in blocks of at least 64 floats, about PW_TASK_ELEMENTS additions per task. */
