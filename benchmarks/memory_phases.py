@@ -14,6 +14,7 @@ tiny warm-up model so one-time start-up is not counted.
     # live bytes instead of RSS: what is allocated and not yet freed, whatever the allocators
     # keep (glibc only; ORT's arena is turned off so that its tensors are counted one by one)
     .venv/bin/python benchmarks/memory_phases.py --model bert --backend ort --live
+    .venv/bin/python benchmarks/memory_phases.py --model bert --backend ort --live --runs   # each ORT run's peak
 """
 
 from __future__ import annotations
@@ -42,9 +43,13 @@ def main() -> None:
                         help="comma-separated KEY=VALUE overriding ort_dynamo's shared-arena settings")
     parser.add_argument("--live", action="store_true",
                         help="live bytes (malloc'ed, not freed) instead of RSS; ORT's arena off")
+    parser.add_argument("--runs", action="store_true",
+                        help="with --live: each ORT run of the last step, live before, its peak, after")
     args = parser.parse_args()
     if args.live and args.arena:
         parser.error("--live turns ORT's arena off: --arena does not apply")
+    if args.runs and not args.live:
+        parser.error("--runs needs --live")
     measure = _live_bytes_counters() if args.live else None
     if args.arena:
         from ort_dynamo import run as run_stage
@@ -62,12 +67,16 @@ def main() -> None:
     _, fn = compiled_copy(model, args.backend, copy_model=not args.no_copy)
     del model
     opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
-    now, peak, reset_peak = measure or (_rss_mb, _peak_rss_mb, _reset_peak_rss)
+    now, peak, reset_peak = (measure.now, measure.peak, measure.reset_peak) if measure else \
+        (_rss_mb, _peak_rss_mb, _reset_peak_rss)
     start = now()
     arena = f", arena {args.arena}" if args.arena else ""
     what = "live MB (ORT's arena off)" if args.live else "RSS MB"
     print(f"{args.model} {args.backend}{arena}: {what} over the first step's start (current / peak of the phase)")
+    runs = _watch_ort_runs(measure, start) if args.runs else None
     for step in range(args.steps):
+        if runs is not None:
+            runs.clear()
         row = []
         for phase in ("forward", "backward", "optimizer"):
             reset_peak()
@@ -80,11 +89,56 @@ def main() -> None:
                 opt.zero_grad(set_to_none=True)
             row.append(f"{phase} {now() - start:6.1f} / {peak() - start:6.1f}")
         print(f"step {step}: " + " | ".join(row))
+    for line in runs or ():
+        print(line)
 
 
-def _live_bytes_counters():
-    """(now, peak, reset_peak) in MB from csrc/live_bytes.c, which this process must have
-    been started with: if it was not, it is compiled and the script runs again under it."""
+def _watch_ort_runs(live, start) -> list[str]:
+    """A line per ORT run from now on: live MB before it, its peak and after it."""
+    from ort_dynamo import run as run_stage
+
+    lines, run = [], run_stage.OrtRunner._run
+
+    def watched(runner, args):
+        before = live.now()
+        out, run_peak = live.peak_during(lambda: run(runner, args))
+        lines.append(f"  run {runner.report.name}/{runner.name}: before {before - start:6.1f} "
+                     f"peak {run_peak - start:6.1f} after {live.now() - start:6.1f}")
+        return out
+
+    run_stage.OrtRunner._run = watched
+    return lines
+
+
+class _LiveBytes:
+    """csrc/live_bytes.c's counters in MB. Its one peak register serves nested intervals: a
+    phase's peak (``peak``) and, inside it, each ORT run's (``peak_during``)."""
+
+    def __init__(self, process) -> None:
+        self._process, self._floor = process, 0.0
+
+    def now(self) -> float:
+        return self._process.live_bytes_now() / 2**20
+
+    def peak(self) -> float:
+        return max(self._floor, self._process.live_bytes_peak() / 2**20)
+
+    def reset_peak(self) -> None:
+        self._floor = 0.0
+        self._process.live_bytes_reset_peak()
+
+    def peak_during(self, fn):
+        self._floor = self.peak()  # the enclosing interval's peak so far
+        self._process.live_bytes_reset_peak()
+        out = fn()
+        inner = self._process.live_bytes_peak() / 2**20
+        self._floor = max(self._floor, inner)
+        return out, inner
+
+
+def _live_bytes_counters() -> _LiveBytes:
+    """Counters from csrc/live_bytes.c, which this process must have been started with: if it
+    was not, it is compiled and the script runs again under it."""
     variable = "MEMORY_PHASES_LIVE_BYTES"
     if os.environ.get(variable) != "1":
         folder = tempfile.mkdtemp(prefix="live_bytes_")
@@ -110,8 +164,7 @@ def _live_bytes_counters():
 
     run_stage._register_shared_cpu_arena = lambda: None
     run_stage.session_options = optimizer_sessions.session_options = without_arena
-    return (lambda: process.live_bytes_now() / 2**20, lambda: process.live_bytes_peak() / 2**20,
-            process.live_bytes_reset_peak)
+    return _LiveBytes(process)
 
 
 if __name__ == "__main__":

@@ -788,10 +788,109 @@ def _scatter_add_rows(graph: ir.Graph, info: _Graph) -> list[bool]:
     return replaced
 
 
+def _elementwise_before_reshapes(graph: ir.Graph, info: _Graph) -> int:
+    """``E(Reshape(a), b)`` -> ``Reshape(E(a, Reshape(b)))`` for a binary elementwise ``E``
+    whose Reshape only regroups the leading axes of ``a``, an elementwise result itself. The
+    loss's gradient is one: ``[tokens, vocab]``, viewed as ``[batch, seq, vocab]`` and added to
+    the logits' own gradient. Moved, ``E`` joins the kernel that computes ``a``, which then
+    never writes ``a`` out (4 MB at BERT's sizes, at the step's peak of memory). ``b``: of
+    ``E``'s full shape (reshaped alike: free in ORT) or of one element. Returns the number moved."""
+    moved = 0
+    for node in list(graph):
+        if node.domain not in ("", "ai.onnx") or node.op_type not in _BINARY or node.outputs[0].is_graph_output():
+            continue
+        shape = info.elementwise_shape(node)
+        if not shape or not all(isinstance(d, int) for d in shape):
+            continue
+        viewed = [i for i, v in enumerate(node.inputs) if _leading_axes_view(v, shape, info)]
+        if not viewed:
+            continue
+        a = node.inputs[viewed[0]].producer().inputs[0]
+        a_shape = info.dims(a)
+        if any(i not in viewed and info.dims(v) != shape and not _one_element(v, len(a_shape))
+               for i, v in enumerate(node.inputs)):
+            continue  # an operand broadcast along some axes: its reshape is no view
+        name = node.outputs[0].name
+        target = _int64_constant(graph, f"{name}_regrouped_shape", a_shape)
+        steps, operands = [], []
+        for i, value in enumerate(node.inputs):
+            if i in viewed:
+                operands.append(value.producer().inputs[0])
+            elif info.dims(value) == shape:
+                steps.append(ir.node("Reshape", [value, target]))
+                steps[-1].outputs[0].shape, steps[-1].outputs[0].dtype = ir.Shape(list(a_shape)), value.dtype
+                operands.append(steps[-1].outputs[0])
+            else:
+                operands.append(value)
+        steps.append(ir.node(node.op_type, operands))
+        steps[-1].outputs[0].shape, steps[-1].outputs[0].dtype = ir.Shape(list(a_shape)), ir.DataType.FLOAT
+        back = _int64_constant(graph, f"{name}_shape", shape)
+        steps.append(ir.node("Reshape", [steps[-1].outputs[0], back]))
+        steps[-1].outputs[0].shape = ir.Shape(list(shape))
+        views = [node.inputs[i].producer() for i in viewed]
+        _replace_node(graph, node, steps, "before_reshape")
+        steps[-1].outputs[0].shape = ir.Shape(list(shape))  # where the old output had none
+        for view in views:
+            if view.graph is not None and not any(v.uses() or v.is_graph_output() for v in view.outputs):
+                graph.remove(view, safe=True)
+        moved += 1
+    return moved
+
+
+def _one_element(value: ir.Value, rank: int) -> bool:
+    """A one-element operand of at most ``rank`` axes (it broadcasts to any shape of that rank)."""
+    dims = _dims(value.shape) if value.shape is not None else None
+    if dims is None:
+        tensor = _constant_tensor(value)
+        dims = tuple(tensor.shape) if tensor is not None else None
+    return dims is not None and len(dims) <= rank and all(d == 1 for d in dims)
+
+
+def _leading_axes_view(value: ir.Value | None, shape: tuple, info: _Graph) -> bool:
+    """Whether ``value`` is ``Reshape(a)`` of the full ``shape``, ``a`` an elementwise result of
+    the same last axis and of other leading axes (static sizes)."""
+    view = value.producer() if value is not None else None
+    if view is None or view.op_type != "Reshape" or view.domain not in ("", "ai.onnx") or info.dims(value) != shape:
+        return False
+    a = view.inputs[0]
+    made_by = a.producer() if a is not None else None
+    a_shape = info.dims(a)
+    if a_shape is None and made_by is not None:  # inside inlined torchlib functions: inferred
+        a_shape = info.elementwise_shape(made_by)
+    return bool(a_shape) and all(isinstance(d, int) for d in a_shape) and a_shape != shape \
+        and a_shape[-1] == shape[-1] and a.dtype == ir.DataType.FLOAT and made_by is not None \
+        and made_by.domain in ("", "ai.onnx") and made_by.op_type in _ELEMENTWISE
+
+
+def _consecutive_reshapes(graph: ir.Graph, info: _Graph) -> int:
+    """``Reshape(Reshape(x, s1), s2)`` -> ``Reshape(x, s2)``, or ``x`` itself where that has
+    the shape ``s2`` asks for (static shapes only). Returns the number removed."""
+    removed = 0
+    for node in list(graph):
+        if node.domain not in ("", "ai.onnx") or node.op_type != "Reshape" or node.graph is None:
+            continue
+        inner = node.inputs[0].producer() if node.inputs[0] is not None else None
+        target = info.dims(node.outputs[0])
+        if inner is None or inner.op_type != "Reshape" or inner.domain not in ("", "ai.onnx") \
+                or not target or not all(isinstance(d, int) for d in target):
+            continue
+        x = inner.inputs[0]
+        if info.dims(x) == target and not node.outputs[0].is_graph_output():
+            node.outputs[0].replace_all_uses_with(x)  # x keeps its name: it may be a graph input
+            graph.remove(node, safe=True)
+        else:
+            node.replace_input_with(0, x)
+        if not any(v.uses() or v.is_graph_output() for v in inner.outputs):
+            graph.remove(inner, safe=True)
+        removed += 1
+    return removed
+
+
 def _column_sums_through_reshapes(graph: ir.Graph, info: _Graph) -> int:
-    """``ReduceSum(Reshape(x, [N, D]), axes=[0])`` where ``x`` is ``[..., D]`` (a Linear's bias
-    gradient: the rows of ``x`` flattened) -> the same sum over ``x``'s leading axes, so that
-    it joins the kernel computing ``x``. Returns the number rewritten."""
+    """``ReduceSum(Reshape(x), axes=all but the last)`` where the Reshape keeps ``x``'s last
+    axis (a Linear's bias gradient: the rows of ``x`` flattened to ``[N, D]``, or regrouped by
+    ``_elementwise_before_reshapes``) -> the same sum over ``x``'s leading axes, so that it
+    joins the kernel computing ``x``. Returns the number rewritten."""
     done = 0
     for node in list(graph):
         if node.domain not in ("", "ai.onnx") or node.op_type != "ReduceSum" or len(node.inputs) != 2:
@@ -804,15 +903,16 @@ def _column_sums_through_reshapes(graph: ir.Graph, info: _Graph) -> int:
         x = reshape.inputs[0]
         shape, flat_shape, out_shape = info.dims(x), info.dims(flat), info.dims(node.outputs[0])
         keepdims = node.attributes["keepdims"].value if "keepdims" in node.attributes else 1
-        if not shape or len(shape) < 3 or not flat_shape or len(flat_shape) != 2 or flat_shape[1] != shape[-1] \
-                or x.dtype != ir.DataType.FLOAT or [int(a) % 2 for a in axes.const_value.numpy().reshape(-1)] != [0] \
+        rank = len(flat_shape) if flat_shape else 0
+        if not shape or len(shape) < 2 or rank < 2 or flat_shape[-1] != shape[-1] or x.dtype != ir.DataType.FLOAT \
+                or sorted(int(a) % rank for a in axes.const_value.numpy().reshape(-1)) != list(range(rank - 1)) \
                 or out_shape is None:
             continue
         leading = _int64_constant(graph, f"{node.outputs[0].name}_leading_axes", range(len(shape) - 1))
         steps = [ir.node("ReduceSum", [x, leading], attributes={"keepdims": keepdims})]
         steps[0].outputs[0].dtype = ir.DataType.FLOAT
-        if keepdims:  # [1, ..., 1, D] -> the [1, D] the graph expects
-            target = _int64_constant(graph, f"{node.outputs[0].name}_shape", [1, -1])
+        if keepdims:  # [1, ..., 1, D] -> as many leading 1s as the graph expects
+            target = _int64_constant(graph, f"{node.outputs[0].name}_shape", [1] * (rank - 1) + [-1])
             steps.append(ir.node("Reshape", [steps[0].outputs[0], target]))
         _replace_node(graph, node, steps, "flat")
         done += 1
@@ -893,6 +993,8 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
     graph = model.graph
     _expand_softmax(graph, _Graph())
     _fold_rotate_half(graph, _Graph())
+    if _elementwise_before_reshapes(graph, _Graph()):
+        _consecutive_reshapes(graph, _Graph())
     _column_sums_through_reshapes(graph, _Graph())
     into_zeros = _scatter_add_rows(graph, _Graph())
     kernels = [_SCATTER_ADD_ROWS] if not all(into_zeros) else []

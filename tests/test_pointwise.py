@@ -557,6 +557,40 @@ def test_scatter_add_rows_follows_onnx_and_rejects_indices_out_of_range(into_zer
         session.run(None, {**feeds, "index": np.array([[0], [6], [1], [1], [1]])})
 
 
+def test_a_view_between_elementwise_ops_does_not_split_their_kernel():
+    """The loss's gradient ([tokens, vocab]) is viewed as [batch, seq, vocab], added to the
+    logits' own gradient and summed for the bias: one kernel, which never writes the loss's
+    gradient out; the Add is moved before the view, the other operand viewed alike."""
+    a = ir.Value(name="a", shape=ir.Shape([128, 256]), type=ir.TensorType(ir.DataType.FLOAT))
+    t = ir.Value(name="t", shape=ir.Shape([4, 32, 256]), type=ir.TensorType(ir.DataType.FLOAT))
+    shape = ir.Value(name="shape", const_value=ir.tensor(np.array([4, 32, 256], dtype=np.int64)))
+    flat = ir.Value(name="flat", const_value=ir.tensor(np.array([128, 256], dtype=np.int64)))
+    axes = ir.Value(name="axes", const_value=ir.tensor(np.array([0, 1], dtype=np.int64)))
+    grad = ir.node("Mul", [a, a])
+    view = ir.node("Reshape", [grad.outputs[0], shape])
+    view.outputs[0].shape, view.outputs[0].dtype = ir.Shape([4, 32, 256]), ir.DataType.FLOAT
+    add = ir.node("Add", [view.outputs[0], t])
+    bias = ir.node("ReduceSum", [add.outputs[0], axes], attributes={"keepdims": 0})
+    rows = ir.node("Reshape", [add.outputs[0], flat])  # as the MatMul after it reads the sum
+    rows.outputs[0].shape, rows.outputs[0].dtype = ir.Shape([128, 256]), ir.DataType.FLOAT
+    rows.outputs[0].name, bias.outputs[0].name = "rows", "bias"
+    bias.outputs[0].shape, bias.outputs[0].dtype = ir.Shape([256]), ir.DataType.FLOAT
+    graph = ir.Graph([a, t], [rows.outputs[0], bias.outputs[0]], nodes=[grad, view, add, bias, rows],
+                     initializers=[shape, flat, axes], opset_imports={"": 18})
+    model = ir.Model(graph, ir_version=10)
+    kernels = _pointwise.fuse_pointwise(model)
+    assert [n.doc_string for n in model.graph if n.domain == _pointwise.DOMAIN] == ["Mul|Add|ReduceSum"]
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library(kernels))
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    av, tv = np.random.randn(128, 256).astype(np.float32), np.random.randn(4, 32, 256).astype(np.float32)
+    got_rows, got_bias = session.run(None, {"a": av, "t": tv})
+    want = (av * av).reshape(4, 32, 256) + tv
+    np.testing.assert_allclose(got_rows, want.reshape(128, 256), rtol=1e-6)
+    np.testing.assert_allclose(got_bias, want.sum((0, 1)), rtol=1e-5)
+
+
 class _DenseBlock(nn.Module):
     """Bias and LayerNorm-weight gradients: sums over every token of the rows a kernel makes."""
 
