@@ -49,6 +49,9 @@ _SOFTMAX_MAX = "ort_dynamo.softmax_max"
 #: Marks a ReduceSum over every axis but the last (a bias or norm weight's gradient), with its
 #: keepdims: a kernel adds each row into per-task partial sums, added up after the rows.
 _COLUMN_SUM = "ort_dynamo.column_sum"
+#: Marks an elementwise op on a row's reductions alone (LogSoftmax's log of the row sum): one
+#: value per row, computed in the kernel of those reductions, in the phase after them.
+_PER_ROW = "ort_dynamo.per_row"
 #: A lane rotation along the last axis, op of ``DOMAIN`` (``_fold_rotate_half``): the
 #: ``rotate_half`` of rotary embeddings, forward and backward. For the last axis of size 2h,
 #: out[i] = lower * x[i + h] for i < h, upper * x[i - h] otherwise (attributes: signs, +-1).
@@ -261,6 +264,13 @@ def _groups(graph: ir.Graph) -> tuple[list[_Group], _Graph]:
         if shape is None:
             continue
         producers = [v.producer() for v in node.inputs if v is not None and v.producer() in order]
+        per_row = _per_row_group(node, shape, producers, group_of)
+        if per_row is not None:
+            node.meta[_PER_ROW] = True
+            per_row.nodes.append(node)
+            per_row.last = index
+            group_of[node] = per_row
+            continue
         # A column sum is complete only after every row: what reads it is in another kernel.
         after_sums = {id(group_of[p]) for p in producers if p in group_of and _column_sum(p)}
         candidates = [g for g in dict.fromkeys(group_of[p] for p in producers if p in group_of)
@@ -299,6 +309,42 @@ def _groups(graph: ir.Graph) -> tuple[list[_Group], _Graph]:
         chosen.last = index
         group_of[node] = chosen
     return groups, info
+
+
+def _per_row_group(node: ir.Node, shape: tuple, producers: list[ir.Node], group_of: dict) -> _Group | None:
+    """The group whose row reductions (or values per row made from them) are all ``node``
+    reads besides one-element constants, if ``node`` is elementwise with one value per row of
+    that group: it joins that group rather than being an ORT op between two kernels."""
+    if shape[-1] != 1 or node.op_type not in _ELEMENTWISE or node.op_type == "Expand" or not producers:
+        return None
+    groups = {id(group_of.get(p)): group_of.get(p) for p in producers}
+    group = next(iter(groups.values()))
+    if len(groups) != 1 or group is None or len(group.nodes) >= 64 or len(group.shape) != len(shape) \
+            or group.shape[:-1] != shape[:-1] or group.shape[-1] == 1 \
+            or not all(_row_reduction(p) or p.meta.get(_PER_ROW) for p in producers):
+        return None
+    made_here = {p.outputs[0] for p in producers}
+    if any(v is not None and v not in made_here and _scalar(v) is None for v in node.inputs):
+        return None
+    return group
+
+
+def _without_escaping_per_row_values(group: _Group, members: set) -> None:
+    """A value per row that is read outside the kernel would need an output of its own: it is
+    left to ORT, with what in the group reads it."""
+    while True:
+        escaping = {n for n in group.nodes if n.meta.get(_PER_ROW) and (
+            n.outputs[0].is_graph_output() or any(u.node not in members for u in n.outputs[0].uses()))}
+        if not escaping:
+            return
+        dropped = set(escaping)
+        for n in group.nodes:  # in graph order: readers come after what they read
+            if any(v is not None and v.producer() in dropped for v in n.inputs):
+                dropped.add(n)
+        group.nodes = [n for n in group.nodes if n not in dropped]
+        members.difference_update(dropped)
+        for n in dropped:
+            n.meta.pop(_PER_ROW, None)
 
 
 # -- code generation ------------------------------------------------------------------------------
@@ -360,7 +406,7 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
         """The C name of ``value`` at lane i, or (shifted) at the lane a rotation reads for i.
         A row sum is the same at every lane."""
         if value in local:
-            rotates = shifted and not _row_reduction(value.producer())
+            rotates = shifted and not _row_reduction(value.producer()) and not value.producer().meta.get(_PER_ROW)
             return local[value] + ("_r" if rotates else "")
         if value in arg:
             return f"{arg[value]}{'r' if shifted else 'v'}"
@@ -427,6 +473,7 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
 
     def loops(load):
         lines = []
+        per_row_done = set()
         for k in range(last + 1):
             closing = [n for n in reductions if phase[n] == k]
             if k == last:
@@ -435,6 +482,10 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
                 nodes = [n for n in group.nodes if n in wanted]
             else:
                 nodes = needed(closing)
+            # Values per row: once, before the lanes (their reductions are complete by now).
+            lines += [statement(n) for n in nodes if n.meta.get(_PER_ROW) and n not in per_row_done]
+            per_row_done.update(n for n in nodes if n.meta.get(_PER_ROW))
+            nodes = [n for n in nodes if not n.meta.get(_PER_ROW)]
             if closing:
                 lines += [f"float {local[n.outputs[0]]} = {'-INFINITY' if n.op_type == 'ReduceMax' else '0.0f'};"
                           for n in closing]
@@ -1011,12 +1062,15 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
         replaced.append(node)
 
     for group in groups:
-        # One ORT op alone gains nothing as a kernel, unless the kernel also does a Transpose's
-        # pass (a bias added to attention's q, k or v, written in the heads' layout).
-        alone = len(group.nodes) < 2 and group.nodes[0].op_type not in _ALONE_OK and not _column_sum(group.nodes[0])
         if all(isinstance(d, int) for d in group.shape) and math.prod(group.shape) < MIN_ELEMENTS:
             continue
         members = set(group.nodes)
+        _without_escaping_per_row_values(group, members)
+        if not group.nodes:
+            continue
+        # One ORT op alone gains nothing as a kernel, unless the kernel also does a Transpose's
+        # pass (a bias added to attention's q, k or v, written in the heads' layout).
+        alone = len(group.nodes) < 2 and group.nodes[0].op_type not in _ALONE_OK and not _column_sum(group.nodes[0])
         produced = {node.outputs[0] for node in group.nodes}
         inputs: list[ir.Value] = []
         for node in group.nodes:

@@ -557,6 +557,35 @@ def test_scatter_add_rows_follows_onnx_and_rejects_indices_out_of_range(into_zer
         session.run(None, {**feeds, "index": np.array([[0], [6], [1], [1], [1]])})
 
 
+def test_a_log_of_the_row_sum_is_computed_in_the_kernel_that_sums(tmp_path):
+    """LogSoftmax's ``x - max - log(sum)``: the log of each row's sum joins the kernel that
+    computes the sum, so the shifted rows are never written out for a separate Sub. A log
+    of the sum that is read elsewhere too is left to ORT, from the kernel's row sums."""
+
+    def log_softmax(x):
+        return torch.log_softmax(x * 2, -1)
+
+    def log_read_elsewhere(x):
+        y = x * 2
+        total = y.exp().sum(-1, keepdim=True)
+        return y - total.log(), total.log() * 3
+
+    x = torch.randn(64, 512)
+    for fn, fused in ((log_softmax, ["Mul|ReduceMax|Sub|Exp|ReduceSum|Log|Sub"]),
+                      (log_read_elsewhere, ["Mul|Exp|ReduceSum|Log|Sub"])):
+        folder = tmp_path / fn.__name__
+        ort_dynamo.reset()
+        compiled = torch.compile(fn, backend="ort", options={"save_onnx": True, "save_path": str(folder)})
+        compiled(x)
+        ort_dynamo.wait_for_kernels()
+        got, want = compiled(x), fn(x)
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        (path,) = glob.glob(str(folder / "*.onnx"))
+        assert [n.doc_string for n in _pointwise_nodes(path)] == fused
+        assert "Sub" not in [n.op_type for n in onnx.load(path).graph.node]
+
+
 def test_a_view_between_elementwise_ops_does_not_split_their_kernel():
     """The loss's gradient ([tokens, vocab]) is viewed as [batch, seq, vocab], added to the
     logits' own gradient and summed for the bias: one kernel, which never writes the loss's
