@@ -91,13 +91,14 @@ def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple:
                 shapes = json.dumps(event["args"].get("output_type_shape", ""))[:70]
                 per_node[f"{op} {shapes}"] += event["dur"] / 1e3 / runs
                 if op in ("MatMul", "FusedMatMul", "Gemm"):
-                    session["gemm_ms"] += event["dur"] / 1e3 / runs
-                    session["gemm_flop"] += _gemm_flop(event["args"]) / runs
+                    ms, flop = event["dur"] / 1e3 / runs, _gemm_flop(event["args"]) / runs
+                    session["gemm_ms"] += ms
+                    session["gemm_flop"] += flop
                     a, b = [list(d.values())[0] for d in event["args"]["input_type_shape"][:2]]
                     out = list(event["args"]["output_type_shape"][0].values())[0]
                     entry = per_gemm[f"{op} {a} x {b} -> {out}"]
-                    entry[0] += event["dur"] / 1e3 / runs
-                    entry[1] += _gemm_flop(event["args"]) / runs
+                    entry[0] += ms
+                    entry[1] += flop
     return per_op, calls, per_node, session, per_gemm
 
 

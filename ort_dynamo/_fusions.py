@@ -22,16 +22,21 @@ _MS = "com.microsoft"
 
 # -- small matching helpers -----------------------------------------------------------------------
 
+def _constant_tensor(value: ir.Value | None):
+    """The tensor of an initializer or of a Constant node's ``value``, else None."""
+    if value is None or value.const_value is not None:
+        return value.const_value if value is not None else None
+    producer = value.producer()
+    if producer is None or producer.op_type != "Constant" or "value" not in producer.attributes:
+        return None
+    return producer.attributes["value"].value
+
+
 def _scalar(value: ir.Value | None) -> float | None:
     """The value of a one-element constant (initializer or Constant node), else None."""
-    if value is None:
-        return None
-    tensor = value.const_value
+    tensor = _constant_tensor(value)
     if tensor is None:
-        producer = value.producer()
-        if producer is None or producer.op_type != "Constant" or "value" not in producer.attributes:
-            return None
-        tensor = producer.attributes["value"].value
+        return None
     array = tensor.numpy()
     return float(array.reshape(-1)[0]) if array.size == 1 else None
 
@@ -57,19 +62,11 @@ def _op(node: ir.Node | None, op_type: str) -> bool:
 
 def _ints(value: ir.Value | None) -> list[int] | None:
     """The integers of a constant (initializer or Constant node), else None."""
-    if value is None:
-        return None
-    tensor = value.const_value
-    if tensor is None:
-        producer = value.producer()
-        if producer is None or producer.op_type != "Constant":
-            return None
-        if "value_ints" in producer.attributes:
-            return [int(x) for x in producer.attributes["value_ints"].value]
-        if "value" not in producer.attributes:
-            return None
-        tensor = producer.attributes["value"].value
-    return [int(x) for x in tensor.numpy().reshape(-1)]
+    producer = value.producer() if value is not None and value.const_value is None else None
+    if producer is not None and producer.op_type == "Constant" and "value_ints" in producer.attributes:
+        return [int(x) for x in producer.attributes["value_ints"].value]
+    tensor = _constant_tensor(value)
+    return None if tensor is None else [int(x) for x in tensor.numpy().reshape(-1)]
 
 
 def _perm_keeping_last_axis(node: ir.Node) -> list[int] | None:

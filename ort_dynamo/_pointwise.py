@@ -23,7 +23,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from ._fusions import _int64_constant, _ints, _perm_keeping_last_axis, _scalar
+from ._fusions import _constant_tensor, _int64_constant, _ints, _perm_keeping_last_axis, _scalar
 from ._fusions import _take_over as _take_over_value
 
 __all__ = ["DOMAIN", "fuse_pointwise", "kernel_name", "table_source"]
@@ -609,6 +609,13 @@ def _take_over(old: ir.Value, new: ir.Value, suffix: str, output_positions: dict
     new.dtype = ir.DataType.FLOAT
 
 
+def _remove_if_dead(graph: ir.Graph, nodes) -> None:
+    """Remove those of ``nodes`` (in order) that are still in ``graph`` and read by nothing."""
+    for node in nodes:
+        if node.graph is not None and not any(v.uses() or v.is_graph_output() for v in node.outputs):
+            graph.remove(node, safe=True)
+
+
 def _replace_node(graph: ir.Graph, node: ir.Node, steps: list[ir.Node], suffix: str) -> None:
     """``steps``, inserted before ``node``, take its place: the last one's output takes over
     ``node``'s."""
@@ -714,9 +721,7 @@ def _fold_rotate_half(graph: ir.Graph, info: _Graph) -> int:
         graph.insert_before(node, rotate)
         _take_over(value, rotate.outputs[0], "unrotated")
         info.shape[rotate.outputs[0]] = shape
-        for dead in reversed(visited):  # the lane moves nothing else reads
-            if dead.graph is not None and not any(v.uses() or v.is_graph_output() for v in dead.outputs):
-                graph.remove(dead, safe=True)
+        _remove_if_dead(graph, reversed(visited))  # the lane moves nothing else reads
         folded += 1
     return folded
 
@@ -776,25 +781,11 @@ def _constant_zeros(value: ir.Value) -> list[ir.Node] | None:
             value = node.inputs[0]
         elif node.op_type == "ConstantOfShape":
             fill = node.attributes["value"].value.numpy() if "value" in node.attributes else np.zeros(1)
-            return chain if not fill.any() and _constant(node.inputs[0]) else None
+            return chain if not fill.any() and _constant_tensor(node.inputs[0]) is not None else None
         elif node.op_type == "Expand":
-            return chain if _scalar(node.inputs[0]) == 0.0 and _constant(node.inputs[1]) else None
+            return chain if _scalar(node.inputs[0]) == 0.0 and _constant_tensor(node.inputs[1]) is not None else None
         else:
             return None
-
-
-def _constant_tensor(value: ir.Value | None):
-    """The tensor of an initializer or Constant node, else None."""
-    if value is None or value.const_value is not None:
-        return value.const_value if value is not None else None
-    producer = value.producer()
-    if producer is None or producer.op_type != "Constant" or "value" not in producer.attributes:
-        return None
-    return producer.attributes["value"].value
-
-
-def _constant(value: ir.Value | None) -> bool:
-    return _constant_tensor(value) is not None
 
 
 def _scatter_add_rows(graph: ir.Graph, info: _Graph) -> list[bool]:
@@ -830,9 +821,7 @@ def _scatter_add_rows(graph: ir.Graph, info: _Graph) -> list[bool]:
             dims = _int64_constant(graph, f"{node.outputs[0].name}_zeros_shape", shape)
             _replace_node(graph, node, [ir.node("ScatterAddRowsToZeros", [dims, index, updates], domain=DOMAIN)],
                           "elements")
-            for dead in zeros:  # now read by nothing
-                if dead.graph is not None and not any(v.uses() or v.is_graph_output() for v in dead.outputs):
-                    graph.remove(dead, safe=True)
+            _remove_if_dead(graph, zeros)  # now read by nothing
         else:
             _replace_node(graph, node, [ir.node("ScatterAddRows", [data, index, updates], domain=DOMAIN)], "elements")
         replaced.append(zeros is not None)
@@ -877,13 +866,10 @@ def _elementwise_before_reshapes(graph: ir.Graph, info: _Graph) -> int:
         steps[-1].outputs[0].shape, steps[-1].outputs[0].dtype = ir.Shape(list(a_shape)), ir.DataType.FLOAT
         back = _int64_constant(graph, f"{name}_shape", shape)
         steps.append(ir.node("Reshape", [steps[-1].outputs[0], back]))
-        steps[-1].outputs[0].shape = ir.Shape(list(shape))
         views = [node.inputs[i].producer() for i in viewed]
         _replace_node(graph, node, steps, "before_reshape")
         steps[-1].outputs[0].shape = ir.Shape(list(shape))  # where the old output had none
-        for view in views:
-            if view.graph is not None and not any(v.uses() or v.is_graph_output() for v in view.outputs):
-                graph.remove(view, safe=True)
+        _remove_if_dead(graph, views)
         moved += 1
     return moved
 
@@ -931,8 +917,7 @@ def _consecutive_reshapes(graph: ir.Graph, info: _Graph) -> int:
             graph.remove(node, safe=True)
         else:
             node.replace_input_with(0, x)
-        if not any(v.uses() or v.is_graph_output() for v in inner.outputs):
-            graph.remove(inner, safe=True)
+        _remove_if_dead(graph, [inner])
         removed += 1
     return removed
 
