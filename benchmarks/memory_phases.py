@@ -15,6 +15,9 @@ tiny warm-up model so one-time start-up is not counted.
     # keep (glibc only; ORT's arena is turned off so that its tensors are counted one by one)
     .venv/bin/python benchmarks/memory_phases.py --model bert --backend ort --live
     .venv/bin/python benchmarks/memory_phases.py --model bert --backend ort --live --runs   # each ORT run's peak
+
+With --live and ort, the last line says how much the ORT sessions hold: the live bytes freed
+when every session (with the model it was made from) is let go after the last step.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from train_step import _peak_rss_mb, _reset_peak_rss, _rss_mb, build, compiled_c
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="bert", choices=["gpt2", "bert", "llama"])
-    parser.add_argument("--backend", default="ort", choices=["eager", "ort", "ort_recompute"])
+    parser.add_argument("--backend", default="ort", choices=["eager", "aot_eager", "ort", "ort_recompute"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--no-copy", action="store_true",
                         help="train the built model itself, not a deep copy (no freed heap left behind)")
@@ -91,6 +94,23 @@ def main() -> None:
         print(f"step {step}: " + " | ".join(row))
     for line in runs or ():
         print(line)
+    if measure is not None and args.backend.startswith("ort"):
+        _print_session_bytes(measure)
+
+
+def _print_session_bytes(live) -> None:
+    """Let every ORT session go (and the model bytes only it still holds); print what that frees."""
+    import gc
+
+    from ort_dynamo import run as run_stage
+
+    runners = [o for o in gc.get_objects() if type(o) is run_stage.OrtRunner]
+    gc.collect()
+    before = live.now()
+    for runner in runners:
+        runner._sessions.clear()
+    gc.collect()
+    print(f"ORT sessions of {len(runners)} partitions held {before - live.now():.1f} MB")
 
 
 def _watch_ort_runs(live, start) -> list[str]:
