@@ -63,7 +63,7 @@ def _describe(val) -> str:
 def cache_key(gm: torch.fx.GraphModule, options: OrtOptions) -> str:
     inputs = [_describe(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
     relevant = (options.opset, options.enable_compute_optimizer, options.deterministic_compute,
-                options.pointwise_kernels)
+                options.pointwise_kernels, options.save_onnx)  # save_onnx keeps provenance
     text = "\n".join([_versions(), repr(relevant), ";".join(inputs), gm.code])
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -57,6 +57,8 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
             # Chains ORT's optimizer misses -> its fused CPU kernels (Gelu, FastGelu, RMSNorm).
             _fusions.fuse(model)
     _reshaped_outputs_as_views(exported)
+    if not options.save_onnx:
+        _drop_provenance(model)
     ir.passes.common.RemoveUnusedNodesPass()(model)  # what the passes above left dead
     ir.passes.common.RemoveUnusedFunctionsPass()(model)
     if optimize and exported.device == "cpu" and options.pointwise_kernels and _kernels.available():
@@ -74,6 +76,18 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
             exported.unfused = unfused
             ir.passes.common.RemoveUnusedNodesPass()(model)  # constants that became C literals
     return ir.serde.serialize_model(model).SerializeToString()
+
+
+def _drop_provenance(model: "ir.Model") -> None:
+    """The exporter notes on every node where it came from (stack trace, module path, FX
+    node): most of a model's bytes, and ORT keeps its own copy for the session's life (BERT:
+    3.3 MB less live, ``benchmarks/memory_phases.py --live``). Kept only where a person reads
+    the model (``save_onnx``)."""
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        node.metadata_props.clear()
+    for function in model.functions.values():
+        for node in ir.traversal.RecursiveGraphIterator(function):
+            node.metadata_props.clear()
 
 
 def _reshaped_outputs_as_views(exported: ExportedGraph) -> None:

@@ -201,3 +201,39 @@ def test_gradients_that_start_from_zeros_leave_no_zeros_in_the_sessions(monkeypa
 
     sizes = {path: max([math.prod(t.dims) for t in onnx.load(path).graph.initializer], default=0) for path in sessions}
     assert len(sizes) >= 3 and max(sizes.values()) < 16 * 32, sizes  # the smallest zeros: positions'
+
+
+def test_sessions_get_models_without_the_exporters_provenance_unless_saved(monkeypatch, tmp_path):
+    """The exporter notes on each node its stack trace and module path, ~95% of a model's
+    bytes, which ORT would keep for the session's life. The models ORT runs go without them;
+    the files ``save_onnx`` writes for a person to read keep them."""
+    import onnx
+
+    runners = set()
+    original = run_stage.OrtRunner._run
+
+    def spy(runner, args):
+        runners.add(runner)
+        return original(runner, args)
+
+    monkeypatch.setattr(run_stage.OrtRunner, "_run", spy)
+
+    def train_step(options):
+        ort_dynamo.reset()
+        runners.clear()
+        model = _deep_model()
+        torch.compile(model, backend="ort", options=options)(torch.randn(4, 32)).sum().backward()
+        assert_all_on_ort()
+        assert {r.report.kind for r in runners} == {"forward", "backward"}
+        return [onnx.load_from_string(r.model_bytes) for r in runners]
+
+    def provenance(model):
+        return [p.key for n in model.graph.node for p in n.metadata_props]
+
+    assert not any(provenance(m) for m in train_step({}))
+
+    saved = train_step({"save_onnx": True, "save_path": str(tmp_path)})
+    assert all("namespace" in provenance(m) for m in saved)
+    paths = ort_dynamo.report().graphs[0].onnx_paths
+    namespaces = [p.value for n in onnx.load(paths[0]).graph.node for p in n.metadata_props if p.key == "namespace"]
+    assert any("torch.nn.modules.linear.Linear" in namespace for namespace in namespaces)
