@@ -1,6 +1,7 @@
 """The working tree's ort against a git revision's, interleaved in one process, next to eager.
 
     .venv/bin/python benchmarks/compare_revision.py --rev HEAD~1 --models gpt2,bert --steps 25
+    .venv/bin/python benchmarks/compare_revision.py --rev HEAD --options memory_opt_level=1
 
 On a shared VM, step times move by several percent between runs of the same code, more than
 most single changes gain; separate runs cannot tell them apart. Here the revision's package is
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib
 import os
 import statistics
@@ -50,7 +52,8 @@ def compare(name: str, rev_package, args) -> dict:
     runners = {}
     for label, package in (("rev", rev_package), ("new", ort_dynamo), ("eager", None)):
         clone = copy.deepcopy(model)
-        fn = clone if package is None else torch.compile(clone, backend=package.capture.ort_backend)
+        backend = functools.partial(package.capture.ort_backend, options=args.options) if package else None
+        fn = clone if package is None else torch.compile(clone, backend=backend)
         opt = make_optimizer("eager" if package is None else "ort", clone, args)
         for step in range(args.warmup):
             train_step(fn, opt, batch, "cpu", False)
@@ -71,13 +74,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--optimizer", choices=["adamw", "fastest"], default="fastest")
+    parser.add_argument("--options", default="",
+                        help="comma-separated KEY=VALUE ort_dynamo options for both, e.g. memory_opt_level=1")
     args = parser.parse_args()
+    args.options = {key: int(value) if value.lstrip("-").isdigit() else value
+                    for key, value in (item.split("=", 1) for item in args.options.split(",") if item)}
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (the first step compiles)")
     _steady_malloc()
     with tempfile.TemporaryDirectory() as folder:
         rev_package = import_revision(args.rev, folder)
-        print(f"working tree against {args.rev}, optimizer {args.optimizer}, median of {args.steps} steps")
+        print(f"working tree against {args.rev}, optimizer {args.optimizer}, options {args.options}, "
+              f"median of {args.steps} steps")
         for name in args.models.split(","):
             ms = compare(name, rev_package, args)
             print(f"{name:6s} rev {ms['rev']:7.1f} ms  new {ms['new']:7.1f} ms  eager {ms['eager']:7.1f} ms | "

@@ -46,6 +46,8 @@ def main() -> None:
                         help="comma-separated KEY=VALUE overriding ort_dynamo's shared-arena settings")
     parser.add_argument("--live", action="store_true",
                         help="live bytes (malloc'ed, not freed) instead of RSS; ORT's arena off")
+    parser.add_argument("--no-arena", action="store_true",
+                        help="ORT's sessions allocate from malloc, as PyTorch does (RSS; --live always does)")
     parser.add_argument("--runs", action="store_true",
                         help="with --live: each ORT run of the last step, live before, its peak, after")
     args = parser.parse_args()
@@ -53,7 +55,11 @@ def main() -> None:
         parser.error("--live turns ORT's arena off: --arena does not apply")
     if args.runs and not args.live:
         parser.error("--runs needs --live")
+    if args.no_arena and args.arena:
+        parser.error("--no-arena and --arena exclude each other")
     measure = _live_bytes_counters() if args.live else None
+    if args.no_arena and not args.live:
+        _sessions_without_arena()
     if args.arena:
         from ort_dynamo import run as run_stage
 
@@ -171,6 +177,11 @@ def _live_bytes_counters() -> _LiveBytes:
     process = ctypes.CDLL(None)
     process.live_bytes_now.restype = process.live_bytes_peak.restype = ctypes.c_long
     # ORT's arena would count as one block: each session allocates from malloc instead.
+    _sessions_without_arena()
+    return _LiveBytes(process)
+
+
+def _sessions_without_arena() -> None:
     from ort_dynamo import run as run_stage
 
     with_arena = run_stage.session_options
@@ -184,7 +195,6 @@ def _live_bytes_counters() -> _LiveBytes:
 
     run_stage._register_shared_cpu_arena = lambda: None
     run_stage.session_options = optimizer_sessions.session_options = without_arena
-    return _LiveBytes(process)
 
 
 if __name__ == "__main__":

@@ -50,8 +50,7 @@ class OrtBackend:
         compiler = functools.partial(compile_graph, options=self.options)
         kwargs = {}
         if self.options.memory_opt_level >= 1:
-            from torch._functorch.partitioners import min_cut_rematerialization_partition
-            kwargs["partition_fn"] = min_cut_rematerialization_partition
+            kwargs["partition_fn"] = _recomputing_partition
         return aot_autograd(
             fw_compiler=functools.partial(compiler, kind="forward"),
             bw_compiler=functools.partial(compiler, kind="backward"),
@@ -59,6 +58,18 @@ class OrtBackend:
             decompositions=lower_stage.decomposition_table(self.options.opset, self.options.cache_dir),
             **kwargs,
         )(gm, example_inputs)
+
+
+def _recomputing_partition(joint_module, joint_inputs, **kwargs):
+    """``memory_opt_level=1``: Inductor's min-cut rematerialization, allowed to recompute a
+    value that a backward GEMM reads too. Inductor keeps those (the GEMM needs the value in
+    memory, so recomputing costs a pass); for us that pass is one pointwise kernel, and the
+    value need not live from forward to backward (BERT's GELU outputs: 16 MB)."""
+    from torch._functorch import config as functorch_config
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    with functorch_config.patch(ban_recompute_materialized_backward=False):
+        return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
 
 
 @functools.lru_cache(maxsize=64)
