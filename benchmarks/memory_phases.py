@@ -11,6 +11,9 @@ tiny warm-up model so one-time start-up is not counted.
     # the shared arena with other settings (OrtArenaCfg keys; -1: ORT's default)
     .venv/bin/python benchmarks/memory_phases.py --model llama --arena initial_chunk_size_bytes=-1
 
+    # ORT's sessions allocating from malloc, as PyTorch does, instead of the shared arena
+    .venv/bin/python benchmarks/memory_phases.py --model bert --no-arena
+
     # live bytes instead of RSS: what is allocated and not yet freed, whatever the allocators
     # keep (glibc only; ORT's arena is turned off so that its tensors are counted one by one)
     .venv/bin/python benchmarks/memory_phases.py --model bert --backend ort --live
