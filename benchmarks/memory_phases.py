@@ -11,6 +11,9 @@ tiny warm-up model so one-time start-up is not counted.
     # the shared arena with other settings (OrtArenaCfg keys; -1: ORT's default)
     .venv/bin/python benchmarks/memory_phases.py --model llama --arena initial_chunk_size_bytes=-1
 
+    # with each backend's fastest optimizer (ort: FusedAdam), as train_step.py --optimizer fastest
+    .venv/bin/python benchmarks/memory_phases.py --model bert --optimizer fastest
+
     # ORT's sessions allocating from malloc, as PyTorch does, instead of the shared arena
     .venv/bin/python benchmarks/memory_phases.py --model bert --no-arena
 
@@ -35,7 +38,8 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from train_step import _peak_rss_mb, _reset_peak_rss, _rss_mb, build, compiled_copy, warm_backend  # noqa: E402
+from train_step import (_peak_rss_mb, _reset_peak_rss, _rss_mb, build, compiled_copy, make_optimizer,  # noqa: E402
+                        warm_backend)
 
 
 def main() -> None:
@@ -43,6 +47,8 @@ def main() -> None:
     parser.add_argument("--model", default="bert", choices=["gpt2", "bert", "llama"])
     parser.add_argument("--backend", default="ort", choices=["eager", "aot_eager", "ort", "ort_recompute"])
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--optimizer", choices=["adamw", "fastest"], default="adamw",
+                        help="as train_step.py's: torch AdamW, or each backend's fastest (ort: FusedAdam)")
     parser.add_argument("--no-copy", action="store_true",
                         help="train the built model itself, not a deep copy (no freed heap left behind)")
     parser.add_argument("--arena", default="",
@@ -78,13 +84,13 @@ def main() -> None:
     # train_step.py --memory, and the original is freed.
     _, fn = compiled_copy(model, args.backend, copy_model=not args.no_copy)
     del model
-    opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
+    opt = make_optimizer(args.backend, fn, args)
     now, peak, reset_peak = (measure.now, measure.peak, measure.reset_peak) if measure else \
         (_rss_mb, _peak_rss_mb, _reset_peak_rss)
     start = now()
     arena = f", arena {args.arena}" if args.arena else ""
     what = "live MB (ORT's arena off)" if args.live else "RSS MB"
-    print(f"{args.model} {args.backend}{arena}: {what} over the first step's start (current / peak of the phase)")
+    print(f"{args.model} {args.backend}, {args.optimizer}{arena}: {what} over the first step's start (current / peak of the phase)")
     runs = _watch_ort_runs(measure, start) if args.runs else None
     for step in range(args.steps):
         if runs is not None:
