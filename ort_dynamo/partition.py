@@ -19,8 +19,6 @@ from .lowerings import dtype_refusal
 from .options import FallbackPolicy
 from .report import FallbackNode, GraphReport
 
-aten = torch.ops.aten
-
 __all__ = ["partition", "UnsupportedOpError", "Partitioned"]
 
 #: (op, reason) pairs already warned about in this process; reset() clears it.
@@ -68,12 +66,16 @@ def _is_linalg_error_check(node: torch.fx.Node) -> bool:
 
 
 _aten = torch.ops.aten
+#: Views that read all of their input: moved to a later backward segment, such a view has its
+#: base cross instead, no more memory (not slices, which may read part of a larger base).
+_WHOLE_INPUT_VIEWS = frozenset({
+    _aten.view.default, _aten._unsafe_view.default, _aten.expand.default, _aten.unsqueeze.default,
+    _aten.squeeze.dim, _aten.squeeze.dims, _aten.permute.default, _aten.t.default, _aten.transpose.int,
+    _aten.alias.default})
 #: Ops whose result shares its input's memory.
-_VIEW_OPS = {_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.t.default,
-             _aten.permute.default, _aten.transpose.int, _aten.expand.default, _aten.alias.default,
-             _aten.detach.default, _aten.unsqueeze.default, _aten.squeeze.default, _aten.squeeze.dim,
-             _aten.squeeze.dims, _aten.slice.Tensor, _aten.select.int, _aten.as_strided.default,
-             _aten.diagonal.default}
+_VIEW_OPS = _WHOLE_INPUT_VIEWS | {
+    _aten.reshape.default, _aten.detach.default, _aten.squeeze.default, _aten.slice.Tensor, _aten.select.int,
+    _aten.as_strided.default, _aten.diagonal.default}
 
 
 def _split_off_output_views(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
@@ -252,11 +254,6 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     return Partitioned(fused, names, verdicts)
 
 
-#: Ops whose result is a view of their input in eager (no memory of their own).
-_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.expand.default, aten.unsqueeze.default,
-                    aten.squeeze.dim, aten.squeeze.dims, aten.permute.default, aten.t.default,
-                    aten.transpose.int, aten.alias.default})
-
 #: Below this many nodes a segment's ORT run costs more than the memory it frees.
 _MIN_SEGMENT_NODES = 32
 
@@ -299,7 +296,7 @@ def _place_constants_with_their_readers(heads: list[torch.fx.Node], piece_of: di
             constant.add(node)
     for node in reversed(heads):  # readers first, so a chain follows its last reader
         readers = list(node.users)
-        if (node in constant or node.target in _VIEWS) and readers and all(u in piece_of for u in readers):
+        if (node in constant or node.target in _WHOLE_INPUT_VIEWS) and readers and all(u in piece_of for u in readers):
             piece_of[node] = max(piece_of[node], min(piece_of[u] for u in readers))
 
 
