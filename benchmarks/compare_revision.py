@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/compare_revision.py --rev HEAD~1 --models gpt2,bert --steps 25
     .venv/bin/python benchmarks/compare_revision.py --rev HEAD --options memory_opt_level=1
+    # the working tree with recompute against the revision without
+    .venv/bin/python benchmarks/compare_revision.py --rev HEAD --options memory_opt_level=1 --rev-options ""
 
 On a shared VM, step times move by several percent between runs of the same code, more than
 most single changes gain; separate runs cannot tell them apart. Here the revision's package is
@@ -52,7 +54,8 @@ def compare(name: str, rev_package, args) -> dict:
     runners = {}
     for label, package in (("rev", rev_package), ("new", ort_dynamo), ("eager", None)):
         clone = copy.deepcopy(model)
-        backend = functools.partial(package.capture.ort_backend, options=args.options) if package else None
+        options = args.rev_options if label == "rev" else args.options
+        backend = functools.partial(package.capture.ort_backend, options=options) if package else None
         fn = clone if package is None else torch.compile(clone, backend=backend)
         opt = make_optimizer("eager" if package is None else "ort", clone, args)
         for step in range(args.warmup):
@@ -67,6 +70,11 @@ def compare(name: str, rev_package, args) -> dict:
     return {label: statistics.median(t) * 1e3 for label, t in times.items()}
 
 
+def _parse_options(text: str) -> dict:
+    return {key: int(value) if value.lstrip("-").isdigit() else value
+            for key, value in (item.split("=", 1) for item in text.split(",") if item)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rev", default="HEAD", help="git revision to compare the working tree with")
@@ -76,15 +84,18 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=["adamw", "fastest"], default="fastest")
     parser.add_argument("--options", default="",
                         help="comma-separated KEY=VALUE ort_dynamo options for both, e.g. memory_opt_level=1")
+    parser.add_argument("--rev-options", default=None,
+                        help="the revision's options instead of --options' (\"\": its defaults)")
     args = parser.parse_args()
-    args.options = {key: int(value) if value.lstrip("-").isdigit() else value
-                    for key, value in (item.split("=", 1) for item in args.options.split(",") if item)}
+    args.options = _parse_options(args.options)
+    args.rev_options = args.options if args.rev_options is None else _parse_options(args.rev_options)
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (the first step compiles)")
     _steady_malloc()
     with tempfile.TemporaryDirectory() as folder:
         rev_package = import_revision(args.rev, folder)
-        print(f"working tree against {args.rev}, optimizer {args.optimizer}, options {args.options}, "
+        print(f"working tree against {args.rev}, optimizer {args.optimizer}, options {args.options} "
+              f"(revision's {args.rev_options}), "
               f"median of {args.steps} steps")
         for name in args.models.split(","):
             ms = compare(name, rev_package, args)

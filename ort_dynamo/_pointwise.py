@@ -23,7 +23,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from ._fusions import _constant_tensor, _int64_constant, _ints, _perm_keeping_last_axis, _scalar
+from ._fusions import _MS, _constant_tensor, _int64_constant, _ints, _is, _op, _other, _perm_keeping_last_axis, _scalar
 from ._fusions import _take_over as _take_over_value
 
 __all__ = ["DOMAIN", "fuse_pointwise", "kernel_name", "table_source"]
@@ -616,6 +616,17 @@ def _remove_if_dead(graph: ir.Graph, nodes) -> None:
             graph.remove(node, safe=True)
 
 
+def _drop_if_unread(graph: ir.Graph, value: ir.Value) -> None:
+    """Remove what makes ``value`` (its node, or the initializer it is) once nothing reads it."""
+    if value.uses() or value.is_graph_output():
+        return
+    producer = value.producer()
+    if producer is not None:
+        _remove_if_dead(graph, [producer])
+    elif value.name in graph.initializers and graph.initializers[value.name] is value:
+        del graph.initializers[value.name]
+
+
 def _replace_node(graph: ir.Graph, node: ir.Node, steps: list[ir.Node], suffix: str) -> None:
     """``steps``, inserted before ``node``, take its place: the last one's output takes over
     ``node``'s."""
@@ -788,9 +799,26 @@ def _constant_zeros(value: ir.Value) -> list[ir.Node] | None:
             return None
 
 
+def _index_per_row(graph: ir.Graph, indices: ir.Value | None, name: str) -> ir.Value | None:
+    """The [N, 1, ...] index that ``indices`` repeats along every row: ``Expand``'s input, or,
+    for a constant (positions recomputed in backward: ``arange``'s chain folded whole), a new
+    initializer of its first column."""
+    expand = indices.producer() if indices is not None else None
+    if expand is not None and expand.op_type == "Expand" and expand.domain in ("", "ai.onnx"):
+        return expand.inputs[0]
+    tensor = _constant_tensor(indices)
+    if tensor is None or tensor.dtype != ir.DataType.INT64 or len(tensor.shape) < 2:
+        return None
+    rows = tensor.numpy().reshape(tensor.shape[0], -1)
+    if rows.shape[1] == 0 or (rows != rows[:, :1]).any():
+        return None
+    return _int64_constant(graph, f"{name}_row_index", rows[:, :1].reshape((rows.shape[0],) + (1,) * (len(tensor.shape) - 1)))
+
+
 def _scatter_add_rows(graph: ir.Graph, info: _Graph) -> list[bool]:
-    """``ScatterElements(data, Expand(index[N, 1]), updates, axis=0, reduction=add)``, the
-    embedding gradient as ``decompositions`` writes it (whole rows of ``updates`` added to rows
+    """``ScatterElements(data, Expand(index[N, 1]), updates, axis=0, reduction=add)`` (or a
+    constant index repeating one value per row), the embedding gradient as ``decompositions``
+    writes it (whole rows of ``updates`` added to rows
     of ``data``) -> ``ScatterAddRows(data, index, updates)``, or ``ScatterAddRowsToZeros(shape,
     index, updates)`` where ``data`` is constant zeros (an embedding's gradient starts from them).
     ORT's ScatterElements takes an index per element through a generic loop: 1.9 ms for a
@@ -803,13 +831,13 @@ def _scatter_add_rows(graph: ir.Graph, info: _Graph) -> list[bool]:
         attributes = node.attributes
         reduction = attributes["reduction"].value if "reduction" in attributes else "none"
         axis = attributes["axis"].value if "axis" in attributes else 0
-        expand = indices.producer() if indices is not None else None
         shape, update_shape = info.dims(data), info.dims(updates)
-        if reduction != "add" or not shape or axis not in (0, -len(shape)) or expand is None \
-                or expand.op_type != "Expand" or expand.domain not in ("", "ai.onnx") \
+        if reduction != "add" or not shape or axis not in (0, -len(shape)) \
                 or data.dtype != ir.DataType.FLOAT or updates.dtype != ir.DataType.FLOAT:
             continue
-        index = expand.inputs[0]
+        index = _index_per_row(graph, indices, node.outputs[0].name)
+        if index is None:
+            continue
         index_shape, expanded = info.dims(index), info.dims(indices)
         if index is None or index.dtype != ir.DataType.INT64 or not index_shape or not update_shape \
                 or len(index_shape) != len(shape) or any(d != 1 for d in index_shape[1:]) \
@@ -824,6 +852,7 @@ def _scatter_add_rows(graph: ir.Graph, info: _Graph) -> list[bool]:
             _remove_if_dead(graph, zeros)  # now read by nothing
         else:
             _replace_node(graph, node, [ir.node("ScatterAddRows", [data, index, updates], domain=DOMAIN)], "elements")
+        _drop_if_unread(graph, indices)  # the Expand, or a constant replaced by its first column
         replaced.append(zeros is not None)
     return replaced
 
@@ -987,6 +1016,67 @@ def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
         _replace_node(graph, node, steps, "unexpanded")
 
 
+def _erf_cdf(x: ir.Value) -> ir.Node | None:
+    """The node computing ``0.5 * (1 + Erf(x * sqrt(0.5)))`` from ``x`` (GELU's backward
+    has it), if the graph has one."""
+    def users(value, op_type, operand):
+        return [u.node for u in value.uses() if _op(u.node, op_type) and _is(_other(u.node, value), operand)]
+
+    for scale in users(x, "Mul", math.sqrt(0.5)):
+        for erf in (u.node for u in scale.outputs[0].uses() if _op(u.node, "Erf")):
+            for add in users(erf.outputs[0], "Add", 1.0):
+                for half in users(add.outputs[0], "Mul", 0.5):
+                    return half
+    return None
+
+
+def _cdf_chain(cdf: ir.Node) -> list[ir.Node]:
+    """``_erf_cdf``'s node and the three before it, last first."""
+    chain = [cdf]
+    for _ in range(3):
+        chain.append(next(v.producer() for v in chain[-1].inputs if v is not None and _scalar(v) is None))
+    return chain
+
+
+def _float_constant(graph: ir.Graph, name: str, number: float) -> ir.Value:
+    value = ir.Value(name=name, shape=ir.Shape([]), type=ir.TensorType(ir.DataType.FLOAT),
+                     const_value=ir.tensor(np.asarray(number, dtype=np.float32)))
+    graph.register_initializer(value)
+    return value
+
+
+def _gelu_beside_its_backward(graph: ir.Graph, info: _Graph) -> int:
+    """A GELU recomputed in backward (``memory_opt_level=1``: the next Linear's weight gradient
+    reads it) becomes ``x * cdf`` over the cdf its backward computes anyway: one kernel then
+    computes both from ``x``, and Erf runs once, where ORT's ``Gelu`` would be a pass of its
+    own with Erf again."""
+    count, constants = 0, None
+    for gelu in [n for n in graph if n.domain == _MS and n.op_type == "Gelu"]:
+        x = gelu.inputs[0]
+        shape = info.dims(x) if x is not None and x.dtype == ir.DataType.FLOAT else None
+        cdf = _erf_cdf(x) if shape else None
+        if cdf is None:
+            continue
+        # Built at the Gelu's place, before the backward's own chain, which then reads it.
+        if constants is None:
+            constants = [_float_constant(graph, f"pointwise_gelu_{name}", number)
+                         for name, number in (("sqrt_half", math.sqrt(0.5)), ("one", 1.0), ("half", 0.5))]
+        sqrt_half, one, half = constants
+        scale = ir.node("Mul", [x, sqrt_half])
+        erf = ir.node("Erf", [scale.outputs[0]])
+        shifted = ir.node("Add", [erf.outputs[0], one])
+        new_cdf = ir.node("Mul", [shifted.outputs[0], half])
+        steps = [scale, erf, shifted, new_cdf, ir.node("Mul", [x, new_cdf.outputs[0]])]
+        for step in steps:
+            step.outputs[0].dtype = ir.DataType.FLOAT
+        old_chain = _cdf_chain(cdf)
+        _replace_node(graph, gelu, steps, "unexpanded")
+        _take_over(cdf.outputs[0], new_cdf.outputs[0], "unshared")
+        _remove_if_dead(graph, old_chain)
+        count += 1
+    return count
+
+
 def _transposed_reads(inputs: list[ir.Value], members: set[ir.Node], info: _Graph, rank: int):
     """Inputs that only the kernel reads, through a Transpose: the kernel reads the
     Transpose's input at transposed strides, and the Transpose is left dead. Returns the
@@ -1028,6 +1118,7 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
     Returns each new kernel's C code (an empty list if nothing was fused)."""
     graph = model.graph
     _expand_softmax(graph, _Graph())
+    _gelu_beside_its_backward(graph, _Graph())
     _fold_rotate_half(graph, _Graph())
     if _elementwise_before_reshapes(graph, _Graph()):
         _consecutive_reshapes(graph, _Graph())

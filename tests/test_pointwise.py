@@ -493,14 +493,16 @@ class _Embeddings(nn.Module):
         return (self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))).tanh()
 
 
-def test_embedding_gradients_add_whole_rows_in_one_kernel(tmp_path):
+@pytest.mark.parametrize("memory_opt_level", [0, 1])
+def test_embedding_gradients_add_whole_rows_in_one_kernel(tmp_path, memory_opt_level):
     """An embedding's gradient (a scatter-add of rows, repeated and padding ids included) is one
     ScatterAddRows kernel, not ORT's per-element ScatterElements, with eager's gradients; it
-    adds into zeros it makes itself (ScatterAddRowsToZeros), no zeros tensor of the graph."""
+    adds into zeros it makes itself (ScatterAddRowsToZeros), no zeros tensor of the graph.
+    At level 1 backward recomputes the positions (``arange``): their index is a constant."""
     torch.manual_seed(0)
     model, ids = _Embeddings(), torch.randint(0, 1000, (8, 128))
     ids[0, :5], ids[1] = 3, 7  # padding, and one id 128 times
-    got = _step(model, ids, {}, tmp_path)
+    got = _step(model, ids, {"memory_opt_level": memory_opt_level}, tmp_path)
     model.zero_grad()
     model(ids).square().sum().backward()
     for g, p in zip(got[1:], model.parameters()):
@@ -801,3 +803,24 @@ def test_chains_that_read_the_same_tensor_share_one_kernel_unless_one_feeds_the_
         want = fn(*args)
         for g, w_ in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
             torch.testing.assert_close(g, w_, rtol=1e-5, atol=1e-6)
+
+
+def test_a_gelu_recomputed_in_backward_shares_its_backwards_kernel_and_erf(tmp_path):
+    """At memory_opt_level=1 backward recomputes a GELU for the next Linear's weight gradient.
+    It is computed in the kernel of the GELU's own gradient, from the same erf (not by ORT's
+    Gelu, a pass of its own): the kernel has one Erf and two full outputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(128, 64)
+    model(x).square().sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    got = _step(model, x, {"memory_opt_level": 1}, tmp_path)
+    backward = glob.glob(str(tmp_path / "*backward*.onnx"))
+    ops = [n for p in backward for n in onnx.load(p).graph.node]
+    assert not [n for n in ops if n.op_type == "Gelu"], "recomputed by ORT's Gelu"
+    gelu_kernels = [n for n in ops if n.domain == _pointwise.DOMAIN and "Erf" in n.doc_string.split("|")]
+    assert len(gelu_kernels) == 1 and gelu_kernels[0].doc_string.split("|").count("Erf") == 1, \
+        [n.doc_string for n in gelu_kernels]
+    assert len(gelu_kernels[0].output) >= 2  # the recomputed GELU and the gradient through it
+    for name, g, w in zip(("w1", "b1", "w2", "b2"), got[1:], want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item(), msg=name)
