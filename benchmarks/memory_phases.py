@@ -45,7 +45,7 @@ from train_step import (_peak_rss_mb, _reset_peak_rss, _rss_mb, build, compiled_
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="bert", choices=["gpt2", "bert", "llama"])
-    parser.add_argument("--backend", default="ort", choices=["eager", "aot_eager", "ort", "ort_recompute"])
+    parser.add_argument("--backend", default="ort", choices=["eager", "aot_eager", "ort", "ort_keep", "ort_recompute"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--optimizer", choices=["adamw", "fastest"], default="adamw",
                         help="as train_step.py's: torch AdamW, or each backend's fastest (ort: FusedAdam)")

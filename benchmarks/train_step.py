@@ -37,6 +37,8 @@ import torch
 
 import ort_dynamo
 
+#: ort at an explicit memory_opt_level, beside "ort" (the defaults).
+ORT_LEVELS = {"ort_keep": 0, "ort_recompute": 1}
 CPU_SIZE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=1024)
 
 
@@ -71,15 +73,15 @@ def build(name: str, device: str):
 
 
 def compiled_copy(model, backend: str, cache_dir: str = "", copy_model: bool = True):
-    """``backend`` is a torch.compile backend name, "eager", or "ort_recompute" (ort with
-    memory_opt_level=1: activations recomputed in backward). ``copy_model=False`` compiles
-    ``model`` itself."""
+    """``backend`` is a torch.compile backend name, "eager", "ort_keep" (ort with
+    memory_opt_level=0: every activation autograd saves is kept) or "ort_recompute" (level 1,
+    ort's default since 2026-11-24). ``copy_model=False`` compiles ``model`` itself."""
     clone = copy.deepcopy(model) if copy_model else model
     if backend == "eager":
         return clone, clone
     options = {}
-    if backend == "ort_recompute":
-        backend, options = "ort", {"memory_opt_level": 1}
+    if backend in ORT_LEVELS:
+        backend, options = "ort", {"memory_opt_level": ORT_LEVELS[backend]}
     if backend == "ort" and cache_dir:
         options["cache_dir"] = cache_dir
     kwargs = {"options": options} if options else {}
@@ -249,7 +251,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="gpt2,bert,llama")
     parser.add_argument("--backends", default="eager,inductor,ort,aot_eager",
-                        help="comma-separated: eager, inductor, aot_eager, ort, ort_recompute")
+                        help="comma-separated: eager, inductor, aot_eager, ort, ort_keep, ort_recompute")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)

@@ -122,8 +122,8 @@ class OrtOptions:
     print_memory_stats: bool = _field(False, "Print memory statistics per step.",
                                       "ORTMODULE_PRINT_MEMORY_STATS")
     memory_opt_level: int = _field(
-        0, "0: keep activations; 1: recompute cheap ops in backward (min-cut rematerialization), "
-        "those a backward GEMM reads included.",
+        1, "1: recompute cheap ops in backward (min-cut rematerialization), those a backward GEMM "
+        "reads included; 0: keep every activation autograd saves (ORTModule's level 0, its default).",
         "ORTMODULE_MEMORY_OPT_LEVEL")
     backward_segments: int = _field(
         8, "Split each backward partition into up to this many ORT runs, so each saved activation "
