@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import warnings
 from typing import Any, Mapping
 
@@ -63,13 +64,76 @@ class OrtBackend:
 def _recomputing_partition(joint_module, joint_inputs, **kwargs):
     """``memory_opt_level=1``: Inductor's min-cut rematerialization, allowed to recompute a
     value that a backward GEMM reads too. Inductor keeps those (the GEMM needs the value in
-    memory, so recomputing costs a pass); for us that pass is one pointwise kernel, and the
-    value need not live from forward to backward (BERT's GELU outputs: 16 MB)."""
+    memory, so recomputing costs a pass); for us that pass is part of a pointwise kernel, and
+    the value need not live from forward to backward (BERT's GELU outputs: 16 MB)."""
     from torch._functorch import config as functorch_config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    with functorch_config.patch(ban_recompute_materialized_backward=False):
+    cse = functorch_config.cse and not any(_mutates(n) for n in joint_module.graph.nodes)
+    if cse:  # ours: torch's imports Inductor's pattern matcher, 0.6 s of a fresh process's first step
+        joint_module.graph.eliminate_dead_code()
+        joint_module.graph = _without_common_subexpressions(joint_module.graph)
+    with functorch_config.patch(ban_recompute_materialized_backward=False, cse=functorch_config.cse and not cse):
         return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
+
+
+def _mutates(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def _without_common_subexpressions(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of a graph without mutations in which a call with the same target and the same
+    arguments as an earlier one is that one. Random ops, ``empty``, values that share storage
+    with an output, and unbacked symbols stay as they are (as in torch's ``fx_graph_cse``)."""
+    from torch._functorch.compile_utils import get_aten_target, rand_ops
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(node):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            return None
+        try:
+            return StorageWeakRef(value.untyped_storage())
+        except NotImplementedError:
+            return None
+
+    output = next(reversed(graph.nodes))
+    returned = {storage(n) for n in output.all_input_nodes} - {None}
+    new_graph, env, seen = torch.fx.Graph(), {}, {}
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        key = None
+        if node.op == "call_function" and get_aten_target(node) not in rand_ops \
+                and get_aten_target(node) is not torch.ops.aten.empty and storage(node) not in returned \
+                and not (isinstance(value, torch.SymInt) and free_unbacked_symbols(value)):
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
+            key = (node.target, _hashable(args), _hashable(kwargs))
+            try:
+                if key in seen:
+                    env[node] = seen[key]
+                    continue
+            except TypeError:  # an unhashable argument
+                key = None
+        env[node] = new_graph.node_copy(node, lambda n: env[n])
+        if key is not None:
+            seen[key] = env[node]
+    return new_graph
+
+
+def _hashable(value):
+    """Containers as tuples, each leaf with its type (1, 1.0 and True are not the same
+    argument); symbolic scalars as their FX node."""
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_hashable(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _hashable(v)) for k, v in value.items()))
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return (type(value), value.node)
+    if isinstance(value, float):  # 0.0 == -0.0, but x + 0.0 and x + -0.0 differ at x = -0.0
+        return (float, value, math.copysign(1.0, value))
+    return (type(value), value)
 
 
 @functools.lru_cache(maxsize=64)

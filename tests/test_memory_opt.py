@@ -66,3 +66,37 @@ def test_recompute_does_not_save_an_activation_the_next_linear_reads():
     for got_keep, got_recompute, (name, want) in zip(grads_keep, grads_recompute, model.named_parameters()):
         torch.testing.assert_close(got_keep, want.grad, rtol=1e-5, atol=1e-6, msg=name)
         torch.testing.assert_close(got_recompute, want.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_recompute_partition_merges_repeated_calls_but_not_random_ones_or_signed_zeros():
+    """Level 1 removes common subexpressions from the joint graph before the min-cut (with its
+    own pass: torch's imports Inductor's pattern matcher, 0.6 s of a fresh process's first step)."""
+    from ort_dynamo.capture import _without_common_subexpressions
+
+    aten = torch.ops.aten
+
+    def joint(x):
+        first, again, negative_zero = aten.add.Tensor(x, 0.0), aten.add.Tensor(x, 0.0), aten.add.Tensor(x, -0.0)
+        return aten.mul.Tensor(first, again), negative_zero, aten.rand_like.default(x), aten.rand_like.default(x)
+
+    graph = _without_common_subexpressions(torch.fx.symbolic_trace(joint).graph)
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert targets.count(aten.add.Tensor) == 2 and targets.count(aten.rand_like.default) == 2, targets
+    x = torch.tensor([-0.0, 1.0])
+    product, signed = torch.fx.GraphModule(torch.nn.Module(), graph)(x)[:2]
+    torch.testing.assert_close(product, x * x)
+    assert torch.signbit(signed[0])  # -0.0 + -0.0 is -0.0; the +0.0 sum would be +0.0
+
+
+def test_a_recomputing_compile_does_not_import_inductors_pattern_matcher():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, torch.nn as nn\n"
+            "m = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))\n"
+            "torch.compile(m, backend='ort', options={'memory_opt_level': 1})(torch.randn(4, 8)).sum().backward()\n"
+            "import ort_dynamo; assert ort_dynamo.report().fallback_nodes == 0\n"
+            "print('torch._inductor.pattern_matcher' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "False"
