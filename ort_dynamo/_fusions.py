@@ -150,13 +150,18 @@ def _take_over(old: ir.Value, new: ir.Value, suffix: str = "unfused",
     old.replace_all_uses_with(new, replace_graph_outputs=True)
 
 
-def _int64_constant(graph: ir.Graph, name: str, values) -> ir.Value:
-    """A new int64 initializer of ``graph`` (shapes, axes)."""
-    array = np.asarray(values, dtype=np.int64)
-    value = ir.Value(name=name, shape=ir.Shape(list(array.shape)), type=ir.TensorType(ir.DataType.INT64),
-                     const_value=ir.tensor(array))
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """A new initializer of ``graph`` holding ``array``, with its dtype and shape."""
+    tensor = ir.tensor(array)
+    value = ir.Value(name=name, shape=ir.Shape(list(array.shape)), type=ir.TensorType(tensor.dtype),
+                     const_value=tensor)
     graph.register_initializer(value)
     return value
+
+
+def _int64_constant(graph: ir.Graph, name: str, values) -> ir.Value:
+    """A new int64 initializer of ``graph`` (shapes, axes)."""
+    return _initializer(graph, name, np.asarray(values, dtype=np.int64))
 
 
 # -- fusions --------------------------------------------------------------------------------------
@@ -272,11 +277,7 @@ def fuse_rms_norm(graph: ir.Graph) -> int:
             continue
         hidden = x.shape[-1]
         if hidden not in ones:
-            scale = ir.Value(name=f"rms_norm_ones_{hidden}", shape=ir.Shape([hidden]),
-                             type=ir.TensorType(ir.DataType.FLOAT),
-                             const_value=ir.tensor(np.ones(hidden, dtype=np.float32)))
-            graph.register_initializer(scale)
-            ones[hidden] = scale
+            ones[hidden] = _initializer(graph, f"rms_norm_ones_{hidden}", np.ones(hidden, dtype=np.float32))
         fused = ir.node("SimplifiedLayerNormalization", [x, ones[hidden]], num_outputs=2,
                         attributes={"axis": -1, "epsilon": eps, "stash_type": 1})
         # Reciprocal comes after x and before every reader of either result.

@@ -23,7 +23,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from ._fusions import _MS, _constant_tensor, _int64_constant, _ints, _is, _op, _other, _perm_keeping_last_axis, _scalar
+from ._fusions import _MS, _constant_tensor, _initializer, _int64_constant, _ints, _is, _op, _other, _perm_keeping_last_axis, _scalar
 from ._fusions import _take_over as _take_over_value
 
 __all__ = ["DOMAIN", "fuse_pointwise", "kernel_name", "table_source"]
@@ -1016,9 +1016,9 @@ def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
         _replace_node(graph, node, steps, "unexpanded")
 
 
-def _erf_cdf(x: ir.Value) -> ir.Node | None:
-    """The node computing ``0.5 * (1 + Erf(x * sqrt(0.5)))`` from ``x`` (GELU's backward
-    has it), if the graph has one."""
+def _erf_cdf(x: ir.Value) -> list[ir.Node] | None:
+    """The nodes computing ``0.5 * (1 + Erf(x * sqrt(0.5)))`` from ``x`` (GELU's backward
+    has them), last first, if the graph has them."""
     def users(value, op_type, operand):
         return [u.node for u in value.uses() if _op(u.node, op_type) and _is(_other(u.node, value), operand)]
 
@@ -1026,23 +1026,8 @@ def _erf_cdf(x: ir.Value) -> ir.Node | None:
         for erf in (u.node for u in scale.outputs[0].uses() if _op(u.node, "Erf")):
             for add in users(erf.outputs[0], "Add", 1.0):
                 for half in users(add.outputs[0], "Mul", 0.5):
-                    return half
+                    return [half, add, erf, scale]
     return None
-
-
-def _cdf_chain(cdf: ir.Node) -> list[ir.Node]:
-    """``_erf_cdf``'s node and the three before it, last first."""
-    chain = [cdf]
-    for _ in range(3):
-        chain.append(next(v.producer() for v in chain[-1].inputs if v is not None and _scalar(v) is None))
-    return chain
-
-
-def _float_constant(graph: ir.Graph, name: str, number: float) -> ir.Value:
-    value = ir.Value(name=name, shape=ir.Shape([]), type=ir.TensorType(ir.DataType.FLOAT),
-                     const_value=ir.tensor(np.asarray(number, dtype=np.float32)))
-    graph.register_initializer(value)
-    return value
 
 
 def _gelu_beside_its_backward(graph: ir.Graph, info: _Graph) -> int:
@@ -1054,12 +1039,12 @@ def _gelu_beside_its_backward(graph: ir.Graph, info: _Graph) -> int:
     for gelu in [n for n in graph if n.domain == _MS and n.op_type == "Gelu"]:
         x = gelu.inputs[0]
         shape = info.dims(x) if x is not None and x.dtype == ir.DataType.FLOAT else None
-        cdf = _erf_cdf(x) if shape else None
-        if cdf is None:
+        old_chain = _erf_cdf(x) if shape else None
+        if old_chain is None:
             continue
         # Built at the Gelu's place, before the backward's own chain, which then reads it.
         if constants is None:
-            constants = [_float_constant(graph, f"pointwise_gelu_{name}", number)
+            constants = [_initializer(graph, f"pointwise_gelu_{name}", np.array(number, dtype=np.float32))
                          for name, number in (("sqrt_half", math.sqrt(0.5)), ("one", 1.0), ("half", 0.5))]
         sqrt_half, one, half = constants
         scale = ir.node("Mul", [x, sqrt_half])
@@ -1069,9 +1054,8 @@ def _gelu_beside_its_backward(graph: ir.Graph, info: _Graph) -> int:
         steps = [scale, erf, shifted, new_cdf, ir.node("Mul", [x, new_cdf.outputs[0]])]
         for step in steps:
             step.outputs[0].dtype = ir.DataType.FLOAT
-        old_chain = _cdf_chain(cdf)
         _replace_node(graph, gelu, steps, "unexpanded")
-        _take_over(cdf.outputs[0], new_cdf.outputs[0], "unshared")
+        _take_over(old_chain[0].outputs[0], new_cdf.outputs[0], "unshared")
         _remove_if_dead(graph, old_chain)
         count += 1
     return count
