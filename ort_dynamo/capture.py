@@ -65,9 +65,12 @@ def _recomputing_partition(joint_module, joint_inputs, **kwargs):
     """``memory_opt_level=1``: Inductor's min-cut rematerialization, allowed to recompute a
     value that a backward GEMM reads too. Inductor keeps those (the GEMM needs the value in
     memory, so recomputing costs a pass); for us that pass is part of a pointwise kernel, and
-    the value need not live from forward to backward (BERT's GELU outputs: 16 MB)."""
+    the value need not live from forward to backward (BERT's GELU outputs: 16 MB).
+
+    If the min-cut fails (it is a solver over torch internals), the graph gets the default
+    partition, level 0's, with a warning and a line in the report: never a lost step."""
     from torch._functorch import config as functorch_config
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
     # Our CSE where the graph mutates nothing: torch's imports Inductor's pattern matcher (for
     # its mutation regions), 0.6 s of a fresh process's first step. Elsewhere torch's runs.
@@ -75,8 +78,15 @@ def _recomputing_partition(joint_module, joint_inputs, **kwargs):
     if ours:
         joint_module.graph.eliminate_dead_code()
         joint_module.graph = _without_common_subexpressions(joint_module.graph)
-    with functorch_config.patch(ban_recompute_materialized_backward=False, cse=functorch_config.cse and not ours):
-        return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
+    try:
+        with functorch_config.patch(ban_recompute_materialized_backward=False, cse=functorch_config.cse and not ours):
+            return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - an optimization: the graph still trains, keeping more
+        reason = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+        current_report().recompute_failures.append(reason)
+        warnings.warn(f"ort_dynamo: memory_opt_level=1 could not choose what to recompute in a graph, so it "
+                      f"keeps every activation (level 0): {reason}. See ort_dynamo.report().", stacklevel=2)
+        return default_partition(joint_module, joint_inputs, **kwargs)
 
 
 def _mutates(node: torch.fx.Node) -> bool:

@@ -197,6 +197,10 @@ def format_report(data: dict, path: str = "") -> str:
     for g in graphs:
         lines.append(f"{g['name']:<14}{g['kind']:<11}{g['ort_nodes']:>8}{g['torch_nodes']:>9}"
                      f"{g['partitions']:>7}{g['sessions']:>10}{g['runs']:>7}")
+    failures = data.get("recompute_failures", [])  # older reports lack it
+    if failures:
+        lines.append("memory_opt_level=1 kept every activation of a graph (min-cut failed):")
+        lines += [f"  {reason}" for reason in failures]
     fallbacks = [f for g in graphs for f in g.get("fallbacks", [])]
     if fallbacks:
         lines.append("fell back to PyTorch:")

@@ -80,6 +80,8 @@ class Report:
         self._lock = threading.Lock()
         self._counter = collections.Counter()
         self._breaks_before = collections.Counter(_dynamo_graph_breaks())
+        #: Why ``memory_opt_level=1`` kept every activation of a graph (its min-cut failed).
+        self.recompute_failures: list[str] = []
 
     @property
     def graph_breaks(self) -> dict[str, int]:
@@ -139,6 +141,7 @@ class Report:
             "exports": self.exports,
             "kernels": self.kernels,
             "graph_breaks": self.graph_breaks,
+            "recompute_failures": self.recompute_failures,
             "graphs": [
                 {f.name: getattr(g, f.name) for f in dataclasses.fields(g) if f.name not in ("fallbacks", "stage_seconds")}
                 | {"stage_seconds": dict(g.stage_seconds), "fallbacks": [dataclasses.asdict(f) for f in g.fallbacks]}
@@ -168,6 +171,9 @@ class Report:
             lines.append(f"Dynamo graph breaks ({sum(breaks.values())}):")
             lines += [f"  {n} x {reason.strip().splitlines()[0]}"
                       for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])]
+        if self.recompute_failures:
+            lines.append("memory_opt_level=1 kept every activation of a graph (min-cut failed):")
+            lines += [f"  {reason}" for reason in self.recompute_failures]
         if self.fallbacks:
             lines.append("fell back to PyTorch:")
             lines += [f"  [{f.graph}] {f}" for f in self.fallbacks]

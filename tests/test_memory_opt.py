@@ -1,7 +1,9 @@
 """memory_opt_level=1 recomputes cheap activations in backward instead of saving them."""
 
 import copy
+import json
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -100,3 +102,32 @@ def test_a_recomputing_compile_does_not_import_inductors_pattern_matcher():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_a_graph_whose_min_cut_fails_keeps_its_activations_and_says_so(monkeypatch, tmp_path):
+    """The min-cut is a solver over torch internals; if it raises, the graph is partitioned as
+    at level 0 (it saves what eager saves), trains with eager's gradients, and the report and a
+    warning say why."""
+    from torch._functorch import partitioners
+
+    from ort_dynamo.cli import format_report
+
+    def failing_min_cut(*args, **kwargs):
+        raise RuntimeError("the solver found no cut")
+
+    monkeypatch.setattr(partitioners, "min_cut_rematerialization_partition", failing_min_cut)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    x = torch.randn(32, 16)
+    model(x).sum().backward()
+    with pytest.warns(UserWarning, match="keeps every activation .*RuntimeError: the solver found no cut"):
+        saved, grads = _saved_shapes(1, model, x)
+    assert saved.count((32, 64)) == 2, saved  # the GELU's input and output, as eager saves them
+    for got, (name, want) in zip(grads, model.named_parameters()):
+        torch.testing.assert_close(got, want.grad, rtol=1e-5, atol=1e-6, msg=name)
+    report = ort_dynamo.report()
+    assert report.recompute_failures == ["RuntimeError: the solver found no cut"]
+    assert "min-cut failed" in str(report)
+    report.save(tmp_path / "report.json")
+    with open(tmp_path / "report.json") as fh:
+        assert "the solver found no cut" in format_report(json.load(fh))
