@@ -1016,46 +1016,89 @@ def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
         _replace_node(graph, node, steps, "unexpanded")
 
 
+def _users(value: ir.Value, op_type: str, operand) -> list[ir.Node]:
+    """The binary ``op_type`` nodes reading ``value`` whose other input is ``operand``: a
+    number (a constant of that value) or a value itself."""
+    def matches(other):
+        return other is operand if isinstance(operand, ir.Value) else _is(other, operand)
+
+    return [u.node for u in value.uses() if _op(u.node, op_type) and matches(_other(u.node, value))]
+
+
 def _erf_cdf(x: ir.Value) -> list[ir.Node] | None:
     """The nodes computing ``0.5 * (1 + Erf(x * sqrt(0.5)))`` from ``x`` (GELU's backward
     has them), last first, if the graph has them."""
-    def users(value, op_type, operand):
-        return [u.node for u in value.uses() if _op(u.node, op_type) and _is(_other(u.node, value), operand)]
-
-    for scale in users(x, "Mul", math.sqrt(0.5)):
+    for scale in _users(x, "Mul", math.sqrt(0.5)):
         for erf in (u.node for u in scale.outputs[0].uses() if _op(u.node, "Erf")):
-            for add in users(erf.outputs[0], "Add", 1.0):
-                for half in users(add.outputs[0], "Mul", 0.5):
+            for add in _users(erf.outputs[0], "Add", 1.0):
+                for half in _users(add.outputs[0], "Mul", 0.5):
                     return [half, add, erf, scale]
+    return None
+
+
+_TANH_GELU_BETA, _TANH_GELU_KAPPA = math.sqrt(2 / math.pi), 0.044715
+
+
+def _tanh_gelu_parts(x: ir.Value) -> list[ir.Node] | None:
+    """The nodes of tanh-GELU's backward (torch's decomposition) that depend on ``x`` alone:
+    ``sq = x*x``, ``Tanh((x + sq*x*kappa) * beta)``, ``half_x = x*0.5``, ``shifted = tanh + 1``;
+    returned as ``[sq, tanh, half_x, shifted, ...the rest of the chain to Tanh]``, or None."""
+    for sq in _users(x, "Mul", x):
+        for cube in _users(sq.outputs[0], "Mul", x):
+            for kappa in _users(cube.outputs[0], "Mul", _TANH_GELU_KAPPA):
+                for total in _users(kappa.outputs[0], "Add", x):
+                    for beta in _users(total.outputs[0], "Mul", _TANH_GELU_BETA):
+                        for tanh in (u.node for u in beta.outputs[0].uses() if _op(u.node, "Tanh")):
+                            for half_x in _users(x, "Mul", 0.5):
+                                for shifted in _users(tanh.outputs[0], "Add", 1.0):
+                                    return [sq, tanh, half_x, shifted, beta, total, kappa, cube]
     return None
 
 
 def _gelu_beside_its_backward(graph: ir.Graph, info: _Graph) -> int:
     """A GELU recomputed in backward (``memory_opt_level=1``: the next Linear's weight gradient
-    reads it) becomes ``x * cdf`` over the cdf its backward computes anyway: one kernel then
-    computes both from ``x``, and Erf runs once, where ORT's ``Gelu`` would be a pass of its
-    own with Erf again."""
-    count, constants = 0, None
-    for gelu in [n for n in graph if n.domain == _MS and n.op_type == "Gelu"]:
+    reads it) becomes arithmetic over what its backward computes anyway: ``x * cdf`` over the
+    erf's cdf (``Gelu``), ``(x/2) * (1 + tanh)`` over the tanh (``FastGelu``, GPT-2's). One
+    kernel then computes both from ``x``, and Erf or Tanh runs once, where ORT's op would be a
+    pass of its own, with Erf or Tanh again."""
+    count, constants = 0, {}
+
+    def constant(number: float) -> ir.Value:
+        if number not in constants:
+            constants[number] = _initializer(graph, f"pointwise_gelu_{len(constants)}", np.array(number, dtype=np.float32))
+        return constants[number]
+
+    for gelu in [n for n in graph if n.domain == _MS and n.op_type in ("Gelu", "FastGelu") and len(n.inputs) == 1]:
         x = gelu.inputs[0]
         shape = info.dims(x) if x is not None and x.dtype == ir.DataType.FLOAT else None
-        old_chain = _erf_cdf(x) if shape else None
+        old_chain = (_erf_cdf(x) if gelu.op_type == "Gelu" else _tanh_gelu_parts(x)) if shape else None
         if old_chain is None:
             continue
-        # Built at the Gelu's place, before the backward's own chain, which then reads it.
-        if constants is None:
-            constants = [_initializer(graph, f"pointwise_gelu_{name}", np.array(number, dtype=np.float32))
-                         for name, number in (("sqrt_half", math.sqrt(0.5)), ("one", 1.0), ("half", 0.5))]
-        sqrt_half, one, half = constants
-        scale = ir.node("Mul", [x, sqrt_half])
-        erf = ir.node("Erf", [scale.outputs[0]])
-        shifted = ir.node("Add", [erf.outputs[0], one])
-        new_cdf = ir.node("Mul", [shifted.outputs[0], half])
-        steps = [scale, erf, shifted, new_cdf, ir.node("Mul", [x, new_cdf.outputs[0]])]
+        # Built at the GELU's place, before the backward's own chain, which then reads it.
+        if gelu.op_type == "Gelu":
+            scale = ir.node("Mul", [x, constant(math.sqrt(0.5))])
+            erf = ir.node("Erf", [scale.outputs[0]])
+            shifted = ir.node("Add", [erf.outputs[0], constant(1.0)])
+            cdf = ir.node("Mul", [shifted.outputs[0], constant(0.5)])
+            steps = [scale, erf, shifted, cdf, ir.node("Mul", [x, cdf.outputs[0]])]
+            shared = [(old_chain[0], cdf)]
+        else:
+            sq = ir.node("Mul", [x, x])
+            cube = ir.node("Mul", [sq.outputs[0], x])
+            kappa = ir.node("Mul", [cube.outputs[0], constant(_TANH_GELU_KAPPA)])
+            total = ir.node("Add", [x, kappa.outputs[0]])
+            beta = ir.node("Mul", [total.outputs[0], constant(_TANH_GELU_BETA)])
+            tanh = ir.node("Tanh", [beta.outputs[0]])
+            shifted = ir.node("Add", [tanh.outputs[0], constant(1.0)])
+            half_x = ir.node("Mul", [x, constant(0.5)])
+            steps = [sq, cube, kappa, total, beta, tanh, shifted, half_x,
+                     ir.node("Mul", [half_x.outputs[0], shifted.outputs[0]])]
+            shared = list(zip(old_chain[:4], (sq, tanh, half_x, shifted)))
         for step in steps:
             step.outputs[0].dtype = ir.DataType.FLOAT
         _replace_node(graph, gelu, steps, "unexpanded")
-        _take_over(old_chain[0].outputs[0], new_cdf.outputs[0], "unshared")
+        for old, new in shared:
+            _take_over(old.outputs[0], new.outputs[0], "unshared")
         _remove_if_dead(graph, old_chain)
         count += 1
     return count

@@ -805,21 +805,24 @@ def test_chains_that_read_the_same_tensor_share_one_kernel_unless_one_feeds_the_
             torch.testing.assert_close(g, w_, rtol=1e-5, atol=1e-6)
 
 
-def test_a_gelu_recomputed_in_backward_shares_its_backwards_kernel_and_erf(tmp_path):
+@pytest.mark.parametrize("approximate, ort_op, function", [("none", "Gelu", "Erf"), ("tanh", "FastGelu", "Tanh")])
+def test_a_gelu_recomputed_in_backward_shares_its_backwards_kernel_and_erf(tmp_path, approximate, ort_op, function):
     """At memory_opt_level=1 backward recomputes a GELU for the next Linear's weight gradient.
-    It is computed in the kernel of the GELU's own gradient, from the same erf (not by ORT's
-    Gelu, a pass of its own): the kernel has one Erf and two full outputs."""
+    It is computed in the kernel of the GELU's own gradient, from the same erf (tanh for the
+    tanh approximation, GPT-2's), not by ORT's Gelu (FastGelu), a pass of its own: the kernel
+    has one Erf (Tanh) and two full outputs."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(approximate=approximate), nn.Linear(256, 64))
     x = torch.randn(128, 64)
     model(x).square().sum().backward()
     want = [p.grad.clone() for p in model.parameters()]
     got = _step(model, x, {"memory_opt_level": 1}, tmp_path)
-    backward = glob.glob(str(tmp_path / "*backward*.onnx"))
-    ops = [n for p in backward for n in onnx.load(p).graph.node]
-    assert not [n for n in ops if n.op_type == "Gelu"], "recomputed by ORT's Gelu"
-    gelu_kernels = [n for n in ops if n.domain == _pointwise.DOMAIN and "Erf" in n.doc_string.split("|")]
-    assert len(gelu_kernels) == 1 and gelu_kernels[0].doc_string.split("|").count("Erf") == 1, \
+    forward = [n for p in glob.glob(str(tmp_path / "*forward*.onnx")) for n in onnx.load(p).graph.node]
+    assert [n.op_type for n in forward].count(ort_op) == 1  # the forward's GELU is ORT's
+    backward = [n for p in glob.glob(str(tmp_path / "*backward*.onnx")) for n in onnx.load(p).graph.node]
+    assert not [n for n in backward if n.op_type == ort_op], f"recomputed by ORT's {ort_op}"
+    gelu_kernels = [n for n in backward if n.domain == _pointwise.DOMAIN and function in n.doc_string.split("|")]
+    assert len(gelu_kernels) == 1 and gelu_kernels[0].doc_string.split("|").count(function) == 1, \
         [n.doc_string for n in gelu_kernels]
     assert len(gelu_kernels[0].output) >= 2  # the recomputed GELU and the gradient through it
     for name, g, w in zip(("w1", "b1", "w2", "b2"), got[1:], want):
