@@ -21,7 +21,7 @@ import weakref
 
 from . import _pointwise
 
-__all__ = ["available", "build", "describe", "library", "wait", "KernelBuildError"]
+__all__ = ["available", "build", "built", "describe", "library", "wait", "KernelBuildError"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -117,14 +117,10 @@ def library(kernels: list[str], cache_dir: str = "") -> str:
     shared by several partitions, graphs or processes costs one compiler run; a library only
     links them."""
     compiler, version, flags, libs = _toolchain()
-    setup = "\n".join([_header_digest(), compiler, version, *flags, *libs])
-    units = [_runtime_source(), *kernels]
-    table = _pointwise.table_source(kernels)
-    folder = _folder(cache_dir)
-    key = hashlib.sha256("\n".join([setup, table]).encode()).hexdigest()
-    path = os.path.join(folder, f"pointwise_{key[:24]}.so")
+    setup, table, folder, path = _library_path(kernels, cache_dir)
     if os.path.exists(path):
         return path
+    units = [_runtime_source(), *kernels]
     objects = [os.path.join(folder, "objects", hashlib.sha256((setup + unit).encode()).hexdigest()[:24] + ".o")
                for unit in units]
     os.makedirs(os.path.dirname(objects[0]), exist_ok=True)
@@ -147,6 +143,22 @@ def library(kernels: list[str], cache_dir: str = "") -> str:
         os.replace(os.path.join(work, "kernels.so"), path)
     log.debug("linked %d pointwise kernel(s) into %s", len(kernels), path)
     return path
+
+
+def _library_path(kernels: list[str], cache_dir: str) -> tuple[str, str, str, str]:
+    """(toolchain digest, table source, folder, path) of the library of ``kernels``."""
+    compiler, version, flags, libs = _toolchain()
+    setup = "\n".join([_header_digest(), compiler, version, *flags, *libs])
+    table = _pointwise.table_source(kernels)
+    folder = _folder(cache_dir)
+    key = hashlib.sha256("\n".join([setup, table]).encode()).hexdigest()
+    return setup, table, folder, os.path.join(folder, f"pointwise_{key[:24]}.so")
+
+
+def built(kernels: list[str], cache_dir: str = "") -> str | None:
+    """The library of ``kernels`` if an earlier build left it on disk, else None (no build)."""
+    path = _library_path(kernels, cache_dir)[3]
+    return path if os.path.exists(path) else None
 
 
 @functools.lru_cache(None)

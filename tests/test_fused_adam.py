@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import ort_dynamo
 from ort_dynamo import _kernels
 from ort_dynamo.optim import AdamWMode, FusedAdam
 
@@ -349,19 +350,22 @@ def test_on_cpu_each_parameter_updates_in_one_generated_kernel_with_the_same_bit
             assert torch.equal(opts["kernel"].state[p][name], opts["ops"].state[q][name])
 
 
-@pytest.mark.parametrize("failure", ["build", "load"])
+@pytest.mark.parametrize("failure", ["build", "load", "load one built earlier"])
 def test_optimizer_kernels_that_cannot_be_built_or_loaded_leave_the_plain_graph_running(monkeypatch, tmp_path,
                                                                                          failure):
     import concurrent.futures
 
     library = concurrent.futures.Future()
+    bad_library = tmp_path / "kernels.so"
+    bad_library.write_bytes(b"not a shared object")
     if failure == "build":
         library.set_exception(_kernels.KernelBuildError("cc: not found"))
     else:  # built, but not a library ORT can load
-        (tmp_path / "kernels.so").write_bytes(b"not a shared object")
-        library.set_result(str(tmp_path / "kernels.so"))
+        library.set_result(str(bad_library))
     monkeypatch.setattr(_kernels, "available", lambda: True)
     monkeypatch.setattr(_kernels, "build", lambda kernels, cache_dir="": library)
+    earlier = str(bad_library) if failure == "load one built earlier" else None
+    monkeypatch.setattr(_kernels, "built", lambda kernels, cache_dir="": earlier)
     p = torch.nn.Parameter(torch.randn(4096))
     q = torch.nn.Parameter(p.detach().clone())
     opt = FusedAdam([p], lr=1e-2, eps=1e-8, weight_decay=0.1, adam_w_mode=AdamWMode.ADAMW_TORCH)
@@ -374,6 +378,43 @@ def test_optimizer_kernels_that_cannot_be_built_or_loaded_leave_the_plain_graph_
             ref.step()
     assert next(iter(opt._sessions.values())).kernels == 0
     torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.skipif(not _kernels.available(), reason="no C compiler to build kernels with")
+def test_kernels_built_by_an_earlier_process_run_from_the_first_step_without_a_plain_session(monkeypatch):
+    """The update's kernel is the same for every model, so after the first process on a
+    machine it is on disk: the first step runs it, and no session of the plain graph (its
+    memory, its slower run) is made."""
+    import onnxruntime
+
+    from ort_dynamo.optim import _session
+
+    warm = [torch.nn.Parameter(torch.randn(64))]
+    warm_opt = FusedAdam(warm, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    warm[0].grad = torch.randn(64)
+    warm_opt.step()
+    ort_dynamo.wait_for_kernels()  # on disk now, as an earlier process would have left it
+
+    sessions = []
+
+    class CountingSession(onnxruntime.InferenceSession):
+        def __init__(self, *args, **kwargs):
+            sessions.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(_session.ort, "InferenceSession", CountingSession)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(300, 20), (20,)]]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = FusedAdam(params, lr=1e-2, eps=1e-8, weight_decay=0.1, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, eps=1e-8, weight_decay=0.1)
+    for p, r in zip(params, ref):
+        p.grad = torch.randn(p.shape)
+        r.grad = p.grad.clone()
+    opt.step()
+    ref_opt.step()
+    assert len(sessions) == 1 and next(iter(opt._sessions.values())).kernels == 1
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
 
 
 def test_a_graph_that_could_overwrite_a_tensor_before_reading_it_is_refused():

@@ -7,6 +7,7 @@ background; until they are built, the plain graph runs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import itertools
 import logging
@@ -97,10 +98,13 @@ class BoundSession:
         #: when the session with the kernels takes over.
         self._specs: dict[tuple, tuple] = {}
         self._options = options = resolve_options(None)
-        #: (model, future library) while the kernels build; None once switched (or none wanted).
+        #: (model, future library, kernel count) while the kernels build; None once switched
+        #: (or none wanted).
         self._pending = None
         #: Distinct pointwise kernels of the graph now running.
         self.kernels = 0
+        self.session = self._binding = None
+        built = None
         if (pointwise_kernels and device.type == "cpu" and options.pointwise_kernels
                 and options.enable_compute_optimizer and not options.deterministic_compute
                 and _kernels.available()):
@@ -111,8 +115,19 @@ class BoundSession:
                             "failed: %s: %s", type(exc).__name__, exc)
                 kernels = []
             if kernels:
-                self._pending = (fused, _kernels.build(kernels, options.cache_dir), len(kernels))
-        self._open(model_bytes, "")
+                built = _kernels.built(kernels, options.cache_dir)
+                if built:
+                    library = concurrent.futures.Future()
+                    library.set_result(built)
+                else:
+                    library = _kernels.build(kernels, options.cache_dir)
+                self._pending = (fused, library, len(kernels))
+        if built:
+            # An earlier process built them (an update's kernel is the same for any model): no
+            # session of the plain graph, which would cost memory and a slower first step.
+            self._switch_to_kernels(fallback=model_bytes)
+        else:
+            self._open(model_bytes, "")
 
     def _open(self, model_bytes: bytes, library: str) -> None:
         options = self._options
@@ -130,18 +145,22 @@ class BoundSession:
             fn = self._binding.bind_output if output else self._binding.bind_input
             fn(name, self._ort_device, elem_type, shape, ptr)
 
-    def _switch_to_kernels(self) -> None:
+    def _switch_to_kernels(self, fallback: bytes = b"") -> None:
         """The session with the kernels replaces the plain one; if they cannot be built or
-        loaded, the plain one stays (said once): an optimization never costs the step."""
+        loaded, the plain one stays, or is opened from ``fallback`` where there was none yet
+        (said once): an optimization never costs the step."""
         fused, future, count = self._pending
         self._pending = None
         plain = (self.session, self._binding)
         try:
             self._open(fused, future.result())
         except Exception as exc:  # noqa: BLE001 - a build error or a library ORT refuses
-            self.session, self._binding = plain
             warnings.warn(f"ort_dynamo: an optimizer graph runs without its pointwise kernels: "
                           f"{type(exc).__name__}: {str(exc)[:300]}", stacklevel=3)
+            if plain[0] is None:
+                self._open(fallback, "")
+            else:
+                self.session, self._binding = plain
             return
         self.kernels = count
 
