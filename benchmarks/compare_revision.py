@@ -29,7 +29,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from train_step import _steady_malloc, build, make_optimizer, train_step  # noqa: E402
+from train_step import _steady_malloc, build, key_values, make_optimizer, train_step  # noqa: E402
 
 import ort_dynamo  # noqa: E402
 
@@ -70,11 +70,6 @@ def compare(name: str, rev_package, args) -> dict:
     return {label: statistics.median(t) * 1e3 for label, t in times.items()}
 
 
-def _parse_options(text: str) -> dict:
-    return {key: int(value) if value.lstrip("-").isdigit() else value
-            for key, value in (item.split("=", 1) for item in text.split(",") if item)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rev", default="HEAD", help="git revision to compare the working tree with")
@@ -87,8 +82,11 @@ def main() -> None:
     parser.add_argument("--rev-options", default=None,
                         help="the revision's options instead of --options' (\"\": its defaults)")
     args = parser.parse_args()
-    args.options = _parse_options(args.options)
-    args.rev_options = args.options if args.rev_options is None else _parse_options(args.rev_options)
+    try:
+        args.options = key_values(args.options)
+        args.rev_options = args.options if args.rev_options is None else key_values(args.rev_options)
+    except ValueError as exc:
+        parser.error(f"--options/--rev-options: {exc}")
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (the first step compiles)")
     _steady_malloc()

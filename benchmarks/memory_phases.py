@@ -38,7 +38,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from train_step import (_peak_rss_mb, _reset_peak_rss, _rss_mb, build, compiled_copy, make_optimizer,  # noqa: E402
+from train_step import (_peak_rss_mb, _reset_peak_rss, _rss_mb, build, compiled_copy, key_values, make_optimizer,  # noqa: E402
                         warm_backend)
 
 
@@ -72,11 +72,17 @@ def main() -> None:
     if args.arena:
         from ort_dynamo import run as run_stage
 
-        settings = dict(item.split("=") for item in args.arena.split(","))
+        try:
+            settings = key_values(args.arena)
+        except ValueError as exc:
+            parser.error(f"--arena: {exc}")
         unknown = set(settings) - set(run_stage._SHARED_ARENA_CONFIG)
         if unknown:
             parser.error(f"--arena: unknown keys {sorted(unknown)}; known: {sorted(run_stage._SHARED_ARENA_CONFIG)}")
-        run_stage._SHARED_ARENA_CONFIG.update({key: int(value) for key, value in settings.items()})
+        not_ints = sorted(key for key, value in settings.items() if not isinstance(value, int))
+        if not_ints:
+            parser.error(f"--arena: {not_ints} must be integers")
+        run_stage._SHARED_ARENA_CONFIG.update(settings)
 
     warm_backend(args.backend, "cpu")
     model, batch = build(args.model, "cpu")

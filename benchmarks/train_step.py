@@ -42,6 +42,18 @@ ORT_LEVELS = {"ort_keep": 0, "ort_recompute": 1}
 CPU_SIZE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=1024)
 
 
+def key_values(text: str) -> dict:
+    """``"a=1,b=x"`` -> ``{"a": 1, "b": "x"}`` (integers as int); a ValueError names an item
+    without ``=``."""
+    result = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{item!r} is not KEY=VALUE")
+        result[key] = int(value) if value.lstrip("-").isdigit() else value
+    return result
+
+
 def build(name: str, device: str):
     import transformers as tf
 

@@ -1,0 +1,37 @@
+"""The benchmark scripts' KEY=VALUE arguments: parsed alike, a malformed item named."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+
+from train_step import key_values  # noqa: E402
+
+
+def test_key_values_turn_integers_into_ints_and_keep_the_rest_as_text():
+    assert key_values("memory_opt_level=1, max_mem=-1,providers=CPUExecutionProvider,") == {
+        "memory_opt_level": 1, "max_mem": -1, "providers": "CPUExecutionProvider"}
+    assert key_values("") == {}
+
+
+@pytest.mark.parametrize("text", ["memory_opt_level", "=1"])
+def test_an_item_without_a_key_and_a_value_is_named(text):
+    with pytest.raises(ValueError, match=f"'{text}' is not KEY=VALUE"):
+        key_values(text)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--arena", "max_mem"], "--arena: 'max_mem' is not KEY=VALUE"),
+    (["--arena", "max_mem=lots"], r"--arena: \['max_mem'\] must be integers"),
+    (["--arena", "max_memory=1"], r"--arena: unknown keys \['max_memory'\]"),
+])
+def test_memory_phases_refuses_bad_arena_settings_before_training(arguments, message):
+    import re
+
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "memory_phases.py"), *arguments],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and re.search(message, result.stderr), result.stderr[-1000:]
