@@ -158,3 +158,30 @@ def test_provider_list_without_the_tensors_provider_is_a_clear_error():
                           options={"providers": ["CUDAExecutionProvider"], "fallback_policy": "DISABLE"})
     with pytest.raises(ort_dynamo.OrtRuntimeError, match="need CPUExecutionProvider"):
         model(torch.randn(1, 2))
+
+
+def test_only_a_graph_with_a_fallback_needs_the_partitioners_search(monkeypatch):
+    """A graph that runs on ORT whole is one partition, taken without the partitioner's cycle
+    search (a twentieth of a second of BERT's first step); one with an op left in PyTorch is
+    split by that search around it."""
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+
+    searched = []
+    search = CapabilityBasedPartitioner.propose_partitions
+
+    def counted(self):
+        searched.append(self)
+        return search(self)
+
+    monkeypatch.setattr(CapabilityBasedPartitioner, "propose_partitions", counted)
+    x = torch.randn(4, 8)
+    ort_dynamo.reset()
+    torch.compile(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)), backend="ort")(x).sum().backward()
+    assert not searched
+    assert [g.partitions for g in ort_dynamo.report().graphs] == [1, 1]
+    ort_dynamo.reset()
+    with pytest.warns(UserWarning, match="soft_clip"):
+        torch.compile(WithCustomOp(), backend="ort")(x).sum().backward()
+    assert searched
+    forward = next(g for g in ort_dynamo.report().graphs if g.kind == "forward")
+    assert forward.partitions == 2 and forward.torch_nodes == 1
