@@ -839,10 +839,11 @@ def _scatter_add_rows(graph: ir.Graph, info: _Graph) -> list[bool]:
         if index is None:
             continue
         index_shape, expanded = info.dims(index), info.dims(indices)
-        if index is None or index.dtype != ir.DataType.INT64 or not index_shape or not update_shape \
+        if index.dtype != ir.DataType.INT64 or not index_shape or not update_shape \
                 or len(index_shape) != len(shape) or any(d != 1 for d in index_shape[1:]) \
                 or expanded != update_shape or len(update_shape) != len(shape) or update_shape[1:] != shape[1:] \
                 or index_shape[0] != update_shape[0]:
+            _drop_if_unread(graph, index)  # a column made from a constant index, unused after all
             continue  # not one index per whole row
         zeros = _constant_zeros(data)
         if zeros is not None and all(isinstance(d, int) for d in shape):

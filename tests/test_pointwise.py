@@ -827,3 +827,20 @@ def test_a_gelu_recomputed_in_backward_shares_its_backwards_kernel_and_erf(tmp_p
     assert len(gelu_kernels[0].output) >= 2  # the recomputed GELU and the gradient through it
     for name, g, w in zip(("w1", "b1", "w2", "b2"), got[1:], want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item(), msg=name)
+
+
+def test_a_constant_row_index_that_does_not_cover_whole_rows_leaves_no_initializer_behind():
+    """A constant index that repeats one id per row, but whose rows are narrower than the
+    data's: not an embedding gradient, so ORT's ScatterElements stays, and the per-row column
+    the pass made to check it does not stay in the model."""
+    data = ir.Value(name="data", shape=ir.Shape([6, 4]), type=ir.TensorType(ir.DataType.FLOAT))
+    updates = ir.Value(name="updates", shape=ir.Shape([5, 3]), type=ir.TensorType(ir.DataType.FLOAT))
+    ids = np.repeat(np.array([[0], [2], [2], [5], [1]], dtype=np.int64), 3, axis=1)
+    indices = ir.Value(name="indices", shape=ir.Shape([5, 3]), type=ir.TensorType(ir.DataType.INT64),
+                       const_value=ir.tensor(ids))
+    scatter = ir.node("ScatterElements", [data, indices, updates], attributes={"axis": 0, "reduction": "add"})
+    graph = ir.Graph([data, updates], scatter.outputs, nodes=[scatter], initializers=[indices],
+                     opset_imports={"": 18})
+    assert _pointwise._scatter_add_rows(graph, _pointwise._Graph()) == []
+    assert [n.op_type for n in graph] == ["ScatterElements"]
+    assert list(graph.initializers) == ["indices"]
