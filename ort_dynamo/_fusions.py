@@ -185,6 +185,10 @@ def fuse_erf_gelu(graph: ir.Graph) -> int:
     return count
 
 
+#: tanh-GELU's constants: ``0.5 * x * (1 + tanh(BETA * (x + KAPPA * x**3)))``.
+_TANH_GELU_BETA, _TANH_GELU_KAPPA = math.sqrt(2 / math.pi), 0.044715
+
+
 def fuse_tanh_gelu(graph: ir.Graph) -> int:
     """``0.5 * x * (1 + Tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))`` -> com.microsoft
     ``FastGelu(x)``. Matches in inference graphs; a training forward saves Tanh for backward."""
@@ -193,9 +197,8 @@ def fuse_tanh_gelu(graph: ir.Graph) -> int:
         outer = tanh.inputs[0].producer()
         if not _op(outer, "Mul") or _sole_user(tanh.inputs[0]) is not tanh:
             continue
-        k = math.sqrt(2 / math.pi)
-        inner = next((v for v in outer.inputs if v is not None and not _is(v, k)), None)
-        if inner is None or not any(_is(v, k) for v in outer.inputs) or _sole_user(inner) is not outer:
+        inner = next((v for v in outer.inputs if v is not None and not _is(v, _TANH_GELU_BETA)), None)
+        if inner is None or not any(_is(v, _TANH_GELU_BETA) for v in outer.inputs) or _sole_user(inner) is not outer:
             continue
         add = inner.producer()
         if not _op(add, "Add"):
@@ -206,8 +209,8 @@ def fuse_tanh_gelu(graph: ir.Graph) -> int:
             mul = cubic.producer() if cubic is not None else None
             if not _op(mul, "Mul") or _sole_user(cubic) is not add:
                 continue
-            power = next((v for v in mul.inputs if not _is(v, 0.044715)), None)
-            if power is None or not any(_is(v, 0.044715) for v in mul.inputs):
+            power = next((v for v in mul.inputs if not _is(v, _TANH_GELU_KAPPA)), None)
+            if power is None or not any(_is(v, _TANH_GELU_KAPPA) for v in mul.inputs):
                 continue
             pow_node = power.producer()
             if _op(pow_node, "Pow") and pow_node.inputs[0] is candidate and _is(pow_node.inputs[1], 3.0) \

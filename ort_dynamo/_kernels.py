@@ -116,10 +116,10 @@ def library(kernels: list[str], cache_dir: str = "") -> str:
     Each kernel is compiled once into an object file kept on disk by its hash, so a kernel
     shared by several partitions, graphs or processes costs one compiler run; a library only
     links them."""
-    compiler, version, flags, libs = _toolchain()
     setup, table, folder, path = _library_path(kernels, cache_dir)
     if os.path.exists(path):
         return path
+    compiler, version, flags, libs = _toolchain()
     units = [_runtime_source(), *kernels]
     objects = [os.path.join(folder, "objects", hashlib.sha256((setup + unit).encode()).hexdigest()[:24] + ".o")
                for unit in units]

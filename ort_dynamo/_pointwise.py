@@ -23,7 +23,8 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from ._fusions import _MS, _constant_tensor, _initializer, _int64_constant, _ints, _is, _op, _other, _perm_keeping_last_axis, _scalar
+from ._fusions import (_MS, _TANH_GELU_BETA, _TANH_GELU_KAPPA, _constant_tensor, _initializer, _int64_constant,
+                       _ints, _is, _op, _other, _perm_keeping_last_axis, _scalar)
 from ._fusions import _take_over as _take_over_value
 
 __all__ = ["DOMAIN", "fuse_pointwise", "kernel_name", "table_source"]
@@ -1035,9 +1036,6 @@ def _erf_cdf(x: ir.Value) -> list[ir.Node] | None:
                 for half in _users(add.outputs[0], "Mul", 0.5):
                     return [half, add, erf, scale]
     return None
-
-
-_TANH_GELU_BETA, _TANH_GELU_KAPPA = math.sqrt(2 / math.pi), 0.044715
 
 
 def _tanh_gelu_parts(x: ir.Value) -> list[ir.Node] | None:
