@@ -19,7 +19,7 @@ import operator
 
 import torch
 import torch.fx
-from torch._decomp import core_aten_decompositions, decomposition_table as _torch_decompositions
+from torch._decomp import decomposition_table as _torch_decompositions
 
 from .decompositions import own_decompositions
 
@@ -344,16 +344,18 @@ _NEVER_DECOMPOSE = {aten.lift, aten.lift_fresh, aten.sym_numel, aten.is_same_siz
 
 @functools.lru_cache(None)
 def decomposition_table(opset: int = 18, cache_dir: str = "") -> dict:
-    """Decompositions for AOTAutograd: only ops that torchlib cannot lower (correctly)."""
+    """Decompositions for AOTAutograd: only ops that torchlib cannot lower (correctly).
+
+    torch's registered decompositions, functional ops only (in-place/out variants are gone
+    after functionalization) and never the tensor-lifting ones, which break fake tracing.
+    Not ``core_aten_decompositions()``: what it adds are entries for CompositeImplicitAutograd
+    ops, which decompose before AOTAutograd's tracer sees them anyway, and collecting them
+    takes 0.08 s of every process's first step."""
     lowered = _onnx_lowered_ops(opset, cache_dir) - TORCHLIB_WRONG
-    table = {op: fn for op, fn in core_aten_decompositions().items() if op not in lowered}
-    # Beyond the core set: functional ops only (in-place/out variants are gone after
-    # functionalization) and never the tensor-lifting ones, which break fake tracing.
-    for op, fn in _torch_decompositions.items():
-        if (isinstance(op, torch._ops.OpOverload) and op not in lowered
-                and op.overloadpacket not in _NEVER_DECOMPOSE
-                and not op._schema.name.endswith("_") and "out" not in op._overloadname):
-            table.setdefault(op, fn)
+    table = {op: fn for op, fn in _torch_decompositions.items()
+             if isinstance(op, torch._ops.OpOverload) and op not in lowered
+             and op.overloadpacket not in _NEVER_DECOMPOSE
+             and not op._schema.name.endswith("_") and "out" not in op._overloadname}
     missing = [op for op in TORCHLIB_WRONG if op not in table]
     if missing:
         raise RuntimeError(f"no decomposition for {missing}: their torchlib lowering is wrong")

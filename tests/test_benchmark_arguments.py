@@ -35,3 +35,10 @@ def test_memory_phases_refuses_bad_arena_settings_before_training(arguments, mes
     result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "memory_phases.py"), *arguments],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and re.search(message, result.stderr), result.stderr[-1000:]
+
+
+def test_train_step_needs_at_least_one_round_of_first_steps():
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "train_step.py"), "--cache",
+                             "--first-step-rounds", "0"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--first-step-rounds must be at least 1, got 0" in result.stderr, \
+        result.stderr[-1000:]

@@ -363,3 +363,29 @@ def test_max_and_min_of_values_holding_nan_are_nan_as_in_eager():
 
     for got, want in zip(run_on_ort(fn, x)[0], fn(x)):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_composite_ops_decompose_without_torch_exports_table(monkeypatch):
+    """CompositeImplicitAutograd ops (cosine_similarity, square, hstack, one_hot here) break into
+    ops torchlib lowers as AOTAutograd traces, so the decomposition table need not list them:
+    building it never collects torch.export's table of them (0.08 s of a first step)."""
+    from torch.export import decomp_utils
+
+    from ort_dynamo import lower
+
+    def collecting(*args, **kwargs):
+        raise AssertionError("the decomposition table collected torch.export's composite ops")
+
+    monkeypatch.setattr(decomp_utils.CustomDecompTable, "__init__", collecting)
+    lower.decomposition_table.cache_clear()
+
+    def composite(a, b, labels):
+        similar = F.cosine_similarity(a, b, dim=-1)
+        stacked = torch.hstack([a.square(), b])
+        return similar, stacked * F.one_hot(labels, 4).sum(-1, keepdim=True)
+
+    try:
+        check(composite, torch.randn(5, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True),
+              torch.tensor([0, 3, 1, 2, 3]))
+    finally:
+        lower.decomposition_table.cache_clear()  # the next test builds it without the patch
