@@ -199,7 +199,7 @@ def test_written_out_tanh_gelu_trains_as_one_fast_gelu(tmp_path, spelling):
     _, ops = _train_fused_and_plain(model, x, tmp_path)
     assert ops["forward"]["FastGelu"] == 1 and ops["forward"]["Tanh"] == 0, ops["forward"]
     # The chain the GELU replaced is not mistaken for other readers of the Linear's output:
-    # its bias still moves out of the Gemm (into ORT's BiasGelu).
+    # its bias still moves out of the Gemm.
     assert ops["forward"]["Gemm"] == 0 and ops["forward"]["MatMul"] == 1, ops["forward"]
     plain = onnx.load(glob.glob(str(tmp_path / "plain" / "*forward*.onnx"))[0])
     assert [n.op_type for n in plain.graph.node].count("Tanh") == 1
