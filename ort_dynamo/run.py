@@ -23,7 +23,7 @@ from .options import FallbackPolicy, OrtOptions
 from .partition import is_compute
 from .report import GraphReport
 
-__all__ = ["OrtRunner", "session_options", "providers_for", "OrtRuntimeError"]
+__all__ = ["OrtRunner", "session_options", "providers_for", "compute_stream", "OrtRuntimeError"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -105,12 +105,18 @@ def providers_for(device: torch.device, options: OrtOptions) -> list:
                 f"(providers: {available}). Install onnxruntime-gpu instead of onnxruntime "
                 "(see docs/gpu.md).")
         cuda = {"device_id": str(device.index or 0)}
-        stream = torch.cuda.current_stream(device)
-        cuda.update(has_user_compute_stream="1", user_compute_stream=str(stream.cuda_stream))
+        cuda.update(has_user_compute_stream="1", user_compute_stream=str(compute_stream(device)))
         return [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
     if device.type != "cpu":
         raise OrtRuntimeError(f"tensors on {device} are not supported by ort_dynamo (CPU and CUDA only)")
     return ["CPUExecutionProvider"]
+
+
+def compute_stream(device: torch.device) -> int:
+    """PyTorch's current stream on ``device`` (0 on CPU). A CUDA session runs on the stream it
+    was made with, so sessions are kept per stream: run on another, a session would read its
+    inputs before PyTorch's work on that stream had written them."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
 def _ort_device(device: torch.device):
@@ -132,7 +138,7 @@ class OrtRunner:
         self.name = name
         #: Compute nodes the report counts on ORT for this partition (moved to PyTorch on failure).
         self.nodes = nodes if nodes is not None else sum(1 for n in torch_fn.graph.nodes if is_compute(n))
-        self._sessions: dict[torch.device, tuple] = {}
+        self._sessions: dict[tuple[torch.device, int], tuple] = {}  # by device and stream
         self._failed: str | None = None
         #: The compiled library of ``exported.kernels``, if any: a future, built in the
         #: background. Until it is ready the model without the kernels runs (if there is
@@ -145,7 +151,8 @@ class OrtRunner:
     # -- sessions ---------------------------------------------------------------------------------
 
     def _session(self, device: torch.device):
-        entry = self._sessions.get(device)
+        key = (device, compute_stream(device))
+        entry = self._sessions.get(key)
         if entry is not None and entry[-1] and self.kernel_library.done():
             entry = None  # the kernels are ready: the interim session makes way
         if entry is None:
@@ -172,7 +179,7 @@ class OrtRunner:
                 raise OrtRuntimeError(f"CUDA EP was not enabled for {self.name}: {sess.get_providers()}")
             ort_device = _ort_device(device)
             entry = (sess, ort_device, [ort_device] * len(self.exported.output_names), C.RunOptions(), interim)
-            self._sessions[device] = entry
+            self._sessions[key] = entry
             self.report.sessions += 1
             self.report.providers.append(sess.get_providers()[0])
         return entry

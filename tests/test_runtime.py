@@ -11,6 +11,7 @@ import torch.nn as nn
 from onnxruntime.capi import _pybind_state as C
 
 import ort_dynamo
+from parity import partition_runner
 
 
 def test_cpu_path_never_goes_through_numpy(monkeypatch):
@@ -346,3 +347,35 @@ def test_saved_permuted_views_keep_eagers_strides_and_reach_backward_without_a_c
     permuted = [shape for shape, contiguous in layouts if len(shape) >= 3]
     assert permuted, layouts  # permuted views did arrive
     assert all(contiguous for _, contiguous in layouts), layouts
+
+
+def test_a_cuda_partition_gets_a_session_for_each_stream_it_runs_on(monkeypatch):
+    """A CUDA session runs on the stream it was made with (``user_compute_stream``). Called on
+    another stream, the partition gets a session made with that one: run on the first, ORT would
+    read inputs before PyTorch's work on the new stream had written them. (Without a GPU: the
+    session and the stream are stand-ins; what is checked is which stream each session gets.)"""
+    from ort_dynamo import run as run_stage
+
+    class FakeSession:
+        def __init__(self, model, options, providers):
+            self.stream = dict(providers[0][1])["user_compute_stream"]
+
+        def get_providers(self):
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    current = {"stream": 1111}
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: type("Stream", (), {"cuda_stream": current["stream"]})())
+    monkeypatch.setattr(run_stage.ort, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(run_stage.ort, "InferenceSession", FakeSession)
+    _, runner = partition_runner(lambda x: x.sin() * 2, torch.randn(4))
+    gpu = torch.device("cuda", 0)
+
+    first = runner._session(gpu)[0]
+    assert first.stream == "1111" and runner._session(gpu)[0] is first
+    current["stream"] = 2222  # e.g. inside `with torch.cuda.stream(side_stream):`
+    second = runner._session(gpu)[0]
+    assert second.stream == "2222"
+    current["stream"] = 1111
+    assert runner._session(gpu)[0] is first

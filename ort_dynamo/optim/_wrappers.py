@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ._graphs import apex_unscale_model, grad_stats_model
+from ..run import compute_stream
 from ._session import BoundSession, input_names, onnx_type
 
 __all__ = ["ApexUnscale", "GradStats", "fingerprint", "patch_external_optimizer", "KNOWN_SOURCES"]
@@ -104,7 +105,7 @@ class GradStats:
         return sumsq, found
 
     def _run(self, device: torch.device, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        stream = compute_stream(device)
         key = (device, stream, tuple((g.numel(), g.dtype) for g in grads))
         session = self._sessions.get(key)
         if session is None:
@@ -213,7 +214,7 @@ class ApexUnscale:
         if not (new or old):
             return None
         device = (new or old)[0][0].device
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        stream = compute_stream(device)
         key = (device, stream, tuple(g.numel() for g, _ in new), tuple(g.numel() for g, _ in old))
         session = self._sessions.get(key)
         if session is None:

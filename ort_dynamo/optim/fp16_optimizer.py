@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from ._graphs import unscale_clip_model
+from ..run import compute_stream
 from ._session import BoundSession, input_names, onnx_type
 from ._wrappers import patch_external_optimizer
 
@@ -244,7 +245,7 @@ class FP16_Optimizer:  # noqa: N801 (the name users know from onnxruntime-traini
         return bool(found_inf)
 
     def _session(self, device: torch.device, grads: list, outs: list) -> BoundSession:
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        stream = compute_stream(device)
         key = (device, stream, self.max_grad_norm is not None,
                tuple((g.numel(), g.dtype, o.dtype) for g, o in zip(grads, outs)))
         session = self._sessions.get(key)

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ._graphs import HYPER_NAMES, AdamWMode, adam_step_model
+from ..run import compute_stream
 from ._session import BoundSession, input_names, onnx_type
 
 __all__ = ["FusedAdam", "AdamWMode"]
@@ -249,7 +250,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _session(self, sub: _Subgroup, slots: list[int], param_slots: list[int], numels: list[int],
                  bias_correction: bool) -> BoundSession:
-        stream = torch.cuda.current_stream(sub.device).cuda_stream if sub.device.type == "cuda" else 0
+        stream = compute_stream(sub.device)
         key = (sub.device, sub.dtype, len(sub.params), tuple(slots), tuple(numels),
                self.adam_w_mode, bias_correction, stream)
         session = self._sessions.get(key)
