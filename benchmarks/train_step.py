@@ -157,9 +157,13 @@ def bench_model(name, args) -> dict:
 
 
 def peak_memory_mb(name, backend, args, warm: bool = False) -> float:
-    """Peak memory of a few training steps in a fresh child process (CUDA: allocator peak;
-    CPU: peak RSS of steps 2-4 minus the RSS before the first step, so imports and weights
-    cancel out but memory held since the first step, such as allocator arenas, counts).
+    """Peak memory of a few training steps in a fresh child process. CPU: peak RSS of steps 2-4
+    minus the RSS before the first step, so imports and weights cancel out but memory held
+    since the first step, such as allocator arenas, counts. CUDA: the device's memory in use
+    after steps 2-4 minus before the first step; PyTorch's caching allocator and ORT's arena
+    both keep what they reserved, so that is their peak (PyTorch's cache is emptied after the
+    first step, so blocks only compiling used do not count). ``torch.cuda.max_memory_allocated``
+    would not see ORT's arena, where ORT's tensors live.
     ``warm``: the backend first trains a tiny other model, so its one-time costs (lazy
     imports, ONNX registry, ORT's environment) are not counted, only this model's."""
     out = subprocess.run([sys.executable, __file__, "--child-memory", name, backend, "--device", args.device,
@@ -188,11 +192,12 @@ def _child_memory(name, backend, args) -> None:
     del model
     opt = make_optimizer(backend, clone, args)
     if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        ort_dynamo.wait_for_kernels()
+        base = _device_used_mb()
+        train_step(fn, opt, batch, "cuda", True)
+        torch.cuda.empty_cache()
         for _ in range(3):
             train_step(fn, opt, batch, "cuda", True)
-        print(torch.cuda.max_memory_allocated() / 2**20)
+        print(_device_used_mb() - base)
         return
     # Base before the first step, so memory an allocator keeps from then on (ORT's arenas,
     # AdamW state) counts; the peak is reset after it, so compile-time transients do not.
@@ -203,6 +208,12 @@ def _child_memory(name, backend, args) -> None:
     for _ in range(3):
         train_step(fn, opt, batch, "cpu", False)
     print(_peak_rss_mb() - base)
+
+
+def _device_used_mb() -> float:
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**20
 
 
 def _rss_mb() -> float:

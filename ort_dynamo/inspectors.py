@@ -80,12 +80,16 @@ class InputDensityInspector:
 
 
 def memory_stats(device: torch.device | None = None) -> dict[str, float]:
-    """Memory in MiB: CUDA allocator figures for a CUDA ``device``, else the process's RSS."""
+    """Memory in MiB: for a CUDA ``device`` PyTorch's allocator figures and the device's memory
+    in use, else the process's RSS. ORT allocates its CUDA tensors from its own arena, which
+    PyTorch's figures do not see; ``device_used_mib`` does (with everything else on the device)."""
     if device is not None and device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
         return {
             "allocated_mib": torch.cuda.memory_allocated(device) / _MIB,
             "reserved_mib": torch.cuda.memory_reserved(device) / _MIB,
             "peak_allocated_mib": torch.cuda.max_memory_allocated(device) / _MIB,
+            "device_used_mib": (total - free) / _MIB,
         }
     stats = {"peak_rss_mib": _peak_rss_bytes() / _MIB}
     rss = _rss_bytes()

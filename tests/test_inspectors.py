@@ -72,6 +72,18 @@ def test_memory_stats_follow_a_known_allocation():
     del held
 
 
+def test_cuda_memory_stats_include_the_devices_memory_in_use_where_orts_arena_lives(monkeypatch):
+    """ORT's CUDA tensors come from its own arena, which PyTorch's allocator figures leave out:
+    the stats also give the device's memory in use. (Without a GPU: torch.cuda stand-ins.)"""
+    mib = 1024 * 1024
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 100 * mib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 128 * mib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 120 * mib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000 * mib, 1900 * mib))
+    assert memory_stats(torch.device("cuda", 0)) == {
+        "allocated_mib": 100.0, "reserved_mib": 128.0, "peak_allocated_mib": 120.0, "device_used_mib": 900.0}
+
+
 def test_env_variable_turns_inspector_on(monkeypatch):
     model = PaddedLM()
     assert attach(model, None) is None  # both options off: nothing installed
