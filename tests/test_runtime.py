@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 import torch.nn as nn
 from onnxruntime.capi import _pybind_state as C
@@ -372,10 +373,22 @@ def test_a_cuda_partition_gets_a_session_for_each_stream_it_runs_on(monkeypatch)
     _, runner = partition_runner(lambda x: x.sin() * 2, torch.randn(4))
     gpu = torch.device("cuda", 0)
 
-    first = runner._session(gpu)[0]
+    first, _, _, options, _ = runner._session(gpu)
     assert first.stream == "1111" and runner._session(gpu)[0] is first
+    assert options.get_run_config_entry("disable_synchronize_execution_providers") == "1"
     current["stream"] = 2222  # e.g. inside `with torch.cuda.stream(side_stream):`
     second = runner._session(gpu)[0]
     assert second.stream == "2222"
     current["stream"] = 1111
     assert runner._session(gpu)[0] is first
+
+
+def test_cuda_runs_do_not_wait_for_the_device_and_cpu_runs_are_left_as_they_are():
+    """ORT synchronizes the device after each run unless a run option says not to; ORT and
+    PyTorch share one stream, so on CUDA that wait would only stall the host per partition."""
+    from ort_dynamo.run import run_options
+
+    key = "disable_synchronize_execution_providers"
+    assert run_options(torch.device("cuda", 0)).get_run_config_entry(key) == "1"
+    with pytest.raises(RuntimeError, match="does not have configuration"):
+        run_options(torch.device("cpu")).get_run_config_entry(key)

@@ -24,7 +24,7 @@ from onnxruntime.capi import _pybind_state as C
 from .. import _kernels, _pointwise
 from ..errors import OrtRuntimeError
 from ..options import resolve_options
-from ..run import providers_for, session_options
+from ..run import providers_for, run_options, session_options
 
 __all__ = ["BoundSession", "input_names", "onnx_type"]
 
@@ -92,7 +92,7 @@ class BoundSession:
     def __init__(self, model_bytes: bytes, device: torch.device, pointwise_kernels: bool = False) -> None:
         self.device = device
         self._ort_device = _ort_device(device)
-        self._run_options = C.RunOptions()
+        self._run_options = run_options(device)
         self._bound: dict[tuple, list[int]] = {}
         #: (name, output) -> (element type, shape, pointer) of everything bound, to bind again
         #: when the session with the kernels takes over.
