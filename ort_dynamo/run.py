@@ -23,7 +23,7 @@ from .options import FallbackPolicy, OrtOptions
 from .partition import is_compute
 from .report import GraphReport
 
-__all__ = ["OrtRunner", "session_options", "providers_for", "compute_stream", "run_options",
+__all__ = ["OrtRunner", "session_options", "providers_for", "compute_stream", "run_options", "ort_device",
            "OrtRuntimeError"]
 
 log = logging.getLogger("ort_dynamo")
@@ -130,7 +130,8 @@ def run_options(device: torch.device) -> "C.RunOptions":
     return options
 
 
-def _ort_device(device: torch.device):
+def ort_device(device: torch.device) -> "C.OrtDevice":
+    """ORT's name for ``device`` (where a bound tensor's memory is)."""
     if device.type == "cuda":
         return C.OrtDevice(C.OrtDevice.cuda(), C.OrtDevice.default_memory(), device.index or 0)
     return C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
@@ -188,8 +189,8 @@ class OrtRunner:
                 self.exported.unfused = b""
             if device.type == "cuda" and "CUDAExecutionProvider" not in sess.get_providers():
                 raise OrtRuntimeError(f"CUDA EP was not enabled for {self.name}: {sess.get_providers()}")
-            ort_device = _ort_device(device)
-            entry = (sess, ort_device, [ort_device] * len(self.exported.output_names), run_options(device), interim)
+            where = ort_device(device)
+            entry = (sess, where, [where] * len(self.exported.output_names), run_options(device), interim)
             self._sessions[key] = entry
             self.report.sessions += 1
             self.report.providers.append(sess.get_providers()[0])
@@ -249,19 +250,19 @@ class OrtRunner:
         # would promote it); wrapping its host pointer as device memory would be garbage.
         tensors = [(t if t.device == device else t.to(device)) if isinstance(t, torch.Tensor)
                    else _scalar_tensor(t, device) for t in tensors]
-        sess, ort_device, out_devices, run_options, _ = self._session(device)
+        sess, where, out_devices, options, _ = self._session(device)
         inputs = C.OrtValueVector()
         inputs.reserve(len(tensors))
         np_types = [_NUMPY_DTYPES.get(t.dtype) for t in tensors]
         pointers = [t.data_ptr() for t in tensors]
         if all(np_types) and all(pointers):
             inputs.push_back_batch(tensors, pointers, np_types, [t.shape for t in tensors],
-                                   [ort_device] * len(tensors))
+                                   [where] * len(tensors))
         else:  # bfloat16 (no numpy type) or empty tensors (null data pointer)
             for t, pointer in zip(tensors, pointers):
-                inputs.push_back(_wrap(t, pointer, ort_device))
+                inputs.push_back(_wrap(t, pointer, where))
         outputs = C.OrtValueVector()
-        sess._sess.run_with_ortvaluevector(run_options, exported.input_names, inputs,
+        sess._sess.run_with_ortvaluevector(options, exported.input_names, inputs,
                                            exported.output_names, outputs, out_devices)
         self.report.runs += 1
         results = outputs.to_dlpacks(torch._C._from_dlpack)
@@ -287,13 +288,13 @@ class OrtRunner:
         return tuple(out) if exported.returns_tuple else out[0]
 
 
-def _wrap(t: torch.Tensor, pointer: int, ort_device):
+def _wrap(t: torch.Tensor, pointer: int, where):
     if pointer:
         # ORT's DLPack import rejects kDLBool: hand over the same bytes as uint8, flagged bool
         is_bool = t.dtype == torch.bool
         return C.OrtValue.from_dlpack((t.view(torch.uint8) if is_bool else t).detach().__dlpack__(), is_bool)
     onnx_type = _ONNX_TYPES[t.dtype]
-    return C.OrtValue.ortvalue_from_shape_and_onnx_type(list(t.shape), onnx_type, ort_device)
+    return C.OrtValue.ortvalue_from_shape_and_onnx_type(list(t.shape), onnx_type, where)
 
 
 def _scalar_tensor(value, device: torch.device) -> torch.Tensor:

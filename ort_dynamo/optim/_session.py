@@ -24,7 +24,7 @@ from onnxruntime.capi import _pybind_state as C
 from .. import _kernels, _pointwise
 from ..errors import OrtRuntimeError
 from ..options import resolve_options
-from ..run import providers_for, run_options, session_options
+from ..run import ort_device, providers_for, run_options, session_options
 
 __all__ = ["BoundSession", "input_names", "onnx_type"]
 
@@ -47,12 +47,6 @@ def onnx_type(dtype: torch.dtype) -> int:
         return _ONNX_TYPES[dtype]
     except KeyError:
         raise TypeError(f"no ONNX element type for {dtype}") from None
-
-
-def _ort_device(device: torch.device):
-    if device.type == "cuda":
-        return C.OrtDevice(C.OrtDevice.cuda(), C.OrtDevice.default_memory(), device.index or 0)
-    return C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
 
 
 _TENSOR_NAME = re.compile(r"[a-z]+(\d+)(?:_out)?")
@@ -91,7 +85,7 @@ class BoundSession:
 
     def __init__(self, model_bytes: bytes, device: torch.device, pointwise_kernels: bool = False) -> None:
         self.device = device
-        self._ort_device = _ort_device(device)
+        self._ort_device = ort_device(device)
         self._run_options = run_options(device)
         self._bound: dict[tuple, list[int]] = {}
         #: (name, output) -> (element type, shape, pointer) of everything bound, to bind again

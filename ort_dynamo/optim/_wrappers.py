@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ._graphs import apex_unscale_model, grad_stats_model
 from ..run import compute_stream
+from ._graphs import apex_unscale_model, grad_stats_model
 from ._session import BoundSession, input_names, onnx_type
 
 __all__ = ["ApexUnscale", "GradStats", "fingerprint", "patch_external_optimizer", "KNOWN_SOURCES"]

@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 import torch
 
-from ._graphs import unscale_clip_model
 from ..run import compute_stream
+from ._graphs import unscale_clip_model
 from ._session import BoundSession, input_names, onnx_type
 from ._wrappers import patch_external_optimizer
 

@@ -12,8 +12,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ._graphs import HYPER_NAMES, AdamWMode, adam_step_model
 from ..run import compute_stream
+from ._graphs import HYPER_NAMES, AdamWMode, adam_step_model
 from ._session import BoundSession, input_names, onnx_type
 
 __all__ = ["FusedAdam", "AdamWMode"]
