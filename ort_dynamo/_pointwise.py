@@ -1027,31 +1027,40 @@ def _users(value: ir.Value, op_type: str, operand) -> list[ir.Node]:
     return [u.node for u in value.uses() if _op(u.node, op_type) and matches(_other(u.node, value))]
 
 
+def _follow(value: ir.Value, steps: list[tuple]) -> list[ir.Node] | None:
+    """The first chain of nodes (depth first) that computes ``steps`` from ``value``, each
+    reading the previous one's output: a step ``(op_type, operand)`` is a binary op whose other
+    input is ``operand`` (as in ``_users``), or, with ``operand`` None, a unary op."""
+    if not steps:
+        return []
+    op_type, operand = steps[0]
+    candidates = [u.node for u in value.uses() if _op(u.node, op_type)] if operand is None \
+        else _users(value, op_type, operand)
+    for node in candidates:
+        rest = _follow(node.outputs[0], steps[1:])
+        if rest is not None:
+            return [node, *rest]
+    return None
+
+
 def _erf_cdf(x: ir.Value) -> list[ir.Node] | None:
     """The nodes computing ``0.5 * (1 + Erf(x * sqrt(0.5)))`` from ``x`` (GELU's backward
     has them), last first, if the graph has them."""
-    for scale in _users(x, "Mul", math.sqrt(0.5)):
-        for erf in (u.node for u in scale.outputs[0].uses() if _op(u.node, "Erf")):
-            for add in _users(erf.outputs[0], "Add", 1.0):
-                for half in _users(add.outputs[0], "Mul", 0.5):
-                    return [half, add, erf, scale]
-    return None
+    chain = _follow(x, [("Mul", math.sqrt(0.5)), ("Erf", None), ("Add", 1.0), ("Mul", 0.5)])
+    return chain[::-1] if chain else None
 
 
 def _tanh_gelu_parts(x: ir.Value) -> list[ir.Node] | None:
     """The nodes of tanh-GELU's backward (torch's decomposition) that depend on ``x`` alone:
     ``sq = x*x``, ``Tanh((x + sq*x*kappa) * beta)``, ``half_x = x*0.5``, ``shifted = tanh + 1``;
     returned as ``[sq, tanh, half_x, shifted, ...the rest of the chain to Tanh]``, or None."""
-    for sq in _users(x, "Mul", x):
-        for cube in _users(sq.outputs[0], "Mul", x):
-            for kappa in _users(cube.outputs[0], "Mul", _TANH_GELU_KAPPA):
-                for total in _users(kappa.outputs[0], "Add", x):
-                    for beta in _users(total.outputs[0], "Mul", _TANH_GELU_BETA):
-                        for tanh in (u.node for u in beta.outputs[0].uses() if _op(u.node, "Tanh")):
-                            for half_x in _users(x, "Mul", 0.5):
-                                for shifted in _users(tanh.outputs[0], "Add", 1.0):
-                                    return [sq, tanh, half_x, shifted, beta, total, kappa, cube]
-    return None
+    chain = _follow(x, [("Mul", x), ("Mul", x), ("Mul", _TANH_GELU_KAPPA), ("Add", x),
+                        ("Mul", _TANH_GELU_BETA), ("Tanh", None), ("Add", 1.0)])
+    halves = _users(x, "Mul", 0.5)
+    if chain is None or not halves:
+        return None
+    sq, cube, kappa, total, beta, tanh, shifted = chain
+    return [sq, tanh, halves[0], shifted, beta, total, kappa, cube]
 
 
 def _gelu_beside_its_backward(graph: ir.Graph, info: _Graph) -> int:
