@@ -252,4 +252,7 @@ def _compile_partition(sub: torch.fx.GraphModule, name: str, options: OrtOptions
     if options.save_onnx:
         path = export_stage.save_debug_files(exported, sub, model_bytes, options, stem)
         graph_report.onnx_paths.append(path)
+    # The bytes are what runs. The IR (tens of thousands of Python objects per graph) would
+    # live as long as the compiled graph and lengthen every full garbage collection.
+    exported.model = None
     return run_stage.OrtRunner(exported, model_bytes, options, graph_report, sub, name, nodes)

@@ -126,7 +126,8 @@ class OutputSlot:
 
 @dataclasses.dataclass
 class ExportedGraph:
-    model: "ir.Model"
+    #: The ONNX IR, until ``rewrite`` has serialized it (None after: the bytes run).
+    model: "ir.Model | None"
     input_names: list[str]
     output_names: list[str]
     #: Per FX output: how to produce it from the ORT outputs.
@@ -153,9 +154,6 @@ class ExportedGraph:
         ``_take_permuted_inputs``), or the tensor as it is."""
         order = self.input_permutations[index] if self.input_permutations else None
         return tensor if order is None else tensor.permute(order)
-
-    def to_bytes(self) -> bytes:
-        return ir.serde.serialize_model(self.model).SerializeToString()
 
 
 def _output_nodes(gm: torch.fx.GraphModule):

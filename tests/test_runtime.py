@@ -392,3 +392,31 @@ def test_cuda_runs_do_not_wait_for_the_device_and_cpu_runs_are_left_as_they_are(
     assert run_options(torch.device("cuda", 0)).get_run_config_entry(key) == "1"
     with pytest.raises(RuntimeError, match="does not have configuration"):
         run_options(torch.device("cpu")).get_run_config_entry(key)
+
+
+def test_a_compiled_graph_keeps_the_onnx_bytes_it_runs_not_the_ir_they_came_from(monkeypatch):
+    """The IR of an exported partition is tens of thousands of Python objects; kept for the
+    life of the compiled graph, every full garbage collection of the process walks them."""
+    import gc
+    import weakref
+
+    from ort_dynamo import export
+
+    models = []
+    export_graph = export.export_graph
+
+    def export_and_watch(*args, **kwargs):
+        exported = export_graph(*args, **kwargs)
+        models.append(weakref.ref(exported.model))
+        return exported
+
+    monkeypatch.setattr(export, "export_graph", export_and_watch)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    expected = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    torch.compile(model, backend="ort")(x).sum().backward()
+    expected(x).sum().backward()
+    gc.collect()
+    assert len(models) == 2 and ort_dynamo.report().fallback_nodes == 0
+    assert [ref() for ref in models] == [None, None]
+    assert torch.allclose(model[0].weight.grad, expected[0].weight.grad, atol=1e-6)
