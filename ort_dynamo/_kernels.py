@@ -12,8 +12,10 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import hashlib
+import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -63,7 +65,19 @@ def _toolchain() -> tuple[str, str, tuple, tuple]:
 @functools.lru_cache(None)
 def _probe(compiler: str, version: str) -> tuple[str, str, tuple, tuple]:
     """With glibc's libmvec when a library links against it here, else without (the kernels
-    then call scalar log/tanh/erf)."""
+    then call scalar log/tanh/erf). The answer is kept in the user's kernel folder, keyed by
+    everything it depends on: a process pays the probe's compiler runs (50 ms of its first
+    step) once per machine, not once per process."""
+    key = hashlib.sha256("\n".join([_header_digest(), compiler, version, *_FLAGS, _target(),
+                                     " ".join(platform.libc_ver())]).encode()).hexdigest()[:24]
+    answer = os.path.join(_folder(""), f"toolchain_{key}.json")
+    try:
+        with open(answer) as fh:
+            extra, libs = json.load(fh)
+        if all(isinstance(flag, str) for flag in [*extra, *libs]):
+            return compiler, version, (*_FLAGS, *extra), tuple(libs)
+    except (OSError, ValueError, TypeError):
+        pass  # not probed here yet, or unreadable: probe
     with tempfile.TemporaryDirectory() as work:
         src = os.path.join(work, "probe.c")
         with open(src, "w") as fh:
@@ -71,8 +85,36 @@ def _probe(compiler: str, version: str) -> tuple[str, str, tuple, tuple]:
         for extra, libs in (([], ["-lmvec", "-lm"]), (["-DPW_NO_MVEC"], ["-lm"])):
             command = [compiler, *_FLAGS, *extra, "-shared", "-I", _CSRC, src, "-o", os.path.join(work, "p.so"), *libs]
             if subprocess.run(command, capture_output=True, timeout=120).returncode == 0:
+                _write_atomically(answer, json.dumps([extra, libs]))
                 return compiler, version, (*_FLAGS, *extra), tuple(libs)
     raise KernelBuildError(f"{compiler} cannot build a shared library here ({version})")
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Whole file or none; a folder that cannot be written only costs the next process a probe."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False) as fh:
+            fh.write(text)
+        os.replace(fh.name, path)
+    except OSError as exc:
+        log.debug("could not keep the toolchain probe's answer in %s: %s", path, exc)
+
+
+@functools.lru_cache(None)
+def _target() -> str:
+    """The CPU ``-march=native`` compiles for: its identity and instruction-set flags. A cache
+    folder shared by machines (a home directory or cache_dir on a network drive) must not hand
+    one CPU's objects to another, where they would die of an illegal instruction."""
+    fields = ("vendor_id", "cpu family", "model", "model name", "flags",  # x86
+              "CPU implementer", "CPU architecture", "CPU variant", "CPU part", "Features", "isa")
+    try:
+        with open("/proc/cpuinfo") as fh:
+            first_cpu = fh.read(1 << 16).split("\n\n")[0]
+        return "\n".join(" ".join(line.split()) for line in first_cpu.splitlines()
+                         if line.split(":")[0].strip() in fields)
+    except OSError:  # no procfs (macOS): what the platform says
+        return " ".join([platform.machine(), platform.processor(), platform.platform()])
 
 
 @functools.lru_cache(None)
@@ -148,7 +190,7 @@ def library(kernels: list[str], cache_dir: str = "") -> str:
 def _library_path(kernels: list[str], cache_dir: str) -> tuple[str, str, str, str]:
     """(toolchain digest, table source, folder, path) of the library of ``kernels``."""
     compiler, version, flags, libs = _toolchain()
-    setup = "\n".join([_header_digest(), compiler, version, *flags, *libs])
+    setup = "\n".join([_header_digest(), compiler, version, *flags, *libs, _target()])
     table = _pointwise.table_source(kernels)
     folder = _folder(cache_dir)
     key = hashlib.sha256("\n".join([setup, table]).encode()).hexdigest()
@@ -201,7 +243,8 @@ def describe() -> str:
 @functools.lru_cache(None)
 def available() -> bool:
     """Whether kernels can be built and loaded here: a compiler, and a probe library that
-    onnxruntime accepts. Checked once per process (the probe is cached on disk too)."""
+    onnxruntime accepts. Checked once per process (the probe's answer and the empty library
+    are kept on disk)."""
     if _compiler() is None:
         log.info("no C compiler: elementwise chains run as ORT's separate kernels")
         return False

@@ -352,6 +352,37 @@ def test_kernels_build_without_glibcs_simd_math_library(monkeypatch, tmp_path):
     torch.testing.assert_close(got, fn(x), rtol=2e-6, atol=1e-6)
 
 
+
+def test_the_toolchain_probe_compiles_once_per_machine_not_once_per_process(monkeypatch, tmp_path):
+    """Whether libmvec links is a fact of the machine: a new process reads the answer from the
+    user's kernel folder instead of compiling the probe again in its first step."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    compiler = _kernels._compiler()
+    compiles = []
+    run = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: compiles.append(command) or run(command, **kwargs))
+    _kernels._probe.cache_clear()
+    try:
+        first = _kernels._probe(*compiler)
+        probed = len(compiles)
+        _kernels._probe.cache_clear()  # as a new process finds it
+        assert _kernels._probe(*compiler) == first
+    finally:
+        _kernels._probe.cache_clear()
+    assert probed >= 1 and len(compiles) == probed
+    assert glob.glob(str(tmp_path / "ort_dynamo" / "kernels" / "toolchain_*.json"))
+
+
+def test_kernels_built_for_one_cpu_are_not_loaded_on_another_sharing_the_cache(monkeypatch, tmp_path):
+    """``-march=native`` objects die of an illegal instruction on an older CPU: a cache folder
+    on a network drive, shared by two kinds of machine, keeps one library per CPU."""
+    path = _kernels.library([], str(tmp_path))
+    assert _kernels.built([], str(tmp_path)) == path
+    monkeypatch.setattr(_kernels, "_target", lambda: "vendor_id : another CPU\nflags : sse sse2")
+    assert _kernels.built([], str(tmp_path)) is None
+    assert _kernels.library([], str(tmp_path)) != path
+
+
 def test_a_group_reading_another_groups_unannotated_output_is_fused_too():
     """Values inside inlined torchlib functions carry no shape; the pass infers them, and a
     later group reading one through an earlier kernel's output keeps that inferred shape."""
