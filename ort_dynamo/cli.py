@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from .report import format_report
+
 __all__ = ["REPORT_PATH_ENV", "DEFAULT_REPORT_PATH", "main", "report_path"]
 
 #: Where a run saves its report (at exit) and where ``report`` reads it.
@@ -181,33 +183,10 @@ def _report(args: argparse.Namespace) -> int:
     try:
         print(format_report(data, path))
     except (KeyError, TypeError) as exc:
-        print(f"ort_dynamo report: {path!r} is not an ort_dynamo report (missing {exc})", file=sys.stderr)
+        what = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+        print(f"ort_dynamo report: {path!r} is not an ort_dynamo report ({what})", file=sys.stderr)
         return 1
     return 0
-
-
-def format_report(data: dict, path: str = "") -> str:
-    """The table ``print(ort_dynamo.report())`` shows, from a saved report's JSON."""
-    graphs = data["graphs"]
-    lines = [f"ort_dynamo report{f' ({path})' if path else ''}: {len(graphs)} graph(s), "
-             f"{data['ort_nodes']} node(s) on ORT, {data['fallback_nodes']} in PyTorch, "
-             f"{data['sessions']} session(s), {data['exports']} export(s)"]
-    header = f"{'graph':<14}{'kind':<11}{'on ORT':>8}{'PyTorch':>9}{'parts':>7}{'sessions':>10}{'runs':>7}"
-    lines += [header, "-" * len(header)]
-    for g in graphs:
-        lines.append(f"{g['name']:<14}{g['kind']:<11}{g['ort_nodes']:>8}{g['torch_nodes']:>9}"
-                     f"{g['partitions']:>7}{g['sessions']:>10}{g['runs']:>7}")
-    failures = data.get("recompute_failures", [])  # older reports lack it
-    if failures:
-        lines.append("memory_opt_level=1 kept every activation of a graph (min-cut failed):")
-        lines += [f"  {reason}" for reason in failures]
-    fallbacks = [f for g in graphs for f in g.get("fallbacks", [])]
-    if fallbacks:
-        lines.append("fell back to PyTorch:")
-        for f in fallbacks:
-            where = f" at {f['source']}" if f.get("source") else ""
-            lines.append(f"  [{f['graph']}] {f['op']} ({f['node']}){where}: {f['reason']}")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- compare, bench

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Iterator
 
-__all__ = ["FallbackNode", "GraphReport", "Report", "current_report", "clear_report"]
+__all__ = ["FallbackNode", "GraphReport", "Report", "current_report", "clear_report", "format_report"]
 
 
 @dataclasses.dataclass
@@ -154,32 +154,44 @@ class Report:
             json.dump(self.to_dict(), fh, indent=2)
 
     def __str__(self) -> str:
-        lines = [
-            f"ort_dynamo report: {len(self.graphs)} graph(s), {self.ort_nodes} node(s) on ORT, "
-            f"{self.fallback_nodes} in PyTorch, {self.sessions} session(s), {self.exports} export(s), {self.kernels} pointwise kernel(s)",
-        ]
-        header = f"{'graph':<14}{'kind':<11}{'on ORT':>8}{'PyTorch':>9}{'parts':>7}{'sessions':>10}{'runs':>7}"
-        lines += [header, "-" * len(header)]
-        for g in self.graphs:
-            lines.append(f"{g.name:<14}{g.kind:<11}{g.ort_nodes:>8}{g.torch_nodes:>9}{g.partitions:>7}"
-                         f"{g.sessions:>10}{g.runs:>7}")
-        stages = self.stage_seconds()
-        if stages:
-            lines.append("time per stage: " + ", ".join(f"{k} {v:.3f}s" for k, v in stages.items()))
-        breaks = self.graph_breaks
-        if breaks:
-            lines.append(f"Dynamo graph breaks ({sum(breaks.values())}):")
-            lines += [f"  {n} x {reason.strip().splitlines()[0]}"
-                      for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])]
-        if self.recompute_failures:
-            lines.append("memory_opt_level=1 kept every activation of a graph (min-cut failed):")
-            lines += [f"  {reason}" for reason in self.recompute_failures]
-        if self.fallbacks:
-            lines.append("fell back to PyTorch:")
-            lines += [f"  [{f.graph}] {f}" for f in self.fallbacks]
-        return "\n".join(lines)
+        return format_report(self.to_dict())
 
     __repr__ = __str__
+
+
+def format_report(data: dict, path: str = "") -> str:
+    """The report's table from ``Report.to_dict()``: what ``print(ort_dynamo.report())`` shows,
+    and ``python -m ort_dynamo report`` from a saved JSON (``path``: where it was read)."""
+    graphs = data["graphs"]
+    kernels = f", {data['kernels']} pointwise kernel(s)" if "kernels" in data else ""  # older reports lack it
+    lines = [f"ort_dynamo report{f' ({path})' if path else ''}: {len(graphs)} graph(s), "
+             f"{data['ort_nodes']} node(s) on ORT, {data['fallback_nodes']} in PyTorch, "
+             f"{data['sessions']} session(s), {data['exports']} export(s){kernels}"]
+    header = f"{'graph':<14}{'kind':<11}{'on ORT':>8}{'PyTorch':>9}{'parts':>7}{'sessions':>10}{'runs':>7}"
+    lines += [header, "-" * len(header)]
+    for g in graphs:
+        lines.append(f"{g['name']:<14}{g['kind']:<11}{g['ort_nodes']:>8}{g['torch_nodes']:>9}"
+                     f"{g['partitions']:>7}{g['sessions']:>10}{g['runs']:>7}")
+    stages: dict[str, float] = collections.defaultdict(float)
+    for g in graphs:
+        for stage, seconds in g.get("stage_seconds", {}).items():
+            stages[stage] += seconds
+    if stages:
+        lines.append("time per stage: " + ", ".join(f"{k} {v:.3f}s" for k, v in stages.items()))
+    breaks = data.get("graph_breaks", {})
+    if breaks:
+        lines.append(f"Dynamo graph breaks ({sum(breaks.values())}):")
+        lines += [f"  {n} x {reason.strip().splitlines()[0]}"
+                  for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])]
+    failures = data.get("recompute_failures", [])
+    if failures:
+        lines.append("memory_opt_level=1 kept every activation of a graph (min-cut failed):")
+        lines += [f"  {reason}" for reason in failures]
+    fallbacks = [FallbackNode(**f) for g in graphs for f in g.get("fallbacks", [])]
+    if fallbacks:
+        lines.append("fell back to PyTorch:")
+        lines += [f"  [{f.graph}] {f}" for f in fallbacks]
+    return "\n".join(lines)
 
 
 def _dynamo_graph_breaks() -> dict:

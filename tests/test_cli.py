@@ -57,6 +57,24 @@ def test_report_prints_what_a_run_saved(tmp_path):
     assert json.loads(as_json.stdout)["ort_nodes"] == saved.ort_nodes
 
 
+
+def test_the_cli_prints_the_table_print_report_shows_kernels_stages_and_breaks_included(tmp_path):
+    def fn(x):
+        x = torch.tanh(x) * 2
+        print("a graph break")  # Dynamo cannot capture print: two graphs
+        return x.exp() + 1
+
+    torch.compile(fn, backend="ort")(torch.randn(8, 8))
+    saved = ort_dynamo.report()
+    assert saved.graph_breaks and saved.stage_seconds()
+    path = tmp_path / "run_report.json"
+    saved.save(str(path))
+
+    printed = run_cli("report", "--path", str(path)).stdout
+    assert printed.splitlines()[0] == str(saved).splitlines()[0].replace("report:", f"report ({path}):")
+    assert printed.splitlines()[1:] == str(saved).splitlines()[1:]
+    assert "time per stage: " in printed and "Dynamo graph breaks (1):" in printed
+
 def test_report_without_a_saved_run_says_how_to_save_one(tmp_path):
     result = run_cli("report", "--path", str(tmp_path / "missing.json"))
     assert result.returncode == 1

@@ -110,7 +110,7 @@ def test_a_graph_whose_min_cut_fails_keeps_its_activations_and_says_so(monkeypat
     warning say why."""
     from torch._functorch import partitioners
 
-    from ort_dynamo.cli import format_report
+    from ort_dynamo.report import format_report
 
     def failing_min_cut(*args, **kwargs):
         raise RuntimeError("the solver found no cut")
