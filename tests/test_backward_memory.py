@@ -203,7 +203,9 @@ def test_gradients_that_start_from_zeros_leave_no_zeros_in_the_sessions(monkeypa
     import onnx
 
     sizes = {path: max([math.prod(t.dims) for t in onnx.load(path).graph.initializer], default=0) for path in sessions}
-    assert len(sizes) >= 3 and max(sizes.values()) < 16 * 32, sizes  # the smallest zeros: positions'
+    # Forward and backward; a graph whose kernels were not built yet when its first session
+    # was made gets one more on the second step.
+    assert len(sizes) >= 2 and max(sizes.values()) < 16 * 32, sizes  # the smallest zeros: positions'
 
 
 def test_sessions_get_models_without_the_exporters_provenance_unless_saved(monkeypatch, tmp_path):
