@@ -161,6 +161,13 @@ def library(kernels: list[str], cache_dir: str = "") -> str:
     setup, table, folder, path = _library_path(kernels, cache_dir)
     if os.path.exists(path):
         return path
+    try:
+        return _build(kernels, setup, table, folder, path)
+    except OSError as exc:  # read-only or full: the partition runs without kernels, and says why
+        raise KernelBuildError(f"cannot write the kernels' files under {folder}: {exc}") from exc
+
+
+def _build(kernels: list[str], setup: str, table: str, folder: str, path: str) -> str:
     compiler, version, flags, libs = _toolchain()
     units = [_runtime_source(), *kernels]
     objects = [os.path.join(folder, "objects", hashlib.sha256((setup + unit).encode()).hexdigest()[:24] + ".o")

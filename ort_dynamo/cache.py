@@ -3,11 +3,13 @@
 Key: the partition's FX code, its inputs' dtypes/shapes/devices, the options that change
 the model, and the versions of every package that shapes it. A restarted process with the
 same key skips export and rewrite. Entries are written atomically; a corrupt or foreign
-entry is ignored and rewritten, never trusted.
+entry is ignored and rewritten, never trusted. A folder that cannot be read or written (read-only,
+full, not a folder) costs only the cache: compiling goes on without it, said once per folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -15,6 +17,7 @@ import json
 import logging
 import os
 import tempfile
+import warnings
 
 import torch
 import torch.fx
@@ -68,6 +71,16 @@ def cache_key(gm: torch.fx.GraphModule, options: OrtOptions) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+_UNUSABLE: set[tuple[str, str]] = set()  # (cache_dir, "read" | "write"): said once each
+
+
+def _unusable(cache_dir: str, action: str, exc: OSError) -> None:
+    if (cache_dir, action) not in _UNUSABLE:
+        _UNUSABLE.add((cache_dir, action))
+        warnings.warn(f"ort_dynamo: cannot {action} the on-disk cache cache_dir={cache_dir!r} "
+                      f"({type(exc).__name__}: {exc}); compiling without it", stacklevel=3)
+
+
 def _paths(cache_dir: str, key: str) -> tuple[str, str]:
     base = os.path.join(cache_dir, key[:2], key)
     return base + ".onnx", base + ".json"
@@ -98,6 +111,9 @@ def load(cache_dir: str, key: str) -> tuple[ExportedGraph, bytes] | None:
         return exported, model_bytes
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        _unusable(cache_dir, "read", exc)
+        return None
     except Exception as exc:  # a damaged entry is a miss, never a wrong model
         log.warning("ignoring damaged cache entry %s: %s", meta_path, exc)
         return None
@@ -108,7 +124,6 @@ def store(cache_dir: str, key: str, exported: ExportedGraph, model_bytes: bytes)
            for slot in exported.slots):
         return  # not representable in JSON; simply not cached
     model_path, meta_path = _paths(cache_dir, key)
-    os.makedirs(os.path.dirname(model_path), exist_ok=True)
     meta = {
         "key": key,
         "model_sha256": hashlib.sha256(model_bytes).hexdigest(),
@@ -122,11 +137,26 @@ def store(cache_dir: str, key: str, exported: ExportedGraph, model_bytes: bytes)
         "input_permutations": exported.input_permutations,
         "kernels": exported.kernels,
     }
-    for path, data, mode in ((model_path, model_bytes, "wb"), (meta_path, json.dumps(meta), "w")):
+    if _write(cache_dir, model_path, model_bytes):  # the metadata last: it makes the entry
+        _write(cache_dir, meta_path, json.dumps(meta).encode())
+
+
+def _write(cache_dir: str, path: str, data: bytes) -> bool:
+    """Atomically (concurrent processes never see half a file); a failure only warns."""
+    tmp = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
-        with os.fdopen(fd, mode) as fh:
+        with os.fdopen(fd, "wb") as fh:
             fh.write(data)
-        os.replace(tmp, path)  # atomic: concurrent processes never see half a file
+        os.replace(tmp, path)
+        return True
+    except OSError as exc:
+        _unusable(cache_dir, "write", exc)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        return False
 
 
 def versions_key(*parts) -> str:
@@ -145,6 +175,9 @@ def load_json(cache_dir: str, key: str, kind: str):
         return entry["value"]
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        _unusable(cache_dir, "read", exc)
+        return None
     except Exception as exc:
         log.warning("ignoring damaged cache entry %s: %s", path, exc)
         return None
@@ -152,8 +185,4 @@ def load_json(cache_dir: str, key: str, kind: str):
 
 def store_json(cache_dir: str, key: str, kind: str, value) -> None:
     path = os.path.join(cache_dir, key[:2], f"{key}.{kind}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"key": key, "value": value}, fh)
-    os.replace(tmp, path)
+    _write(cache_dir, path, json.dumps({"key": key, "value": value}).encode())

@@ -134,8 +134,11 @@ class OrtOptions:
         "machine's C compiler, once, cached on disk) as an ORT custom-op library; without a compiler "
         "they run as ORT's separate kernels. FusedAdam's update too (there only the environment "
         "variable applies: optimizers take no options).", "")
-    cache_dir: str = _field("", "Folder of an on-disk cache of exported models; empty = off.",
-                            "ORTMODULE_CACHE_DIR")
+    cache_dir: str = _field(
+        "", "Folder of an on-disk cache of exported models; empty = off. Entries are keyed by the "
+        "graph, its inputs, the options and the package versions; a damaged entry is rebuilt, and "
+        "a folder that cannot be read or written (read-only, full) only warns: compiling goes on "
+        "without it.", "ORTMODULE_CACHE_DIR")
     shared_cpu_arena: bool = _field(
         True, "All CPU sessions of the process allocate from one ORT arena, registered by ort_dynamo "
         "(it replaces a CPU allocator the application registered with "
@@ -163,6 +166,10 @@ class OrtOptions:
                 raise OptionsError(f"unsupported provider {provider!r}; valid: {sorted(known)}")
         if not self.onnx_prefix:
             raise OptionsError("onnx_prefix must not be empty")
+        for name in ("cache_dir", "save_path"):
+            folder = getattr(self, name)
+            if folder and os.path.exists(folder) and not os.path.isdir(folder):
+                raise OptionsError(f"{name}={folder!r} is a file, not a folder")
 
     @classmethod
     def field_names(cls) -> list[str]:

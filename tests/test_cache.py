@@ -6,6 +6,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
+
+import ort_dynamo
+
 SCRIPT = textwrap.dedent("""
     import json, sys, torch
     import ort_dynamo
@@ -72,3 +77,26 @@ def test_cached_lowered_op_set_equals_the_computed_one(tmp_path):
     _onnx_lowered_ops.cache_clear()
     assert _onnx_lowered_ops(18, str(tmp_path)) == computed  # read back from disk
     assert len(computed) > 300
+
+
+def test_a_cache_folder_that_cannot_be_read_or_written_costs_only_the_cache(tmp_path):
+    """Read-only, full, or (here) every entry's subfolder taken by a file: the model still
+    compiles and trains on ORT, and a warning names the folder once."""
+    for first in "0123456789abcdef":
+        for second in "0123456789abcdef":
+            (tmp_path / (first + second)).write_text("")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    options = {"cache_dir": str(tmp_path), "fallback_policy": "DISABLE"}
+    with pytest.warns(UserWarning, match="cannot (read|write) the on-disk cache cache_dir=") as caught:
+        torch.compile(model, backend="ort", options=options)(x).sum().backward()
+    said = [str(w.message) for w in caught if "on-disk cache" in str(w.message)]
+    assert len(said) == 2 and str(tmp_path) in said[0], said  # one read, one write
+    report = ort_dynamo.report()
+    assert report.exports == 2 and report.fallback_nodes == 0
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for got, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(got, p.grad)

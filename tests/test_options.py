@@ -31,6 +31,8 @@ def test_unknown_key_lists_valid_keys():
     ({"providers": ["TensorrtExecutionProvider"]}, "unsupported provider"),
     ({"save_onnx": "maybe"}, "expected a boolean"),
     ({"memory_opt_level": 3}, "memory_opt_level must be 0 or 1"),
+    ({"cache_dir": __file__}, "cache_dir=.* is a file, not a folder"),
+    ({"save_path": __file__}, "save_path=.* is a file, not a folder"),
 ])
 def test_bad_values_raise_value_error_naming_the_field(bad, message):
     with pytest.raises(ValueError, match=message):

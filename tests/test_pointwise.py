@@ -383,6 +383,25 @@ def test_kernels_built_for_one_cpu_are_not_loaded_on_another_sharing_the_cache(m
     assert _kernels.library([], str(tmp_path)) != path
 
 
+
+def test_a_kernel_folder_that_cannot_be_written_leaves_the_model_without_kernels_on_ort(tmp_path):
+    """The kernels' objects go under ``<cache_dir>/kernels``; where that cannot be written the
+    partition keeps running on ORT without them, and a warning says where and why."""
+    (tmp_path / "kernels").write_text("a file where the kernels' folder would be")
+
+    def fn(x):
+        return torch.tanh(x * 2) + torch.special.erf(x).abs().log()
+
+    x = torch.randn(64, 512)
+    compiled = torch.compile(fn, backend="ort", options={"cache_dir": str(tmp_path), "fallback_policy": "DISABLE"})
+    with pytest.warns(UserWarning, match="runs without its pointwise kernels: KernelBuildError: cannot write"):
+        compiled(x)
+        ort_dynamo.wait_for_kernels()
+        got = compiled(x)
+    torch.testing.assert_close(got, fn(x), rtol=2e-6, atol=1e-6)
+    assert ort_dynamo.report().fallback_nodes == 0 and ort_dynamo.report().kernels == 0
+
+
 def test_a_group_reading_another_groups_unannotated_output_is_fused_too():
     """Values inside inlined torchlib functions carry no shape; the pass infers them, and a
     later group reading one through an earlier kernel's output keeps that inferred shape."""
