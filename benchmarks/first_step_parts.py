@@ -7,8 +7,9 @@ Run ort twice with the same empty --cache-dir for a cold and then a warm first s
 step's seconds and the seconds spent inside each part below (a part's time includes the parts it
 calls: AOTAutograd's includes the min-cut, compile includes partition, export and rewrite), the
 time Python's garbage collector paused the step, and each full collection (the slow kind: it
-walks every object of the process) with the part it interrupted. Parts a backend does not reach
-print nothing. The step is the same as train_step.py's first step (torch AdamW).
+walks every object of the process) with the part it interrupted; then how many objects the
+process tracks after the step, and how long a full collection of them takes. Parts a backend
+does not reach print nothing. The step is the same as train_step.py's first step (torch AdamW).
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ def main() -> None:
     print(f"  {'garbage collector pauses':34s} {paused[0]:6.3f} s")
     for took, collected, where in full:
         print(f"    full collection {took:.3f} s ({collected} objects freed) during: {where}")
+    # What the compiled model leaves for every later full collection to walk.
+    gc.collect()
+    start = time.perf_counter()
+    gc.collect()
+    print(f"  after the step: {len(gc.get_objects())} objects tracked, a full collection "
+          f"{time.perf_counter() - start:.3f} s")
 
 
 if __name__ == "__main__":
