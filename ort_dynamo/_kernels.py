@@ -94,9 +94,10 @@ def _write_atomically(path: str, text: str) -> None:
     """Whole file or none; a folder that cannot be written only costs the next process a probe."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False) as fh:
-            fh.write(text)
-        os.replace(fh.name, path)
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as work:
+            with open(os.path.join(work, "answer"), "w") as fh:
+                fh.write(text)
+            os.replace(fh.name, path)
     except OSError as exc:
         log.debug("could not keep the toolchain probe's answer in %s: %s", path, exc)
 
