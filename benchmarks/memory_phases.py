@@ -38,13 +38,13 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from train_step import (_peak_rss_mb, _reset_peak_rss, _rss_mb, build, compiled_copy, key_values, make_optimizer,  # noqa: E402
+from train_step import (MODELS, _peak_rss_mb, _reset_peak_rss, _rss_mb, build, compiled_copy, key_values, make_optimizer,  # noqa: E402
                         warm_backend)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="bert", choices=["gpt2", "bert", "llama"])
+    parser.add_argument("--model", default="bert", choices=MODELS)
     parser.add_argument("--backend", default="ort", choices=["eager", "aot_eager", "ort", "ort_keep", "ort_recompute"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--optimizer", choices=["adamw", "fastest"], default="adamw",

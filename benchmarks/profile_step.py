@@ -19,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from train_step import _steady_malloc, build, compiled_copy, train_step  # noqa: E402
+from train_step import MODELS, _steady_malloc, build, compiled_copy, train_step  # noqa: E402
 
 import ort_dynamo  # noqa: E402
 from ort_dynamo import run as run_stage  # noqa: E402
@@ -112,7 +112,7 @@ def _gemm_flop(args: dict) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="llama", choices=["gpt2", "bert", "llama"])
+    parser.add_argument("--model", default="llama", choices=MODELS)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--phase-backends", default="eager,ort",

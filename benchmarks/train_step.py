@@ -4,6 +4,9 @@
     .venv/bin/python benchmarks/train_step.py --models gpt2 --steps 20 --warmup 3
     .venv/bin/python benchmarks/train_step.py --device cuda --models gpt2-124m   # GPU machine
 
+Models: HF's GPT-2, BERT and Llama, and nanogpt (examples/train_gpt.py's model, attention written
+as nanoGPT writes it), all at the CPU sizes below; gpt2-124m for a GPU.
+
 Per model: each backend trains its own copy of the same weights on the same batches; steps
 are interleaved (eager, inductor, ort, eager, ...) so machine noise hits all alike. Prints the
 median ms/step after warm-up, ort/eager and ort/inductor, first-step (compile) seconds with
@@ -70,6 +73,8 @@ def build(name: str, device: str):
                             intermediate_size=4 * s["hidden"], vocab_size=s["vocab"], max_position_embeddings=s["seq"],
                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         model = tf.BertForMaskedLM(cfg)
+    elif name == "nanogpt":
+        model = _NanoGPT(s["layers"], s["hidden"], s["heads"], s["seq"])
     elif name == "llama":
         cfg = tf.LlamaConfig(num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
                              num_key_value_heads=s["heads"], intermediate_size=4 * s["hidden"],
@@ -77,12 +82,32 @@ def build(name: str, device: str):
         model = tf.LlamaForCausalLM(cfg)
     else:
         raise SystemExit(f"unknown model {name!r}")
-    model.config.use_cache = False
+    if hasattr(model, "config"):
+        model.config.use_cache = False
     seq, batch = (512, 8) if name == "gpt2-124m" else (s["seq"], s["batch"])
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, seq), generator=gen)
     return model.to(device).train(), {"input_ids": ids.to(device), "labels": ids.to(device)}
+
+
+class _NanoGPT(torch.nn.Module):
+    """examples/train_gpt.py's model at these sizes: written as nanoGPT is (one q/k/v
+    projection whose heads are split by indexing, SDPA, tied embeddings), not as HF's models."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, seq: int) -> None:
+        super().__init__()
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+        from train_gpt import TinyGPT
+
+        self.gpt = TinyGPT(layers, hidden, heads, seq)
+        self.config = argparse.Namespace(vocab_size=self.gpt.tok.num_embeddings)
+
+    def forward(self, input_ids, labels):
+        return argparse.Namespace(loss=self.gpt(input_ids, labels))
+
+
+MODELS = ("gpt2", "bert", "llama", "nanogpt")
 
 
 def compiled_copy(model, backend: str, cache_dir: str = "", copy_model: bool = True):
