@@ -101,6 +101,13 @@ solves, `inv`, `det`, `slogdet`, `solve`, `householder_product`, `matrix_exp` (l
 algorithms unrolled per column, so `info` and pivots are eager's, up to 32x32); `squeeze` of
 non-1 dims, `convolution` with `output_padding >= stride`, negative replicate padding (fixes.py).
 
+Ops that are correct but were slow, written anew: slicing's backward (a Pad, not Transpose +
+ScatterND + Transpose), `slice_scatter` (a Concat), `select`'s backward (a Pad, not
+ScatterElements with an int64 index per element: nanoGPT-style `q, k, v = qkv` and classification
+poolers' `hidden[:, 0]`) and `select_scatter` (a Concat). `tools/idiom_scan.py` lists, for common
+indexing and splitting idioms, the index-driven ONNX ops their graphs still use: interleaved RoPE
+(`x[..., ::2]`), `unfold` and reflect padding do.
+
 Approximations accurate to float32 only (the gamma family, Chebyshev polynomials) declare so
 (`ACCURATE_DTYPES`): their float64 inputs stay in PyTorch, with that reason in the report.
 
