@@ -10,7 +10,7 @@ from torch._decomp import decomposition_table as _torch_decompositions
 
 aten = torch.ops.aten
 
-__all__ = ["own_decompositions"]
+__all__ = ["own_decompositions", "pointwise_decompositions"]
 
 
 # ---- decompositions torch lacks -------------------------------------------------------------
@@ -1161,3 +1161,50 @@ def own_decompositions() -> dict:
         return torch.where(valid, found, torch.full((), fill_value, dtype=torch.int64, device=x.device))
 
     return table
+
+
+def _select_backward_as_where(grad, input_sizes, dim, index):
+    """``select_backward`` as an elementwise Where against the selected row: one pass that the
+    pointwise kernels fuse with the sum of a split's gradients (torchtune's interleaved RoPE:
+    ``x.reshape(..., -1, 2)[..., 0]`` and ``[..., 1]``), where ORT's Pad along an axis of 2 is
+    four times slower. Without those kernels ORT's broadcasting Where is the slower one."""
+    dim = dim % len(input_sizes)
+    size = input_sizes[dim]
+    if not isinstance(size, int):
+        return NotImplemented
+    index = index + size if index < 0 else index
+    row = torch.arange(size, device=grad.device).view([size if d == dim else 1 for d in range(len(input_sizes))])
+    return torch.where(row == index, grad.unsqueeze(dim), torch.zeros((), dtype=grad.dtype, device=grad.device))
+
+
+def _strided_slice_backward_as_where(grad, input_sizes, dim, start, end, step):
+    """The backward of ``x[..., start::step]`` over the whole dim (GPT-J's interleaved rotary
+    reads ``x[..., ::2]`` and ``x[..., 1::2]``): each gradient element a row of ``step``, the
+    element where ``start`` is and zeros elsewhere, read back as the dim. Other slices as before."""
+    every = _every_step(input_sizes, dim, start, end, step)
+    if every is None:
+        return own_decompositions()[aten.slice_backward.default](grad, input_sizes, dim, start, end, step)
+    dim, start = every
+    rows = _select_backward_as_where(grad, [*grad.shape[:dim + 1], step, *grad.shape[dim + 1:]], dim + 1, start)
+    return rows.flatten(dim, dim + 1)
+
+
+def _every_step(sizes, dim, start, end, step):
+    """(dim, start) of a static slice ``start::step`` (step > 1) that takes one element of every
+    run of ``step`` along the whole dim; None otherwise."""
+    dim = dim % len(sizes)
+    size = sizes[dim]
+    if not all(isinstance(v, int) for v in (size, step, start or 0, end if end is not None else 0)):
+        return None
+    first, stop, stride = slice(start, end, step).indices(size)
+    if stride < 2 or size % stride or not 0 <= first < stride or len(range(first, stop, stride)) != size // stride:
+        return None
+    return dim, first
+
+
+@functools.lru_cache(None)
+def pointwise_decompositions() -> dict:
+    """Replacements for ``own_decompositions`` entries where the graph's elementwise chains will
+    become generated kernels (CPU, a C compiler, ``pointwise_kernels``)."""
+    return {aten.select_backward.default: _select_backward_as_where,
+            aten.slice_backward.default: _strided_slice_backward_as_where}

@@ -21,7 +21,7 @@ import torch
 import torch.fx
 from torch._decomp import decomposition_table as _torch_decompositions
 
-from .decompositions import own_decompositions
+from .decompositions import own_decompositions, pointwise_decompositions
 
 __all__ = ["lower_graph", "decomposition_table"]
 
@@ -343,14 +343,15 @@ _NEVER_DECOMPOSE = {aten.lift, aten.lift_fresh, aten.sym_numel, aten.is_same_siz
 
 
 @functools.lru_cache(None)
-def decomposition_table(opset: int = 18, cache_dir: str = "") -> dict:
+def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = False) -> dict:
     """Decompositions for AOTAutograd: only ops that torchlib cannot lower (correctly).
 
     torch's registered decompositions, functional ops only (in-place/out variants are gone
     after functionalization) and never the tensor-lifting ones, which break fake tracing.
     Not ``core_aten_decompositions()``: what it adds are entries for CompositeImplicitAutograd
     ops, which decompose before AOTAutograd's tracer sees them anyway, and collecting them
-    takes 0.08 s of every process's first step."""
+    takes 0.08 s of every process's first step. ``pointwise``: the graph's elementwise chains
+    will become generated kernels, which changes the cheaper way to write a few ops."""
     lowered = _onnx_lowered_ops(opset, cache_dir) - TORCHLIB_WRONG
     table = {op: fn for op, fn in _torch_decompositions.items()
              if isinstance(op, torch._ops.OpOverload) and op not in lowered
@@ -360,4 +361,6 @@ def decomposition_table(opset: int = 18, cache_dir: str = "") -> dict:
     if missing:
         raise RuntimeError(f"no decomposition for {missing}: their torchlib lowering is wrong")
     table.update(own_decompositions())
+    if pointwise:
+        table.update(pointwise_decompositions())
     return table

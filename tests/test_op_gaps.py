@@ -302,14 +302,46 @@ def test_slice_backward_and_slice_scatter_without_scatter_nd(tmp_path):
     assert "ScatterND" not in ops and "Pad" in ops, ops
 
 
-
-def test_select_backward_and_select_scatter_without_scatter_elements(tmp_path):
-    """Indexing's backward is a Pad and select_scatter a Concat (torchlib: ScatterElements with
-    an int64 index per element; nanoGPT-style attention's ``q, k, v = qkv`` after a permute
-    spent 43 ms of a 190 ms step there). Negative indices count from the end."""
+def test_strided_slices_backward_without_scatter_nd_where_kernels_build(tmp_path):
+    """GPT-J's interleaved rotary reads ``x[..., ::2]`` and ``x[..., 1::2]``. Where the pointwise
+    kernels apply, each slice's gradient is a Where the kernels fuse, not torchlib's Transpose,
+    ScatterND, Transpose (2.5x eager's time in benchmarks/rope.py); slices that do not take one
+    element of every run of ``step`` along the whole dim keep the old lowering."""
     import glob
 
     import onnx
+
+    from ort_dynamo import _kernels
+
+    x = torch.randn(2, 3, 8, requires_grad=True)
+
+    def strided_rope(t):
+        return t * 2 + torch.stack((-t[..., 1::2], t[..., ::2]), dim=-1).flatten(-2) * 3
+
+    check(strided_rope, x)
+    check(lambda t: t[:, ::3].exp() + t[:, 1:, -5::4].square().sum(), x)  # partial: the old way
+    if not _kernels.available():
+        pytest.skip("no C compiler: the strided slices keep torchlib's lowering")
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(strided_rope, backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
+    compiled(x).sum().backward()
+    ops = {node.op_type for path in glob.glob(str(tmp_path / "*backward*.onnx"))
+           for node in onnx.load(path).graph.node}
+    assert "ScatterND" not in ops, ops
+
+
+
+def test_select_backward_and_select_scatter_without_scatter_elements(tmp_path):
+    """Indexing's backward is a Pad, or a Where the pointwise kernels fuse, and select_scatter a
+    Concat (torchlib: ScatterElements with an int64 index per element; nanoGPT-style attention's
+    ``q, k, v = qkv`` after a permute spent 43 ms of a 190 ms step there). Negative indices count
+    from the end."""
+    import glob
+
+    import onnx
+
+    from ort_dynamo import _kernels
 
     x = torch.randn(3, 2, 4, 5, requires_grad=True)
     check(lambda t: t[0] * t[1] + t[2].exp(), x)  # q, k, v = t
@@ -317,20 +349,33 @@ def test_select_backward_and_select_scatter_without_scatter_elements(tmp_path):
     src = torch.randn(3, 2, 5, requires_grad=True)
     check(lambda t, s: torch.select_scatter(t, s, 2, -2) * 3, x, src)
     check(lambda t, s: torch.select_scatter(t, s, -2, 0).cos(), x, src)
+    pairs = torch.randn(2, 3, 8, requires_grad=True)  # torchtune's interleaved RoPE: pairs on the last dim
+    check(lambda t: torch.stack([t.unflatten(-1, (-1, 2))[..., 0] * 2 - t.unflatten(-1, (-1, 2))[..., 1],
+                                 t.unflatten(-1, (-1, 2))[..., 1] * 3], -1).flatten(-2), pairs)
     ort_dynamo.reset()
     torch._dynamo.reset()
-    qkv = torch.randn(2, 8, 3, 2, 4).permute(2, 0, 3, 1, 4).requires_grad_()
+    qkv = torch.randn(2, 8, 3, 2, 4).permute(2, 0, 3, 1, 4).detach().requires_grad_()
 
     def attention_inputs(t):
         q, k, v = t
         return (q @ k.transpose(-1, -2)).softmax(-1) @ v
 
-    compiled = torch.compile(attention_inputs, backend="ort",
-                             options={"save_onnx": True, "save_path": str(tmp_path), "pointwise_kernels": False})
-    compiled(qkv).sum().backward()
-    backward = onnx.load(glob.glob(str(tmp_path / "*backward*.onnx"))[0])
-    ops = {node.op_type for node in backward.graph.node}
+    def backward_ops(pointwise_kernels: bool) -> set:
+        ort_dynamo.reset()
+        torch._dynamo.reset()
+        folder = tmp_path / str(pointwise_kernels)
+        compiled = torch.compile(attention_inputs, backend="ort", options={
+            "save_onnx": True, "save_path": str(folder), "pointwise_kernels": pointwise_kernels})
+        compiled(qkv).sum().backward()
+        ort_dynamo.wait_for_kernels()
+        return {node.op_type for path in glob.glob(str(folder / "*backward*.onnx"))
+                for node in onnx.load(path).graph.node}
+
+    ops = backward_ops(pointwise_kernels=False)
     assert "ScatterElements" not in ops and "Pad" in ops, ops
+    if _kernels.available():  # a Where, which the kernels fuse with the sum of the three
+        ops = backward_ops(pointwise_kernels=True)
+        assert not {"ScatterElements", "Pad"} & ops and ("Where" in ops or any(op.startswith("pw_") for op in ops)), ops
 
 
 # -- accumulating writes with repeated indices (ORT's ScatterND add races) ----------------------

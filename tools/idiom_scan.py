@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Idiom scan: ways models commonly index, split and reorder tensors, compiled on ORT; prints
 for each the nodes that fell back to PyTorch and the index-driven ONNX ops (Scatter*, Gather*)
-in its forward and backward models.
+in its forward and backward models, with the default options (so the pointwise kernels where
+a C compiler is found: ``ORT_DYNAMO_POINTWISE_KERNELS=0`` scans without them).
 
 Those ops take an index per element and run far slower than a copy. They are right where the
 indices are data (gather, sort, topk, max); where the indices are fixed by the code (a
@@ -41,6 +42,8 @@ IDIOMS = {
     "last_token": (lambda t: t[:, -1, :].exp(), False),
     "rotate_half": (lambda t: torch.cat((-t[..., 16:], t[..., :16]), dim=-1) * 2, False),
     "rope_interleaved": (lambda t: torch.stack((-t[..., 1::2], t[..., ::2]), dim=-1).flatten(-2) * 2, False),
+    "rope_pairs": (lambda t: torch.stack([t.unflatten(-1, (-1, 2))[..., 0], -t.unflatten(-1, (-1, 2))[..., 1]],
+                                         -1).flatten(-2) * 2, False),
     "diagonal": (lambda t: t[:, :16, :16].diagonal(dim1=1, dim2=2).exp(), False),
     "triu": (lambda t: t[:, :, :16].triu().exp(), False),
     "roll": (lambda t: t.roll(3, dims=1).exp(), False),
@@ -61,8 +64,7 @@ def scan(name: str) -> str:
     ort_dynamo.reset()
     torch._dynamo.reset()
     with tempfile.TemporaryDirectory() as folder:
-        compiled = torch.compile(function, backend="ort",
-                                 options={"save_onnx": True, "save_path": folder, "pointwise_kernels": False})
+        compiled = torch.compile(function, backend="ort", options={"save_onnx": True, "save_path": folder})
         try:
             compiled(X.clone().requires_grad_()).sum().backward()
         except Exception as exc:  # noqa: BLE001 - a scan reports, it does not stop

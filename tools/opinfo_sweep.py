@@ -104,9 +104,12 @@ non-1 dims, `convolution` with `output_padding >= stride`, negative replicate pa
 Ops that are correct but were slow, written anew: slicing's backward (a Pad, not Transpose +
 ScatterND + Transpose), `slice_scatter` (a Concat), `select`'s backward (a Pad, not
 ScatterElements with an int64 index per element: nanoGPT-style `q, k, v = qkv` and classification
-poolers' `hidden[:, 0]`) and `select_scatter` (a Concat). `tools/idiom_scan.py` lists, for common
-indexing and splitting idioms, the index-driven ONNX ops their graphs still use: interleaved RoPE
-(`x[..., ::2]`), `unfold` and reflect padding do.
+poolers' `hidden[:, 0]`) and `select_scatter` (a Concat). Where the CPU pointwise kernels apply,
+`select`'s backward and that of a strided slice taking one element of every run (`x[..., ::2]`,
+`x[..., 1::2]`: GPT-J's and torchtune's interleaved rotary embeddings) are a Where the kernels fuse
+instead: ORT's Pad along an axis of two is slow. `tools/idiom_scan.py` lists, for common indexing
+and splitting idioms, the index-driven ONNX ops their graphs still use: `unfold` and reflect
+padding do, and without the kernels the strided slices too.
 
 Approximations accurate to float32 only (the gamma family, Chebyshev polynomials) declare so
 (`ACCURATE_DTYPES`): their float64 inputs stay in PyTorch, with that reason in the report.
