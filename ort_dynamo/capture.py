@@ -14,7 +14,6 @@ import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 
-from . import _kernels
 from . import cache as cache_stage
 from . import export as export_stage
 from . import inspectors
@@ -57,17 +56,17 @@ class OrtBackend:
             fw_compiler=functools.partial(compiler, kind="forward"),
             bw_compiler=functools.partial(compiler, kind="backward"),
             inference_compiler=functools.partial(compiler, kind="inference"),
-            decompositions=lower_stage.decomposition_table(self.options.opset, self.options.cache_dir,
-                                                           _pointwise_kernels_apply(options, example_inputs)),
+            decompositions=lower_stage.decomposition_table(
+                self.options.opset, self.options.cache_dir,
+                rewrite_stage.pointwise_kernels_apply(options, _device_type(example_inputs))),
             **kwargs,
         )(gm, example_inputs)
 
 
-def _pointwise_kernels_apply(options: OrtOptions, example_inputs) -> bool:
-    """Whether this graph's elementwise chains will become generated kernels (rewrite's test)."""
-    on_cpu = all(t.device.type == "cpu" for t in example_inputs if isinstance(t, torch.Tensor))
-    return (on_cpu and options.pointwise_kernels and options.enable_compute_optimizer
-            and not options.deterministic_compute and _kernels.available())
+def _device_type(example_inputs) -> str:
+    """"cpu" unless a tensor input lives elsewhere (then that device's type)."""
+    return next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor) and t.device.type != "cpu"),
+                "cpu")
 
 
 def _recomputing_partition(joint_module, joint_inputs, **kwargs):

@@ -11,7 +11,7 @@ from . import _fusions, _kernels, _pointwise
 from .export import ExportedGraph, OutputSlot
 from .options import OrtOptions
 
-__all__ = ["rewrite"]
+__all__ = ["rewrite", "pointwise_kernels_apply"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -27,6 +27,13 @@ _BF16_OK_ON_CPU = {
     "Slice", "Gather", "GatherElements", "GatherND", "Flatten", "Shape", "Split", "Constant",
     "ConstantOfShape", "ScatterND", "ScatterElements",
 }
+
+
+def pointwise_kernels_apply(options: OrtOptions, device: str) -> bool:
+    """Whether a graph on ``device`` ("cpu", "cuda") gets generated kernels for its elementwise
+    chains: asked here, and before tracing, where it picks a few decompositions."""
+    return (device == "cpu" and options.pointwise_kernels and options.enable_compute_optimizer
+            and not options.deterministic_compute and _kernels.available())
 
 
 def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
@@ -61,7 +68,7 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         _drop_provenance(model)
     ir.passes.common.RemoveUnusedNodesPass()(model)  # what the passes above left dead
     ir.passes.common.RemoveUnusedFunctionsPass()(model)
-    if optimize and exported.device == "cpu" and options.pointwise_kernels and _kernels.available():
+    if pointwise_kernels_apply(options, exported.device):
         # Last, so that the model without the kernels (run while they compile) is the same
         # model in every other respect: same inputs, outputs and names.
         unfused = ir.serde.serialize_model(model).SerializeToString()
