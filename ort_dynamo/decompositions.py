@@ -300,6 +300,16 @@ def _antialias_matrix(in_size: int, out_size: int, align_corners: bool, scale_ar
     return torch.where(total != 0, weight / total, weight)
 
 
+def _static_row(sizes, dim, index):
+    """(dim, size, index) of ``select(dim, index)``, both made non-negative; None if that dim's
+    size is symbolic."""
+    dim = dim % len(sizes)
+    size = sizes[dim]
+    if not isinstance(size, int):
+        return None
+    return dim, size, index + size if index < 0 else index
+
+
 def _unit_slice(sizes, dim, start, end, step):
     """(dim, start, end) of a step-1 slice with static bounds, clamped as Python slices are;
     None otherwise."""
@@ -413,21 +423,19 @@ def own_decompositions() -> dict:
     # step. A Pad of zeros around it, or a Concat around the row, is a copy.
     @register(aten.select_backward.default)
     def select_backward(grad, input_sizes, dim, index):
-        dim = dim % len(input_sizes)
-        size = input_sizes[dim]
-        if not isinstance(size, int):
+        row = _static_row(input_sizes, dim, index)
+        if row is None:
             return NotImplemented
-        index = index + size if index < 0 else index
+        dim, size, index = row
         pads = [0, 0] * (len(input_sizes) - 1 - dim) + [index, size - 1 - index]
         return aten.constant_pad_nd(grad.unsqueeze(dim), pads, 0.0)
 
     @register(aten.select_scatter.default)
     def select_scatter(x, src, dim, index):
-        dim = dim % x.dim()
-        size = x.shape[dim]
-        if not isinstance(size, int):
+        row = _static_row(x.shape, dim, index)
+        if row is None:
             return NotImplemented
-        index = index + size if index < 0 else index
+        dim, _, index = row
         return slice_scatter(x, src.unsqueeze(dim), dim, index, index + 1)
 
     # Reductions of a 0-d tensor: torchlib's lowerings emit Reduce*/ArgMax with an axis,
@@ -1168,11 +1176,10 @@ def _select_backward_as_where(grad, input_sizes, dim, index):
     pointwise kernels fuse with the sum of a split's gradients (torchtune's interleaved RoPE:
     ``x.reshape(..., -1, 2)[..., 0]`` and ``[..., 1]``), where ORT's Pad along an axis of 2 is
     four times slower. Without those kernels ORT's broadcasting Where is the slower one."""
-    dim = dim % len(input_sizes)
-    size = input_sizes[dim]
-    if not isinstance(size, int):
+    row = _static_row(input_sizes, dim, index)
+    if row is None:
         return NotImplemented
-    index = index + size if index < 0 else index
+    dim, size, index = row
     row = torch.arange(size, device=grad.device).view([size if d == dim else 1 for d in range(len(input_sizes))])
     return torch.where(row == index, grad.unsqueeze(dim), torch.zeros((), dtype=grad.dtype, device=grad.device))
 
