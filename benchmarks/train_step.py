@@ -97,7 +97,9 @@ class _NanoGPT(torch.nn.Module):
 
     def __init__(self, layers: int, hidden: int, heads: int, seq: int) -> None:
         super().__init__()
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+        examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+        if examples not in sys.path:
+            sys.path.insert(0, examples)
         from train_gpt import TinyGPT
 
         self.gpt = TinyGPT(layers, hidden, heads, seq)
