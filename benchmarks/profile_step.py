@@ -1,6 +1,7 @@
 """Where a training step's time goes on ORT: kernel milliseconds per ONNX op type and the
 heaviest nodes (ORT's profiler), next to the wall time of forward, backward and optimizer
-for ort and eager, each measured in its own run of this script.
+for ort and eager, each measured in its own run of this script, and eager's GEMMs, fused attention
+and the rest (torch's profiler).
 
     .venv/bin/python benchmarks/profile_step.py --model llama
 """
@@ -102,6 +103,27 @@ def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple:
     return per_op, calls, per_node, session, per_gemm
 
 
+def eager_profile(name: str, steps: int) -> dict:
+    """Eager's step per kind of ATen op (torch's profiler, self CPU ms per step): its GEMMs,
+    its fused attention, and all the rest. Eager does the same products as ORT, so this says
+    how much of eager's step ORT could shrink at all."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, batch = build(name, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(3):
+        train_step(model, opt, batch, "cpu", False)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            train_step(model, opt, batch, "cpu", False)
+    kinds = collections.Counter()
+    for event in prof.key_averages():
+        kind = ("gemm" if event.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+                else "attention" if event.key.startswith("aten::_scaled_dot_product") else "rest")
+        kinds[kind] += event.self_cpu_time_total / 1e3 / steps
+    return kinds
+
+
 def _gemm_flop(args: dict) -> int:
     """2*M*N*K of a product from its profiled shapes (K: A's elements over the output rows)."""
     a = list(args["input_type_shape"][0].values())[0]
@@ -123,6 +145,9 @@ def main() -> None:
         t = phase_times(args.model, backend, args.steps)
         print(f"{backend:9s} forward {t['forward']:6.1f} ms  backward {t['backward']:6.1f} ms  "
               f"optimizer {t['optimizer']:5.1f} ms  total {sum(t.values()):6.1f} ms")
+    kinds = eager_profile(args.model, args.steps)
+    print(f"eager per step (torch's profiler): GEMMs {kinds['gemm']:.1f} ms, fused attention "
+          f"{kinds['attention']:.1f} ms, the rest {kinds['rest']:.1f} ms, of {sum(kinds.values()):.1f} ms")
     with tempfile.TemporaryDirectory() as folder:
         per_op, calls, per_node, session, per_gemm = ort_kernel_profile(args.model, args.steps, folder)
     print(f"ORT per step: {session['runs']:.0f} session runs taking {session['ms']:.1f} ms, of which "

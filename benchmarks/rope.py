@@ -11,13 +11,16 @@ the generated kernels are built; prints the median ms of 30 steps and ort/eager.
 
 from __future__ import annotations
 
-import statistics
-import time
+import os
+import sys
 import warnings
 
 import torch
 
-import ort_dynamo
+sys.path.insert(0, os.path.dirname(__file__))
+from train_step import interleaved_ms  # noqa: E402
+
+import ort_dynamo  # noqa: E402
 
 
 def rotate_half(x, cos, sin):
@@ -41,25 +44,9 @@ def main() -> None:
     x = torch.randn(8, 4, 128, 64, requires_grad=True)
     cos, sin = torch.randn(128, 64), torch.randn(128, 64)
 
-    def step(fn) -> float:
-        start = time.perf_counter()
-        fn(x, cos, sin).square().sum().backward()
-        return time.perf_counter() - start
-
     print(f"torch {torch.__version__}; input {tuple(x.shape)}; forward + backward, median of 30 interleaved steps")
     for function in (rotate_half, pairs, strided):
-        ort_dynamo.reset()
-        torch._dynamo.reset()
-        compiled = torch.compile(function, backend="ort")
-        for _ in range(3):
-            step(compiled)
-            step(function)
-        ort_dynamo.wait_for_kernels()
-        eager, ort = [], []
-        for _ in range(30):
-            eager.append(step(function))
-            ort.append(step(compiled))
-        e, o = statistics.median(eager) * 1e3, statistics.median(ort) * 1e3
+        e, o = interleaved_ms(function, (x, cos, sin), 30, loss=lambda out: out.square().sum())
         print(f"{function.__name__:12s} eager {e:6.2f} ms  ort {o:6.2f} ms  ort/eager {o / e:.2f}  "
               f"fallback nodes {ort_dynamo.report().fallback_nodes}", flush=True)
 

@@ -299,6 +299,28 @@ def _child_first_step(name, backend, cache_dir, args) -> None:
     print(json.dumps({"seconds": seconds, "exports": ort_dynamo.report().exports}))
 
 
+def interleaved_ms(function, inputs, steps: int, loss=lambda out: out) -> tuple[float, float]:
+    """Median ms of ``loss(function(*inputs)).backward()`` in eager and with ``function``
+    compiled on ORT, steps interleaved, after three warm-up steps and the kernels' build."""
+    def step(fn) -> float:
+        start = time.perf_counter()
+        loss(fn(*inputs)).backward()
+        return time.perf_counter() - start
+
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(function, backend="ort")
+    for _ in range(3):
+        step(compiled)
+        step(function)
+    ort_dynamo.wait_for_kernels()
+    eager, ort = [], []
+    for _ in range(steps):
+        eager.append(step(function))
+        ort.append(step(compiled))
+    return statistics.median(eager) * 1e3, statistics.median(ort) * 1e3
+
+
 def _steady_malloc() -> bool:
     """Large blocks from the heap, kept after free, whatever the other backends freed before
     (glibc only; see the module's doc)."""

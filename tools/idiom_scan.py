@@ -51,6 +51,7 @@ IDIOMS = {
     "repeat_interleave": (lambda t: t.repeat_interleave(2, dim=1).exp(), False),
     "unfold": (lambda t: t.unfold(1, 4, 2).exp(), False),
     "pad_reflect": (lambda t: F.pad(t, (2, 2), mode="reflect").exp(), False),
+    "pad_replicate": (lambda t: F.pad(t, (2, 2), mode="replicate").exp(), False),
     "gather": (lambda t: t.gather(1, INDEX.unsqueeze(-1).expand(4, 16, 32)).exp(), True),
     "index_tensor": (lambda t: t[:, INDEX[0]].exp(), True),
     "sort": (lambda t: t.sort(-1).values.exp(), True),

@@ -107,9 +107,13 @@ ScatterElements with an int64 index per element: nanoGPT-style `q, k, v = qkv` a
 poolers' `hidden[:, 0]`) and `select_scatter` (a Concat). Where the CPU pointwise kernels apply,
 `select`'s backward and that of a strided slice taking one element of every run (`x[..., ::2]`,
 `x[..., 1::2]`: GPT-J's and torchtune's interleaved rotary embeddings) are a Where the kernels fuse
-instead: ORT's Pad along an axis of two is slow. `tools/idiom_scan.py` lists, for common indexing
-and splitting idioms, the index-driven ONNX ops their graphs still use: `unfold` and reflect
-padding do, and without the kernels the strided slices too.
+instead: ORT's Pad along an axis of two is slow. Reflection and replication padding's backward
+(slices, flips and sums of the borders, not GatherND or ScatterElements) and `Tensor.unfold`
+(the input cut into rows of `step`, read as Slices and a Concat, not a Gather with an index per
+element; its backward Pads and adds, not ScatterElements): up to 42x eager's time before
+(`benchmarks/layer_ops.py`). `tools/idiom_scan.py` lists, for common indexing and splitting
+idioms, the index-driven ONNX ops their graphs still use: only the strided slices without the
+kernels, and the idioms whose indices are data.
 
 Approximations accurate to float32 only (the gamma family, Chebyshev polynomials) declare so
 (`ACCURATE_DTYPES`): their float64 inputs stay in PyTorch, with that reason in the report.

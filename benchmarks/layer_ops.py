@@ -1,0 +1,54 @@
+"""Layers of convolutional and audio models (padding, ``Tensor.unfold``), forward and backward,
+eager against ``backend="ort"``, on the shapes those models give them.
+
+    .venv/bin/python benchmarks/layer_ops.py
+    .venv/bin/python benchmarks/layer_ops.py reflect2d unfold_frames    # some cases only
+
+Each case is ``(op(x) * 1.5).square().sum()`` and its backward, timed interleaved with eager
+after the generated kernels are built, with glibc malloc's thresholds fixed as in
+train_step.py; prints the median ms of 20 steps and ort/eager.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from train_step import _steady_malloc, interleaved_ms  # noqa: E402
+
+import ort_dynamo  # noqa: E402
+
+CASES = {
+    # name: (op, input shape, where models do it)
+    "reflect1d": (lambda x: F.pad(x, (3, 3), mode="reflect"), (8, 64, 4096), "HiFi-GAN's vocoder convolutions"),
+    "reflect2d": (lambda x: F.pad(x, (1, 1, 1, 1), mode="reflect"), (8, 64, 64, 64), "CycleGAN's ReflectionPad2d"),
+    "replicate2d": (lambda x: F.pad(x, (1, 1, 1, 1), mode="replicate"), (8, 64, 64, 64), "edge padding"),
+    "unfold_frames": (lambda x: x.unfold(-1, 400, 160), (8, 16000), "audio frames: 25 ms every 10 ms"),
+    "unfold_patches": (lambda x: x.unfold(-1, 16, 16), (8, 64, 4096), "patches that touch"),
+    "unfold_overlap": (lambda x: x.unfold(-1, 4, 2), (8, 64, 4096), "windows of 4 every 2"),
+}
+
+
+def main(names: list[str]) -> None:
+    warnings.simplefilter("ignore")
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
+    torch.manual_seed(0)
+    _steady_malloc()  # as train_step.py: neither side pays page faults for the other's frees
+    print(f"torch {torch.__version__}; forward + backward, median of 20 interleaved steps")
+    for name in names or CASES:
+        op, shape, where = CASES[name]
+        x = torch.randn(*shape, requires_grad=True)
+        e, o = interleaved_ms(lambda t, op=op: (op(t) * 1.5).square().sum(), (x,), 20)
+        print(f"{name:15s} {str(tuple(shape)):17s} eager {e:7.2f} ms  ort {o:7.2f} ms  ort/eager {o / e:5.2f}  "
+              f"fallback nodes {ort_dynamo.report().fallback_nodes}  ({where})", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
