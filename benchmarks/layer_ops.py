@@ -1,5 +1,6 @@
-"""Layers of convolutional and audio models (padding, ``Tensor.unfold``), forward and backward,
-eager against ``backend="ort"``, on the shapes those models give them.
+"""Layers of convolutional and audio models (padding, ``Tensor.unfold``, adaptive average
+pooling), forward and backward, eager against ``backend="ort"``, on the shapes those models
+give them.
 
     .venv/bin/python benchmarks/layer_ops.py
     .venv/bin/python benchmarks/layer_ops.py reflect2d unfold_frames    # some cases only
@@ -31,6 +32,8 @@ CASES = {
     "unfold_frames": (lambda x: x.unfold(-1, 400, 160), (8, 16000), "audio frames: 25 ms every 10 ms"),
     "unfold_patches": (lambda x: x.unfold(-1, 16, 16), (8, 64, 4096), "patches that touch"),
     "unfold_overlap": (lambda x: x.unfold(-1, 4, 2), (8, 64, 4096), "windows of 4 every 2"),
+    "adaptive_avg": (lambda x: F.adaptive_avg_pool2d(x, 7), (8, 64, 56, 56), "windows that tile the input"),
+    "adaptive_avg_3d": (lambda x: F.adaptive_avg_pool3d(x, 4), (4, 32, 16, 32, 32), "video models' pooling"),
 }
 
 

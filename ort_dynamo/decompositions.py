@@ -4,6 +4,7 @@ torchlib lowers. Used by ``lower.decomposition_table``; one function per op, eac
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch._decomp import decomposition_table as _torch_decompositions
@@ -113,11 +114,24 @@ def _adaptive_matrix(in_size: int, out_size: int, like):
     return inside.to(like.dtype) / (end - start).to(like.dtype)[:, None]
 
 
+def _pool_window(in_size, out_size):
+    """The window of adaptive pooling along a dim whose windows tile it (``in`` a multiple of
+    ``out``): then each is a plain mean, without the (out, in) matrix. None otherwise."""
+    if isinstance(in_size, int) and isinstance(out_size, int) and out_size > 0 and in_size % out_size == 0:
+        return in_size // out_size
+    return None
+
+
 def _adaptive_avg_pool(x, output_size):
     spatial = len(output_size)
+    lead = x.dim() - spatial
+    windows = [_pool_window(x.shape[lead + d], output_size[d]) for d in range(spatial)]
+    if None not in windows:  # windows that tile the input: one mean over them all
+        tiles = [n for pair in zip(output_size, windows) for n in pair]
+        return x.reshape(*x.shape[:lead], *tiles).mean([lead + 2 * d + 1 for d in range(spatial)])
     out = x
     for d in range(spatial):
-        axis = x.dim() - spatial + d
+        axis = lead + d
         m = _adaptive_matrix(x.shape[axis], output_size[d], x)
         # (.., in) x (out, in) -> (.., out) as multiply + sum: ORT's MatMul+Transpose fusion
         # mis-shapes some of these products (see docs/ops.md).
@@ -126,9 +140,19 @@ def _adaptive_avg_pool(x, output_size):
 
 
 def _adaptive_avg_pool_backward(grad_out, x, spatial: int):
+    lead = grad_out.dim() - spatial
+    windows = [_pool_window(x.shape[lead + d], grad_out.shape[lead + d]) for d in range(spatial)]
+    if None not in windows:
+        # Windows that tile the input: each output's gradient spread evenly over its window, one
+        # Expand of [.., out, 1, ..] to [.., out, window, ..] for all dims at once (not the
+        # (out, in) matrix's products, nor one Expand per dim: ORT's Expand is slow on short rows).
+        rows = (grad_out / math.prod(windows)).reshape(
+            *grad_out.shape[:lead], *[n for n in grad_out.shape[lead:] for n in (n, 1)])
+        spread = [*grad_out.shape[:lead], *[n for pair in zip(grad_out.shape[lead:], windows) for n in pair]]
+        return rows.expand(spread).reshape(x.shape)
     grad = grad_out
     for d in range(spatial):
-        axis = grad_out.dim() - spatial + d
+        axis = lead + d
         m = _adaptive_matrix(x.shape[axis], grad_out.shape[axis], x)
         grad = (grad.movedim(axis, -1).unsqueeze(-1) * m).sum(-2).movedim(-1, axis)
     return grad

@@ -366,6 +366,33 @@ def test_padding_backward_and_unfold_without_index_driven_ops(tmp_path):
     assert not {op for op in ops if op.startswith(("Gather", "Scatter"))}, ops
 
 
+def test_adaptive_average_pooling_whose_windows_tile_the_input_is_a_mean_and_a_spread(tmp_path):
+    """Where the input is a multiple of the output (ResNet's 56 -> 7, any pooling to 1), every
+    window is a plain mean: the backward spreads each gradient over its window with one Expand,
+    and 3-D pooling is one ReduceMean, not products against an (out, in) averaging matrix (the
+    backward 5x eager's time, benchmarks/layer_ops.py). Other sizes keep the matrix."""
+    import glob
+
+    import onnx
+
+    x = torch.randn(2, 3, 12, 8, requires_grad=True)
+    check(lambda t: F.adaptive_avg_pool2d(t, (3, 4)).sin(), x)
+    check(lambda t: F.adaptive_avg_pool2d(t, (6, 3)).sin(), x)  # 8 -> 3 does not tile
+    v = torch.randn(2, 3, 4, 6, 8, requires_grad=True)
+    check(lambda t: F.adaptive_avg_pool3d(t, (2, 3, 4)).sin(), v)
+    check(lambda t: F.adaptive_avg_pool3d(t[0], (1, 2, 1)).sin(), v)  # unbatched
+    check(lambda t: F.adaptive_avg_pool3d(t, (3, 4, 5)).sin(), v)
+
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b: (F.adaptive_avg_pool2d(a, (3, 4)), F.adaptive_avg_pool3d(b, (2, 3, 4))),
+                             backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
+    pooled, pooled_3d = compiled(x, v)
+    (pooled.sum() + pooled_3d.sum()).backward()
+    ops = {node.op_type for path in glob.glob(str(tmp_path / "*.onnx")) for node in onnx.load(path).graph.node}
+    assert "Expand" in ops and "ReduceMean" in ops and not {"ReduceSum", "MatMul"} & ops, ops
+
+
 def test_select_backward_and_select_scatter_without_scatter_elements(tmp_path):
     """Indexing's backward is a Pad, or a Where the pointwise kernels fuse, and select_scatter a
     Concat (torchlib: ScatterElements with an int64 index per element; nanoGPT-style attention's
