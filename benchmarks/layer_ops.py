@@ -1,6 +1,6 @@
-"""Layers of convolutional and audio models (padding, ``Tensor.unfold``, adaptive average
-pooling), forward and backward, eager against ``backend="ort"``, on the shapes those models
-give them.
+"""Layers of convolutional and audio models (padding, ``Tensor.unfold``, nearest upsampling,
+adaptive average pooling), forward and backward, eager against ``backend="ort"``, on the shapes
+those models give them.
 
     .venv/bin/python benchmarks/layer_ops.py
     .venv/bin/python benchmarks/layer_ops.py reflect2d unfold_frames    # some cases only
@@ -32,6 +32,8 @@ CASES = {
     "unfold_frames": (lambda x: x.unfold(-1, 400, 160), (8, 16000), "audio frames: 25 ms every 10 ms"),
     "unfold_patches": (lambda x: x.unfold(-1, 16, 16), (8, 64, 4096), "patches that touch"),
     "unfold_overlap": (lambda x: x.unfold(-1, 4, 2), (8, 64, 4096), "windows of 4 every 2"),
+    "upsample_nearest": (lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), (8, 64, 32, 32),
+                         "U-Net and diffusion decoders"),
     "adaptive_avg": (lambda x: F.adaptive_avg_pool2d(x, 7), (8, 64, 56, 56), "windows that tile the input"),
     "adaptive_avg_3d": (lambda x: F.adaptive_avg_pool3d(x, 4), (4, 32, 16, 32, 32), "video models' pooling"),
 }
@@ -49,7 +51,7 @@ def main(names: list[str]) -> None:
         op, shape, where = CASES[name]
         x = torch.randn(*shape, requires_grad=True)
         e, o = interleaved_ms(lambda t, op=op: (op(t) * 1.5).square().sum(), (x,), 20)
-        print(f"{name:15s} {str(tuple(shape)):17s} eager {e:7.2f} ms  ort {o:7.2f} ms  ort/eager {o / e:5.2f}  "
+        print(f"{name:16s} {str(tuple(shape)):19s} eager {e:7.2f} ms  ort {o:7.2f} ms  ort/eager {o / e:5.2f}  "
               f"fallback nodes {ort_dynamo.report().fallback_nodes}  ({where})", flush=True)
 
 

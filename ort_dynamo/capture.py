@@ -52,15 +52,16 @@ class OrtBackend:
         kwargs = {}
         if self.options.memory_opt_level >= 1:
             kwargs["partition_fn"] = _recomputing_partition
-        return aot_autograd(
-            fw_compiler=functools.partial(compiler, kind="forward"),
-            bw_compiler=functools.partial(compiler, kind="backward"),
-            inference_compiler=functools.partial(compiler, kind="inference"),
-            decompositions=lower_stage.decomposition_table(
-                self.options.opset, self.options.cache_dir,
-                rewrite_stage.pointwise_kernels_apply(options, _device_type(example_inputs))),
-            **kwargs,
-        )(gm, example_inputs)
+        with lower_stage.whole_upsampling():
+            return aot_autograd(
+                fw_compiler=functools.partial(compiler, kind="forward"),
+                bw_compiler=functools.partial(compiler, kind="backward"),
+                inference_compiler=functools.partial(compiler, kind="inference"),
+                decompositions=lower_stage.decomposition_table(
+                    self.options.opset, self.options.cache_dir,
+                    rewrite_stage.pointwise_kernels_apply(options, _device_type(example_inputs))),
+                **kwargs,
+            )(gm, example_inputs)
 
 
 def _device_type(example_inputs) -> str:

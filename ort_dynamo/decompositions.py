@@ -447,6 +447,70 @@ def _unfold_backward(grad, input_size, dimension, size, step):
     return total.narrow(dim, 0, length) if span >= length else _with_zeros(total, dim, 0, length - span)
 
 
+def _nearest_ratio(input_size: int, output_size: int, scale):
+    """What torch multiplies an output position by to get nearest upsampling's input position."""
+    return input_size / (input_size * scale) if scale is not None and scale > 0 else input_size / output_size
+
+
+def _nearest_blocks(input_sizes, output_size, scales):
+    """Per upsampled dim, the whole number of times each input element repeats, where torch's
+    index (``floor(o * ratio)`` in float32, as ATen's kernel) is ``o // s`` at every output ``o``
+    and a scale given is that number, so that ONNX Resize picks the same elements; else None
+    (symbolic sizes too)."""
+    import numpy as np
+
+    spatial = len(output_size)
+    blocks = []
+    for d in range(spatial):
+        isize, osize = input_sizes[len(input_sizes) - spatial + d], output_size[d]
+        scale = scales[d] if d < len(scales) else None
+        if not _static(isize, osize) or isize <= 0 or osize % isize:
+            return None
+        repeat = osize // isize
+        if scale is not None and scale > 0 and scale != repeat:
+            return None
+        index = (np.arange(osize, dtype=np.float32) * np.float32(_nearest_ratio(isize, osize, scale))).astype(np.int64)
+        if not np.array_equal(index, np.arange(osize) // repeat):
+            return None
+        blocks.append(repeat)
+    return blocks
+
+
+# Nearest upsampling (U-Nets, FPNs, diffusion models' decoders), kept whole while tracing by
+# lower.whole_upsampling: torch's gather made the backward a ScatterElements with an int64
+# index per element. Where each input element repeats a whole number of times, the forward is
+# torchlib's Resize and the backward a sum over the repeats.
+
+
+def _upsample_nearest(op, x, output_size, *scales):
+    if (_nearest_blocks(x.shape, output_size, scales) is not None
+            and x.dtype in _RESIZE_DTYPES.get(x.device.type, ())):
+        return NotImplemented  # torchlib: Resize
+    return _torch_decompositions[op](x, output_size, *scales)
+
+
+#: What ORT 1.31's Resize takes, per device (a float64 Resize has no CPU kernel).
+_RESIZE_DTYPES = {"cpu": (torch.float32,), "cuda": (torch.float32, torch.float16)}
+
+
+def _upsample_nearest_backward(grad, output_size, input_size, *scales):
+    spatial = len(output_size)
+    lead = len(input_size) - spatial
+    blocks = _nearest_blocks(input_size, output_size, scales)
+    if blocks is not None:
+        tiles = [n for pair in zip(input_size[lead:], blocks) for n in pair]
+        return grad.reshape(*grad.shape[:lead], *tiles).sum([lead + 2 * d + 1 for d in range(spatial)])
+    out = grad  # the gather's indices, as torch computes them, summed back one dim at a time
+    for d in range(spatial):
+        axis, isize, osize = lead + d, input_size[lead + d], output_size[d]
+        ratio = _nearest_ratio(isize, osize, scales[d] if d < len(scales) else None)
+        index = (torch.arange(osize, dtype=torch.float32, device=grad.device) * ratio).to(torch.int64)
+        zeros = list(out.shape)
+        zeros[axis] = isize
+        out = torch.zeros(zeros, dtype=grad.dtype, device=grad.device).index_add(axis, index, out)
+    return out
+
+
 @functools.lru_cache(None)
 def own_decompositions() -> dict:
     table = {}
@@ -742,6 +806,10 @@ def own_decompositions() -> dict:
                aten.reflection_pad3d_backward.default):
         table[op] = functools.partial(_reflection_pad_backward, op)
     table[aten.unfold_backward.default] = _unfold_backward
+    for n in (1, 2, 3):
+        forward = getattr(aten, f"upsample_nearest{n}d").default
+        table[forward] = functools.partial(_upsample_nearest, forward)
+        table[getattr(aten, f"upsample_nearest{n}d_backward").default] = _upsample_nearest_backward
 
     @register(aten.max_pool3d_with_indices_backward.default)
     def max_pool3d_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):

@@ -9,13 +9,17 @@ or is decomposed into ops that do. Two mechanisms:
   math, autograd derives a backward made of matmul/softmax/gathers.
 * ``decomposition_table`` is handed to AOTAutograd: torch's decompositions for ops
   torchlib lacks (most ``*_backward`` ops) plus our own for those torch has none of.
+  ``whole_upsampling`` is the context AOTAutograd traces in, so that the table, not a
+  decomposition torch applies above autograd, decides how nearest upsampling is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import operator
+import threading
 
 import torch
 import torch.fx
@@ -23,7 +27,7 @@ from torch._decomp import decomposition_table as _torch_decompositions
 
 from .decompositions import own_decompositions, pointwise_decompositions
 
-__all__ = ["lower_graph", "decomposition_table"]
+__all__ = ["lower_graph", "decomposition_table", "whole_upsampling"]
 
 aten = torch.ops.aten
 
@@ -364,3 +368,35 @@ def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = 
     if pointwise:
         table.update(pointwise_decompositions())
     return table
+
+
+#: Ops torch decomposes in Python above autograd while tracing (``py_impl`` kernels): nearest
+#: upsampling becomes an index gather whose backward scatters with an int64 index per element.
+_UPSAMPLING = tuple(getattr(getattr(aten, f"upsample_nearest{n}d"), overload)
+                    for n in (1, 2, 3) for overload in ("vec", "default"))
+_ABOVE_AUTOGRAD = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.CompositeImplicitAutograd)
+_upsampling_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def whole_upsampling():
+    """While AOTAutograd traces: nearest upsampling reaches the trace as the ATen op, with
+    ATen's backward op, so the decomposition table chooses (ONNX Resize and a reshaped sum
+    where the scale is a whole number; torch's own gather otherwise, ``decompositions``).
+    torch's Python kernels for those dispatch keys are set aside and put back after; eager
+    never runs them (only the tracer's Python dispatcher does), and ATen's C++ kernels compute
+    the same."""
+    with _upsampling_lock:
+        saved = {}
+        try:
+            for op in _UPSAMPLING:
+                for key in _ABOVE_AUTOGRAD:
+                    if key in op.py_kernels:
+                        saved[op, key] = op.py_kernels.pop(key)
+                op._dispatch_cache.clear()
+            yield
+        finally:
+            for (op, key), kernel in saved.items():
+                op.py_kernels[key] = kernel
+            for op in _UPSAMPLING:
+                op._dispatch_cache.clear()

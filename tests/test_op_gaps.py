@@ -393,6 +393,38 @@ def test_adaptive_average_pooling_whose_windows_tile_the_input_is_a_mean_and_a_s
     assert "Expand" in ops and "ReduceMean" in ops and not {"ReduceSum", "MatMul"} & ops, ops
 
 
+def test_nearest_upsampling_by_whole_numbers_is_a_resize_and_a_sum(tmp_path):
+    """Nearest upsampling (U-Net and diffusion decoders) reached the trace as torch's index
+    gather, whose backward is a ScatterElements with an int64 index per element. Where each
+    input element repeats a whole number of times, it is ONNX Resize, and its backward a sum
+    over the repeats. Other scales, float64 (ORT's CPU Resize has none) and nearest-exact keep
+    torch's gather, and torch's tracing kernels are back in place after the compile."""
+    import glob
+
+    import onnx
+
+    x = torch.randn(2, 3, 5, 7, requires_grad=True)
+    check(lambda t: F.interpolate(t, scale_factor=2, mode="nearest").sin(), x)
+    check(lambda t: F.interpolate(t, size=(15, 7), mode="nearest").sin(), x)
+    check(lambda t: F.interpolate(t[:, :, 0], scale_factor=4, mode="nearest").sin(), x)  # 1-D
+    check(lambda t: F.interpolate(t.unsqueeze(2), scale_factor=(2, 1, 3), mode="nearest").sin(), x)  # 3-D
+    check(lambda t: F.interpolate(t, scale_factor=1.5, mode="nearest").sin(), x)
+    check(lambda t: F.interpolate(t, size=(7, 9), mode="nearest").sin(), x)
+    check(lambda t: F.interpolate(t, scale_factor=0.5, mode="nearest").sin(), x)
+    check(lambda t: F.interpolate(t.double(), scale_factor=2, mode="nearest").sin(), x)
+    check(lambda t: F.interpolate(t, scale_factor=2, mode="nearest-exact").sin(), x)
+
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: F.interpolate(t, scale_factor=2, mode="nearest").square().sum(),
+                             backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
+    compiled(x).backward()
+    ops = {node.op_type for path in glob.glob(str(tmp_path / "*.onnx")) for node in onnx.load(path).graph.node}
+    assert "Resize" in ops and not {op for op in ops if op.startswith(("Gather", "Scatter"))}, ops
+    for op in (torch.ops.aten.upsample_nearest2d.vec, torch.ops.aten.upsample_nearest2d.default):
+        assert torch._C.DispatchKey.Autograd in op.py_kernels
+
+
 def test_select_backward_and_select_scatter_without_scatter_elements(tmp_path):
     """Indexing's backward is a Pad, or a Where the pointwise kernels fuse, and select_scatter a
     Concat (torchlib: ScatterElements with an int64 index per element; nanoGPT-style attention's

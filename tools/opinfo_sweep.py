@@ -111,7 +111,10 @@ instead: ORT's Pad along an axis of two is slow. Reflection and replication padd
 (slices, flips and sums of the borders, not GatherND or ScatterElements) and `Tensor.unfold`
 (the input cut into rows of `step`, read as Slices and a Concat, not a Gather with an index per
 element; its backward Pads and adds, not ScatterElements): up to 42x eager's time before
-(`benchmarks/layer_ops.py`). `tools/idiom_scan.py` lists, for common indexing and splitting
+(`benchmarks/layer_ops.py`). Adaptive average pooling whose windows tile the input is a mean and
+one Expand, not products against an averaging matrix. Nearest upsampling by whole numbers is ONNX
+Resize, its backward a reshaped sum (torch's tracing would write both as index gathers and
+scatters; `lower.whole_upsampling`). `tools/idiom_scan.py` lists, for common indexing and splitting
 idioms, the index-driven ONNX ops their graphs still use: only the strided slices without the
 kernels, and the idioms whose indices are data.
 
