@@ -1,4 +1,4 @@
-"""Layers of convolutional and audio models (padding, ``Tensor.unfold``, nearest upsampling,
+"""Layers of convolutional and audio models (padding, ``Tensor.unfold``, upsampling,
 adaptive average pooling), forward and backward, eager against ``backend="ort"``, on the shapes
 those models give them.
 
@@ -34,6 +34,10 @@ CASES = {
     "unfold_overlap": (lambda x: x.unfold(-1, 4, 2), (8, 64, 4096), "windows of 4 every 2"),
     "upsample_nearest": (lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), (8, 64, 32, 32),
                          "U-Net and diffusion decoders"),
+    "upsample_bilinear": (lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), (8, 64, 32, 32),
+                          "segmentation decoders, FPNs"),
+    "upsample_bilinear_ac": (lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=True),
+                             (8, 64, 32, 32), "the same, align_corners=True"),
     "adaptive_avg": (lambda x: F.adaptive_avg_pool2d(x, 7), (8, 64, 56, 56), "windows that tile the input"),
     "adaptive_avg_3d": (lambda x: F.adaptive_avg_pool3d(x, 4), (4, 32, 16, 32, 32), "video models' pooling"),
 }
@@ -51,7 +55,7 @@ def main(names: list[str]) -> None:
         op, shape, where = CASES[name]
         x = torch.randn(*shape, requires_grad=True)
         e, o = interleaved_ms(lambda t, op=op: (op(t) * 1.5).square().sum(), (x,), 20)
-        print(f"{name:16s} {str(tuple(shape)):19s} eager {e:7.2f} ms  ort {o:7.2f} ms  ort/eager {o / e:5.2f}  "
+        print(f"{name:20s} {str(tuple(shape)):19s} eager {e:7.2f} ms  ort {o:7.2f} ms  ort/eager {o / e:5.2f}  "
               f"fallback nodes {ort_dynamo.report().fallback_nodes}  ({where})", flush=True)
 
 

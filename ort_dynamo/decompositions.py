@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import torch
 from torch._decomp import decomposition_table as _torch_decompositions
@@ -511,6 +512,99 @@ def _upsample_nearest_backward(grad, output_size, input_size, *scales):
     return out
 
 
+# Linear upsampling (bilinear decoders, FPNs), kept whole the same way: torch's gather of the
+# 2^n corners made the backward 2^n ScatterElements. Resize forward where ORT computes what torch
+# does (whole-number scales, or align_corners); the backward as sums and shifts for whole-number
+# scales, else an index_add per dim with torch's own indices and weights.
+
+
+def _linear_index(in_size, out_size, align_corners, scale, like):
+    """Per output position: torch's lower input index, the upper one and the upper's weight."""
+    if align_corners:
+        ratio = (in_size - 1.0) / (out_size - 1.0) if out_size > 1 else 0.0
+        source = torch.arange(out_size, device=like.device).to(like.dtype) * ratio
+    else:
+        ratio = 1.0 / scale if scale is not None and scale > 0 else in_size / out_size
+        source = (ratio * (torch.arange(out_size, device=like.device).to(like.dtype) + 0.5) - 0.5).clamp(min=0.0)
+    lower = source.to(torch.int64)
+    return lower, (lower + 1).clamp(max=in_size - 1), (source - lower).clamp(0.0, 1.0)
+
+
+def _linear_phases(in_size, out_size, align_corners, scale):
+    """For a whole-number scale ``s`` without align_corners: output ``s * i + r`` reads input
+    ``i`` and its neighbour on the side of ``delta_r = (2r + 1 - s) / 2s`` with weight
+    ``|delta_r|`` (the edges clamp). The deltas, or None where that is not what torch computes."""
+    import numpy as np
+
+    if align_corners or not _static(in_size, out_size) or in_size <= 0 or out_size % in_size:
+        return None
+    repeat = out_size // in_size
+    if scale is not None and scale > 0 and scale != repeat:
+        return None
+    ratio = np.float32(1.0 / scale if scale is not None and scale > 0 else in_size / out_size)
+    source = np.maximum(ratio * (np.arange(out_size, dtype=np.float32) + np.float32(0.5)) - np.float32(0.5), 0)
+    deltas = [(2 * r + 1 - repeat) / (2 * repeat) for r in range(repeat)]
+    expected = np.array([max(i + d, 0.0) for i in range(in_size) for d in deltas])
+    if not np.allclose(source, expected, rtol=0, atol=1e-5):
+        return None
+    return deltas
+
+
+def _upsample_linear(op, x, output_size, align_corners, *scales):
+    spatial = len(output_size)
+    whole = all(_linear_phases(x.shape[x.dim() - spatial + d], output_size[d], align_corners,
+                               scales[d] if d < len(scales) else None) is not None for d in range(spatial))
+    static = _static(*x.shape[x.dim() - spatial:], *output_size)
+    if (whole or (align_corners and static)) and x.dtype in _RESIZE_DTYPES.get(x.device.type, ()):
+        return NotImplemented  # torchlib: Resize
+    return _torch_decompositions[op](x, output_size, align_corners, *scales)
+
+
+def _upsample_linear_backward(grad, output_size, input_size, align_corners, *scales):
+    spatial = len(output_size)
+    lead = len(input_size) - spatial
+    out = grad
+    for d in range(spatial):
+        axis, size = lead + d, input_size[lead + d]
+        scale = scales[d] if d < len(scales) else None
+        deltas = _linear_phases(size, output_size[d], align_corners, scale)
+        if deltas is not None:
+            out = _linear_phases_backward(out, axis, size, deltas)
+            continue
+        lower, upper, weight = _linear_index(size, output_size[d], align_corners, scale, grad)
+        weight = weight.reshape([-1] + [1] * (out.dim() - 1 - axis)).to(grad.dtype)
+        zeros = list(out.shape)
+        zeros[axis] = size
+        base = torch.zeros(zeros, dtype=grad.dtype, device=grad.device)
+        out = base.index_add(axis, lower, out * (1 - weight)).index_add(axis, upper, out * weight)
+    return out
+
+
+def _linear_phases_backward(grad, axis, size, deltas):
+    """The gradient of one whole-number linear upsampling along ``axis``: per input element the
+    sum of its outputs' own weights, plus what the neighbours' outputs gave it."""
+    phases = grad.unflatten(axis, (size, len(deltas)))
+    rows = [row.squeeze(axis + 1) for row in phases.split(1, axis + 1)]  # output s * i + r, per i: one Split
+
+    def weighted(weights):  # elementwise, which the pointwise kernels fuse
+        terms = [row * w for row, w in zip(rows, weights) if w]
+        return functools.reduce(operator.add, terms) if terms else torch.zeros_like(rows[0])
+
+    own = weighted([1 - abs(d) for d in deltas])
+    if size == 1:
+        return own + weighted([abs(d) for d in deltas])
+    to_next = weighted([max(d, 0.0) for d in deltas])  # reaches size + 1, the last one itself
+    to_previous = weighted([max(-d, 0.0) for d in deltas])  # reaches size - 1, the first one itself
+    narrow = functools.partial(torch.narrow, dim=axis)
+    from_previous = aten.cat([torch.zeros_like(narrow(to_next, start=0, length=1)),
+                              narrow(to_next, start=0, length=size - 2),
+                              narrow(to_next, start=size - 2, length=1) + narrow(to_next, start=size - 1, length=1)], axis)
+    from_next = aten.cat([narrow(to_previous, start=0, length=1) + narrow(to_previous, start=1, length=1),
+                          narrow(to_previous, start=2, length=size - 2),
+                          torch.zeros_like(narrow(to_previous, start=0, length=1))], axis)
+    return own + from_previous + from_next
+
+
 @functools.lru_cache(None)
 def own_decompositions() -> dict:
     table = {}
@@ -810,6 +904,10 @@ def own_decompositions() -> dict:
         forward = getattr(aten, f"upsample_nearest{n}d").default
         table[forward] = functools.partial(_upsample_nearest, forward)
         table[getattr(aten, f"upsample_nearest{n}d_backward").default] = _upsample_nearest_backward
+    for name in ("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d"):
+        forward = getattr(aten, name).default
+        table[forward] = functools.partial(_upsample_linear, forward)
+        table[getattr(aten, f"{name}_backward").default] = _upsample_linear_backward
 
     @register(aten.max_pool3d_with_indices_backward.default)
     def max_pool3d_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):

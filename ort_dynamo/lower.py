@@ -10,7 +10,7 @@ or is decomposed into ops that do. Two mechanisms:
 * ``decomposition_table`` is handed to AOTAutograd: torch's decompositions for ops
   torchlib lacks (most ``*_backward`` ops) plus our own for those torch has none of.
   ``whole_upsampling`` is the context AOTAutograd traces in, so that the table, not a
-  decomposition torch applies above autograd, decides how nearest upsampling is written.
+  decomposition torch applies above autograd, decides how upsampling is written.
 """
 
 from __future__ import annotations
@@ -371,18 +371,22 @@ def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = 
 
 
 #: Ops torch decomposes in Python above autograd while tracing (``py_impl`` kernels): nearest
-#: upsampling becomes an index gather whose backward scatters with an int64 index per element.
-_UPSAMPLING = tuple(getattr(getattr(aten, f"upsample_nearest{n}d"), overload)
-                    for n in (1, 2, 3) for overload in ("vec", "default"))
+#: and linear upsampling become index gathers whose backward scatters with an int64 index per
+#: element.
+_UPSAMPLING = tuple(getattr(getattr(aten, name), overload)
+                    for name in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+                                 "upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d")
+                    for overload in ("vec", "default"))
 _ABOVE_AUTOGRAD = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.CompositeImplicitAutograd)
 _upsampling_lock = threading.RLock()
 
 
 @contextlib.contextmanager
 def whole_upsampling():
-    """While AOTAutograd traces: nearest upsampling reaches the trace as the ATen op, with
-    ATen's backward op, so the decomposition table chooses (ONNX Resize and a reshaped sum
-    where the scale is a whole number; torch's own gather otherwise, ``decompositions``).
+    """While AOTAutograd traces: nearest and linear upsampling reach the trace as the ATen op,
+    with ATen's backward op, so the decomposition table chooses (ONNX Resize, and a backward of
+    reshaped sums and shifts, where the scale is a whole number; torch's own gather and an
+    index_add otherwise, ``decompositions``).
     torch's Python kernels for those dispatch keys are set aside and put back after; eager
     never runs them (only the tracer's Python dispatcher does), and ATen's C++ kernels compute
     the same."""

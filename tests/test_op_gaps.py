@@ -332,6 +332,21 @@ def test_strided_slices_backward_without_scatter_nd_where_kernels_build(tmp_path
 
 
 
+def onnx_ops_of(fn, *inputs, folder) -> set:
+    """Op types in the ONNX models ``fn`` compiles to on ORT, forward and backward (of the sum
+    of its outputs)."""
+    import glob
+
+    import onnx
+
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="ort", options={"save_onnx": True, "save_path": str(folder)})
+    out = compiled(*inputs)
+    sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
+    return {node.op_type for path in glob.glob(str(folder / "*.onnx")) for node in onnx.load(path).graph.node}
+
+
 def test_padding_backward_and_unfold_without_index_driven_ops(tmp_path):
     """Reflection and replication padding's backward and ``Tensor.unfold`` (forward and
     backward) are slices, flips, sums and Concats: their indices are fixed by the shapes.
@@ -339,10 +354,6 @@ def test_padding_backward_and_unfold_without_index_driven_ops(tmp_path):
     (GatherND, ScatterElements, Gather): 2-40x eager's time (benchmarks/layer_ops.py).
     Borders up to the dim's size less one, every dim of 3-D padding, windows that overlap,
     touch or leave gaps, and a tail no window reads."""
-    import glob
-
-    import onnx
-
     x = torch.randn(2, 3, 6, 5, requires_grad=True)
     check(lambda t: F.pad(t, (1, 2, 3, 0), mode="reflect").sin(), x)
     check(lambda t: F.pad(t, (4, 4, 5, 5), mode="reflect").sin(), x)  # the borders' targets meet
@@ -355,14 +366,9 @@ def test_padding_backward_and_unfold_without_index_driven_ops(tmp_path):
         check(lambda t: (t.unfold(-1, size, step) * 2).sin(), s)
     check(lambda t: t.unfold(1, 2, 1).exp(), s)  # the windows' elements move last
 
-    compiled = torch.compile(lambda t: F.pad(t, (2, 1, 1, 2), mode="reflect").sum()
-                             + F.pad(t, (1, 1, 1, 1), mode="replicate").square().sum()
-                             + t.flatten(-2).unfold(-1, 4, 2).sin().sum(),
-                             backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
-    ort_dynamo.reset()
-    torch._dynamo.reset()
-    compiled(x).backward()
-    ops = {node.op_type for path in glob.glob(str(tmp_path / "*.onnx")) for node in onnx.load(path).graph.node}
+    ops = onnx_ops_of(lambda t: F.pad(t, (2, 1, 1, 2), mode="reflect").sum()
+                      + F.pad(t, (1, 1, 1, 1), mode="replicate").square().sum()
+                      + t.flatten(-2).unfold(-1, 4, 2).sin().sum(), x, folder=tmp_path)
     assert not {op for op in ops if op.startswith(("Gather", "Scatter"))}, ops
 
 
@@ -371,10 +377,6 @@ def test_adaptive_average_pooling_whose_windows_tile_the_input_is_a_mean_and_a_s
     window is a plain mean: the backward spreads each gradient over its window with one Expand,
     and 3-D pooling is one ReduceMean, not products against an (out, in) averaging matrix (the
     backward 5x eager's time, benchmarks/layer_ops.py). Other sizes keep the matrix."""
-    import glob
-
-    import onnx
-
     x = torch.randn(2, 3, 12, 8, requires_grad=True)
     check(lambda t: F.adaptive_avg_pool2d(t, (3, 4)).sin(), x)
     check(lambda t: F.adaptive_avg_pool2d(t, (6, 3)).sin(), x)  # 8 -> 3 does not tile
@@ -383,13 +385,8 @@ def test_adaptive_average_pooling_whose_windows_tile_the_input_is_a_mean_and_a_s
     check(lambda t: F.adaptive_avg_pool3d(t[0], (1, 2, 1)).sin(), v)  # unbatched
     check(lambda t: F.adaptive_avg_pool3d(t, (3, 4, 5)).sin(), v)
 
-    ort_dynamo.reset()
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda a, b: (F.adaptive_avg_pool2d(a, (3, 4)), F.adaptive_avg_pool3d(b, (2, 3, 4))),
-                             backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
-    pooled, pooled_3d = compiled(x, v)
-    (pooled.sum() + pooled_3d.sum()).backward()
-    ops = {node.op_type for path in glob.glob(str(tmp_path / "*.onnx")) for node in onnx.load(path).graph.node}
+    ops = onnx_ops_of(lambda a, b: (F.adaptive_avg_pool2d(a, (3, 4)), F.adaptive_avg_pool3d(b, (2, 3, 4))),
+                      x, v, folder=tmp_path)
     assert "Expand" in ops and "ReduceMean" in ops and not {"ReduceSum", "MatMul"} & ops, ops
 
 
@@ -399,10 +396,6 @@ def test_nearest_upsampling_by_whole_numbers_is_a_resize_and_a_sum(tmp_path):
     input element repeats a whole number of times, it is ONNX Resize, and its backward a sum
     over the repeats. Other scales, float64 (ORT's CPU Resize has none) and nearest-exact keep
     torch's gather, and torch's tracing kernels are back in place after the compile."""
-    import glob
-
-    import onnx
-
     x = torch.randn(2, 3, 5, 7, requires_grad=True)
     check(lambda t: F.interpolate(t, scale_factor=2, mode="nearest").sin(), x)
     check(lambda t: F.interpolate(t, size=(15, 7), mode="nearest").sin(), x)
@@ -414,15 +407,32 @@ def test_nearest_upsampling_by_whole_numbers_is_a_resize_and_a_sum(tmp_path):
     check(lambda t: F.interpolate(t.double(), scale_factor=2, mode="nearest").sin(), x)
     check(lambda t: F.interpolate(t, scale_factor=2, mode="nearest-exact").sin(), x)
 
-    ort_dynamo.reset()
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda t: F.interpolate(t, scale_factor=2, mode="nearest").square().sum(),
-                             backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
-    compiled(x).backward()
-    ops = {node.op_type for path in glob.glob(str(tmp_path / "*.onnx")) for node in onnx.load(path).graph.node}
+    ops = onnx_ops_of(lambda t: F.interpolate(t, scale_factor=2, mode="nearest").square(), x, folder=tmp_path)
     assert "Resize" in ops and not {op for op in ops if op.startswith(("Gather", "Scatter"))}, ops
     for op in (torch.ops.aten.upsample_nearest2d.vec, torch.ops.aten.upsample_nearest2d.default):
         assert torch._C.DispatchKey.Autograd in op.py_kernels
+
+
+def test_linear_upsampling_is_a_resize_and_by_whole_numbers_a_backward_without_scatters(tmp_path):
+    """Bilinear (and 1-D, 3-D) upsampling reached the trace as torch's gather of the corners,
+    its backward as ScatterElements. Now the forward is ONNX Resize where ORT computes what torch
+    does (whole-number scales, align_corners), and a whole-number scale's backward is sums and
+    shifts of the gradient's phases. Other scales, align_corners' backward (an index_add with
+    torch's weights), one-element inputs and float64 on CPU all still match eager."""
+    x = torch.randn(2, 3, 5, 7, requires_grad=True)
+    for align_corners in (False, True):
+        for size in (dict(scale_factor=2), dict(scale_factor=(3, 1)), dict(size=(10, 21)),
+                     dict(scale_factor=1.5), dict(size=(7, 9)), dict(scale_factor=0.5), dict(size=(1, 1))):
+            check(lambda t: F.interpolate(t, mode="bilinear", align_corners=align_corners, **size).sin(), x)
+        check(lambda t: F.interpolate(t[:, :, 0], scale_factor=2, mode="linear", align_corners=align_corners).sin(), x)
+        check(lambda t: F.interpolate(t.unsqueeze(2), scale_factor=(2, 2, 3), mode="trilinear",
+                                      align_corners=align_corners).sin(), x)
+        check(lambda t: F.interpolate(t[:, :, :1, :1], scale_factor=2, mode="bilinear",
+                                      align_corners=align_corners).sin(), x)
+    check(lambda t: F.interpolate(t.double(), scale_factor=2, mode="bilinear").sin(), x)
+
+    ops = onnx_ops_of(lambda t: F.interpolate(t, scale_factor=2, mode="bilinear").square(), x, folder=tmp_path)
+    assert "Resize" in ops and not {op for op in ops if op.startswith(("Gather", "Scatter"))}, ops
 
 
 def test_select_backward_and_select_scatter_without_scatter_elements(tmp_path):

@@ -113,8 +113,9 @@ instead: ORT's Pad along an axis of two is slow. Reflection and replication padd
 element; its backward Pads and adds, not ScatterElements): up to 42x eager's time before
 (`benchmarks/layer_ops.py`). Adaptive average pooling whose windows tile the input is a mean and
 one Expand, not products against an averaging matrix. Nearest upsampling by whole numbers is ONNX
-Resize, its backward a reshaped sum (torch's tracing would write both as index gathers and
-scatters; `lower.whole_upsampling`). `tools/idiom_scan.py` lists, for common indexing and splitting
+Resize, its backward a reshaped sum; linear upsampling is Resize where ORT computes what torch does,
+and by whole numbers its backward is sums and shifts (torch's tracing would write all of them as
+index gathers and scatters; `lower.whole_upsampling`). `tools/idiom_scan.py` lists, for common indexing and splitting
 idioms, the index-driven ONNX ops their graphs still use: only the strided slices without the
 kernels, and the idioms whose indices are data.
 
