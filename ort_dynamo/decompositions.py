@@ -519,13 +519,16 @@ def _upsample_nearest_backward(grad, output_size, input_size, *scales):
 
 
 def _linear_index(in_size, out_size, align_corners, scale, like):
-    """Per output position: torch's lower input index, the upper one and the upper's weight."""
+    """Per output position: torch's lower input index, the upper one and the upper's weight,
+    computed as torch does, in float32 at least (a half-precision gradient's indices must not
+    come from half-precision positions)."""
+    dtype = torch.promote_types(like.dtype, torch.float32)
     if align_corners:
         ratio = (in_size - 1.0) / (out_size - 1.0) if out_size > 1 else 0.0
-        source = torch.arange(out_size, device=like.device).to(like.dtype) * ratio
+        source = torch.arange(out_size, device=like.device).to(dtype) * ratio
     else:
         ratio = 1.0 / scale if scale is not None and scale > 0 else in_size / out_size
-        source = (ratio * (torch.arange(out_size, device=like.device).to(like.dtype) + 0.5) - 0.5).clamp(min=0.0)
+        source = (ratio * (torch.arange(out_size, device=like.device).to(dtype) + 0.5) - 0.5).clamp(min=0.0)
     lower = source.to(torch.int64)
     return lower, (lower + 1).clamp(max=in_size - 1), (source - lower).clamp(0.0, 1.0)
 
