@@ -1,6 +1,5 @@
-"""Layers of convolutional and audio models (padding, ``Tensor.unfold``, upsampling,
-adaptive average pooling), forward and backward, eager against ``backend="ort"``, on the shapes
-those models give them.
+"""Layers of convolutional and audio models (padding, ``Tensor.unfold``, upsampling, pooling),
+forward and backward, eager against ``backend="ort"``, on the shapes those models give them.
 
     .venv/bin/python benchmarks/layer_ops.py
     .venv/bin/python benchmarks/layer_ops.py reflect2d unfold_frames    # some cases only
@@ -38,6 +37,7 @@ CASES = {
                           "segmentation decoders, FPNs"),
     "upsample_bilinear_ac": (lambda x: F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=True),
                              (8, 64, 32, 32), "the same, align_corners=True"),
+    "max_pool2d": (lambda x: F.max_pool2d(x, 3, 2, 1), (8, 64, 64, 64), "ResNet's stem"),
     "adaptive_avg": (lambda x: F.adaptive_avg_pool2d(x, 7), (8, 64, 56, 56), "windows that tile the input"),
     "adaptive_avg_3d": (lambda x: F.adaptive_avg_pool3d(x, 4), (4, 32, 16, 32, 32), "video models' pooling"),
 }

@@ -435,6 +435,27 @@ def test_linear_upsampling_is_a_resize_and_by_whole_numbers_a_backward_without_s
     assert "Resize" in ops and not {op for op in ops if op.startswith(("Gather", "Scatter"))}, ops
 
 
+def test_max_pooling_numbers_its_indices_per_plane_without_a_second_max_pool(tmp_path):
+    """ONNX MaxPool numbers indices across the whole tensor, torch within each (n, c) plane.
+    torchlib found each plane's first number with a second MaxPool over the whole input (a
+    third of ResNet's stem pooling, benchmarks/layer_ops.py); it is p times the plane's size.
+    Indices as torch's for 1-, 2- and 3-D pooling, padding, dilation, ceil mode, unbatched."""
+    import onnx
+
+    x = torch.randn(2, 3, 9, 8, requires_grad=True)
+    cube = torch.randn(2, 3, 4, 9, 8, requires_grad=True)
+    for pool in (lambda t: F.max_pool2d(t, 3, 2, 1, return_indices=True),
+                 lambda t: F.max_pool2d(t, 2, dilation=2, ceil_mode=True, return_indices=True),
+                 lambda t: F.max_pool2d(t[0], 2, return_indices=True),
+                 lambda t: F.max_pool1d(t[:, :, 0], 3, 2, return_indices=True)):
+        check(lambda t: (pool(t)[0].sin(), pool(t)[1].float()), x)
+    check(lambda t: (F.max_pool3d(t, 2, return_indices=True)[0].sin(), F.max_pool3d(t, 2, return_indices=True)[1].float()), cube)
+    ops = onnx_ops_of(lambda t: F.max_pool2d(t, 3, 2, 1).square(), x, folder=tmp_path)
+    assert "MaxPool" in ops
+    forward = [node.op_type for path in tmp_path.glob("*forward*.onnx") for node in onnx.load(path).graph.node]
+    assert forward.count("MaxPool") == 1, forward
+
+
 def test_select_backward_and_select_scatter_without_scatter_elements(tmp_path):
     """Indexing's backward is a Pad, or a Where the pointwise kernels fuse, and select_scatter a
     Concat (torchlib: ScatterElements with an int64 index per element; nanoGPT-style attention's

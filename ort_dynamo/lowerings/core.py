@@ -8,6 +8,7 @@ from typing import Sequence
 import torch
 from onnxscript import INT64
 from onnxscript.function_libs.torch_lib.ops import core as torchlib_core
+from onnxscript.function_libs.torch_lib.ops import nn as torchlib_nn
 from onnxscript.function_libs.torch_lib.tensor_typing import TReal
 from onnxscript.onnx_opset import opset18 as op
 
@@ -107,6 +108,33 @@ def aten_unfold(self: TReal, dimension: int, size: int, step: int) -> TReal:
     return x
 
 
+
+def _max_pool_with_indices(spatial: int):
+    """max_pool{1,2,3}d_with_indices: ONNX MaxPool numbers its indices across the whole tensor,
+    torch within each (n, c) plane. torchlib finds each plane's first number by running a second
+    MaxPool (kernel 1) over the whole input, as long as the pooling itself; the first number of
+    plane p is p times the plane's size, which a Range computes from the shape."""
+    def lowering(self, kernel_size: Sequence[int], stride: Sequence[int] = (), padding: Sequence[int] = (0,) * spatial,
+                 dilation: Sequence[int] = (1,) * spatial, ceil_mode: bool = False):
+        kernels, strides, pads, dilations = torchlib_nn._adjust_attributes_of_max_pool(
+            spatial, kernel_size, stride, padding, dilation)
+        unbatched = len(self.shape) == spatial + 1
+        x = op.Unsqueeze(self, _ints(0)) if unbatched else self
+        pooled, indices = op.MaxPool(x, ceil_mode=ceil_mode, dilations=dilations, kernel_shape=kernels,
+                                     pads=pads, strides=strides)
+        shape = op.Shape(x)
+        planes = op.ReduceProd(op.Slice(shape, _ints(0), _ints(2)), keepdims=False)
+        plane_size = op.ReduceProd(op.Slice(shape, _ints(2), _ints(2 + spatial)), keepdims=False)
+        first = op.Mul(op.Range(op.Constant(value_int=0), planes, op.Constant(value_int=1)), plane_size)
+        first = op.Reshape(first, op.Concat(op.Slice(shape, _ints(0), _ints(2)), _ints(*[1] * spatial), axis=0))
+        indices = op.Sub(indices, first)
+        if unbatched:
+            pooled, indices = op.Squeeze(pooled, _ints(0)), op.Squeeze(indices, _ints(0))
+        return pooled, indices
+
+    lowering.__name__ = f"aten_max_pool{spatial}d_with_indices"
+    return lowering
+
 def _ints(*values):
     return op.Constant(value_ints=list(values))
 
@@ -120,5 +148,6 @@ LOWERINGS = {
     aten.view.default: aten_view,
     aten._unsafe_view.default: aten_view,
     aten.unfold.default: aten_unfold,
+    **{getattr(aten, f"max_pool{n}d_with_indices").default: _max_pool_with_indices(n) for n in (1, 2, 3)},
 }
 
