@@ -5,7 +5,7 @@ eager, and which index-driven ONNX ops (Scatter*, Gather*) its graphs use.
     .venv/bin/python benchmarks/hf_models.py gptj t5      # some
 
 Each model (random weights from a config: nothing is downloaded; 2 layers, hidden 128, 4 heads,
-batch 4 x 64 tokens) runs forward and backward, eager and ``backend="ort"`` interleaved in one
+batch 4 x 64 tokens; the vision models 8 images of 3 x 64 x 64) runs forward and backward, eager and ``backend="ort"`` interleaved in one
 process, after a warm-up step and the generated kernels' build; prints the median of the steps'
 ratio ort/eager (no optimizer step), the eager step's ms, nodes left in PyTorch, Dynamo graph
 breaks, and the count of each index-driven op in the forward and backward models. Such ops take
@@ -31,6 +31,7 @@ import ort_dynamo
 
 INDEXED_OPS = {"ScatterElements", "ScatterND", "GatherElements", "GatherND"}
 SIZE = dict(hidden=128, layers=2, heads=4, intermediate=512, vocab=1024, seq=64, batch=4)
+VISION = ("resnet", "convnext", "vit")
 
 
 def _configs() -> dict:
@@ -59,6 +60,14 @@ def _configs() -> dict:
         "distilbert": lambda: tf.DistilBertForMaskedLM(tf.DistilBertConfig(
             dim=s["hidden"], n_layers=s["layers"], n_heads=s["heads"], hidden_dim=s["intermediate"],
             max_position_embeddings=s["seq"], dropout=0.0, attention_dropout=0.0, **common)),
+        # Vision: 8 images of 3 x 64 x 64, 10 classes.
+        "resnet": lambda: tf.ResNetForImageClassification(tf.ResNetConfig(
+            embedding_size=32, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1], num_labels=10)),
+        "convnext": lambda: tf.ConvNextForImageClassification(tf.ConvNextConfig(
+            hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1], num_labels=10)),
+        "vit": lambda: tf.ViTForImageClassification(tf.ViTConfig(
+            hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+            intermediate_size=s["intermediate"], image_size=64, patch_size=8, num_labels=10)),
         "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(
             d_model=s["hidden"], num_layers=s["layers"], num_heads=s["heads"], d_ff=s["intermediate"], d_kv=32,
             dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, **common)),
@@ -68,9 +77,12 @@ def _configs() -> dict:
 def measure(name: str, build, steps: int) -> str:
     torch.manual_seed(0)
     model = build().train()
-    ids = torch.randint(0, SIZE["vocab"], (SIZE["batch"], SIZE["seq"]))
-    labels = torch.randint(0, 3, (SIZE["batch"],)) if name == "bert_cls" else ids
-    batch = {"input_ids": ids, "labels": labels}
+    if name in VISION:
+        batch = {"pixel_values": torch.randn(8, 3, 64, 64), "labels": torch.randint(0, 10, (8,))}
+    else:
+        ids = torch.randint(0, SIZE["vocab"], (SIZE["batch"], SIZE["seq"]))
+        labels = torch.randint(0, 3, (SIZE["batch"],)) if name == "bert_cls" else ids
+        batch = {"input_ids": ids, "labels": labels}
     ort_dynamo.reset()
     torch._dynamo.reset()
     with tempfile.TemporaryDirectory() as folder:
