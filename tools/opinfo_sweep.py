@@ -115,7 +115,8 @@ element; its backward Pads and adds, not ScatterElements): up to 42x eager's tim
 one Expand, not products against an averaging matrix. Nearest upsampling by whole numbers is ONNX
 Resize, its backward a reshaped sum; linear upsampling is Resize where ORT computes what torch does,
 and by whole numbers its backward is sums and shifts (torch's tracing would write all of them as
-index gathers and scatters; `lower.whole_upsampling`). `tools/idiom_scan.py` lists, for common indexing and splitting
+index gathers and scatters; `lower.whole_upsampling`). Max pooling's indices are numbered per
+plane from the shape, not with a second MaxPool over the whole input. `tools/idiom_scan.py` lists, for common indexing and splitting
 idioms, the index-driven ONNX ops their graphs still use: only the strided slices without the
 kernels, and the idioms whose indices are data.
 
