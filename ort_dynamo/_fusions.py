@@ -454,12 +454,29 @@ def _adds_bias_cheaply(node: ir.Node) -> bool:
 
 
 #: Name -> fusion, in the order applied. Each returns how many chains it replaced.
+def drop_unread_pool_indices(graph: ir.Graph) -> int:
+    """A MaxPool whose Indices nothing reads, with that output dropped: ORT then pools in its
+    blocked layout (NCHWc); with Indices declared it computes them in a generic loop, read or
+    not. torchlib's ``max_pool2d`` declares them (its results come from the indices variant), and
+    so does the NaN lookup of ``lowerings/core._nan_as_torch``."""
+    count = 0
+    for node in list(graph):
+        if (node.op_type != "MaxPool" or node.domain not in ("", "ai.onnx") or len(node.outputs) != 2
+                or node.outputs[1].uses() or node.outputs[1].is_graph_output()):
+            continue
+        _replace(graph, [node.outputs[0]], ir.node("MaxPool", list(node.inputs), attributes=node.attributes),
+                 before=node)
+        count += 1
+    return count
+
+
 FUSIONS: dict[str, Callable[[ir.Graph], int]] = {
     "erf_gelu": fuse_erf_gelu,
     "tanh_gelu": fuse_tanh_gelu,
     "rms_norm": fuse_rms_norm,
     "pow_one": drop_pow_one,
     "bias_after_reshape": bias_after_reshape,
+    "pool_indices": drop_unread_pool_indices,
 }
 
 

@@ -435,11 +435,13 @@ def test_linear_upsampling_is_a_resize_and_by_whole_numbers_a_backward_without_s
     assert "Resize" in ops and not {op for op in ops if op.startswith(("Gather", "Scatter"))}, ops
 
 
-def test_max_pooling_numbers_its_indices_per_plane_without_a_second_max_pool(tmp_path):
+def test_max_pooling_numbers_its_indices_per_plane_and_takes_nan_as_torch(tmp_path):
     """ONNX MaxPool numbers indices across the whole tensor, torch within each (n, c) plane.
-    torchlib found each plane's first number with a second MaxPool over the whole input (a
-    third of ResNet's stem pooling, benchmarks/layer_ops.py); it is p times the plane's size.
-    Indices as torch's for 1-, 2- and 3-D pooling, padding, dilation, ceil mode, unbatched."""
+    torchlib found each plane's first number with a second MaxPool over the whole input; it is
+    p times the plane's size. And ORT's MaxPool skips NaN where torch's takes it: a window with
+    a NaN pools to NaN, at its last NaN (before, ORT returned the largest other value: a NaN
+    in the input vanished silently). Indices as torch's for 1-, 2- and 3-D pooling, padding,
+    dilation, ceil mode, unbatched; +inf before a NaN, and windows with several NaNs."""
     import onnx
 
     x = torch.randn(2, 3, 9, 8, requires_grad=True)
@@ -450,10 +452,22 @@ def test_max_pooling_numbers_its_indices_per_plane_without_a_second_max_pool(tmp
                  lambda t: F.max_pool1d(t[:, :, 0], 3, 2, return_indices=True)):
         check(lambda t: (pool(t)[0].sin(), pool(t)[1].float()), x)
     check(lambda t: (F.max_pool3d(t, 2, return_indices=True)[0].sin(), F.max_pool3d(t, 2, return_indices=True)[1].float()), cube)
+    nans = x.detach().clone()
+    nans[0, 0, 0, 1] = nans[0, 0, 1, 0] = nans[1, 2, 4, 4] = nans[0, 1, 5, 2] = float("nan")
+    nans[0, 1, 4, 2], nans[1, 1, 8, 7] = float("inf"), float("-inf")
+    for pool in (lambda t: F.max_pool2d(t, 2, return_indices=True), lambda t: F.max_pool2d(t, 3, 2, 1, return_indices=True),
+                 lambda t: F.max_pool1d(t.flatten(2), 4, return_indices=True)):
+        outs, _ = run_on_ort(pool, nans)
+        torch.testing.assert_close(outs[0], pool(nans)[0], equal_nan=True)
+        assert torch.equal(outs[1], pool(nans)[1])
+
     ops = onnx_ops_of(lambda t: F.max_pool2d(t, 3, 2, 1).square(), x, folder=tmp_path)
     assert "MaxPool" in ops
-    forward = [node.op_type for path in tmp_path.glob("*forward*.onnx") for node in onnx.load(path).graph.node]
-    assert forward.count("MaxPool") == 1, forward
+    pools = [node for path in tmp_path.glob("*forward*.onnx") for node in onnx.load(path).graph.node
+             if node.op_type == "MaxPool"]
+    kernels = [list(next(a.ints for a in node.attribute if a.name == "kernel_shape")) for node in pools]
+    assert [1, 1] not in kernels, kernels  # no second pooling to number the planes
+    assert sorted(len(node.output) for node in pools) == [1, 2], pools  # the NaN lookup reads no indices
 
 
 def test_select_backward_and_select_scatter_without_scatter_elements(tmp_path):

@@ -116,7 +116,8 @@ one Expand, not products against an averaging matrix. Nearest upsampling by whol
 Resize, its backward a reshaped sum; linear upsampling is Resize where ORT computes what torch does,
 and by whole numbers its backward is sums and shifts (torch's tracing would write all of them as
 index gathers and scatters; `lower.whole_upsampling`). Max pooling's indices are numbered per
-plane from the shape, not with a second MaxPool over the whole input. `tools/idiom_scan.py` lists, for common indexing and splitting
+plane from the shape, not with a second MaxPool over the whole input, and a NaN in a window pools
+to NaN at the window's last NaN, as in torch (ORT's MaxPool skips NaN). `tools/idiom_scan.py` lists, for common indexing and splitting
 idioms, the index-driven ONNX ops their graphs still use: only the strided slices without the
 kernels, and the idioms whose indices are data.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import onnx_ir as ir
 import torch
 from onnxscript import INT64
 from onnxscript.function_libs.torch_lib.ops import core as torchlib_core
@@ -128,12 +129,34 @@ def _max_pool_with_indices(spatial: int):
         first = op.Mul(op.Range(op.Constant(value_int=0), planes, op.Constant(value_int=1)), plane_size)
         first = op.Reshape(first, op.Concat(op.Slice(shape, _ints(0), _ints(2)), _ints(*[1] * spatial), axis=0))
         indices = op.Sub(indices, first)
+        if self.dtype in _NAN_TYPES:
+            pooled, indices = _nan_as_torch(x, pooled, indices, plane_size, shape, spatial,
+                                            dict(ceil_mode=ceil_mode, dilations=dilations, kernel_shape=kernels,
+                                                 pads=pads, strides=strides))
         if unbatched:
             pooled, indices = op.Squeeze(pooled, _ints(0)), op.Squeeze(indices, _ints(0))
         return pooled, indices
 
     lowering.__name__ = f"aten_max_pool{spatial}d_with_indices"
     return lowering
+
+
+_NAN_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+
+
+def _nan_as_torch(x, pooled, indices, plane_size, shape, spatial: int, attributes: dict):
+    """ORT's MaxPool skips NaN; torch's takes it (each NaN in a window replaces the maximum so
+    far): the value is NaN and the index the window's last NaN in row-major order. A second
+    MaxPool, over each NaN's position plus one (float32, 0 elsewhere), finds that NaN."""
+    positions = op.Cast(op.Range(op.Constant(value_int=1), op.Add(plane_size, op.Constant(value_int=1)),
+                                 op.Constant(value_int=1)), to=ir.DataType.FLOAT)
+    positions = op.Reshape(positions, op.Slice(shape, _ints(2), _ints(2 + spatial)))
+    # Cast and Mul, not Where: ORT's Where broadcasts in a generic loop, four times slower here.
+    last_nan, _ = op.MaxPool(op.Mul(op.Cast(op.IsNaN(x), to=ir.DataType.FLOAT), positions), **attributes)
+    has_nan = op.Greater(last_nan, op.Constant(value_float=0.0))
+    nan = op.CastLike(op.Constant(value_float=float("nan")), pooled)
+    index = op.Sub(op.Cast(last_nan, to=ir.DataType.INT64), op.Constant(value_int=1))
+    return op.Where(has_nan, nan, pooled), op.Where(has_nan, index, indices)
 
 def _ints(*values):
     return op.Constant(value_ints=list(values))
