@@ -85,19 +85,17 @@ def _probe(compiler: str, version: str) -> tuple[str, str, tuple, tuple]:
         for extra, libs in (([], ["-lmvec", "-lm"]), (["-DPW_NO_MVEC"], ["-lm"])):
             command = [compiler, *_FLAGS, *extra, "-shared", "-I", _CSRC, src, "-o", os.path.join(work, "p.so"), *libs]
             if subprocess.run(command, capture_output=True, timeout=120).returncode == 0:
-                _write_atomically(answer, json.dumps([extra, libs]))
+                _keep_answer(answer, json.dumps([extra, libs]))
                 return compiler, version, (*_FLAGS, *extra), tuple(libs)
     raise KernelBuildError(f"{compiler} cannot build a shared library here ({version})")
 
 
-def _write_atomically(path: str, text: str) -> None:
+def _keep_answer(path: str, text: str) -> None:
     """Whole file or none; a folder that cannot be written only costs the next process a probe."""
+    from .cache import write_atomically  # the cache's writer; imported late: the cache imports export
+
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as work:
-            with open(os.path.join(work, "answer"), "w") as fh:
-                fh.write(text)
-            os.replace(fh.name, path)
+        write_atomically(path, text.encode())
     except OSError as exc:
         log.debug("could not keep the toolchain probe's answer in %s: %s", path, exc)
 

@@ -25,7 +25,7 @@ import torch.fx
 from .export import ExportedGraph, OutputSlot
 from .options import OrtOptions
 
-__all__ = ["cache_key", "load", "store", "load_json", "store_json", "versions_key"]
+__all__ = ["cache_key", "load", "store", "load_json", "store_json", "versions_key", "write_atomically"]
 
 log = logging.getLogger("ort_dynamo")
 _FORMAT = 4  # 2: rewrites to fused kernels, view slots; 3: permuted inputs; 4: pointwise kernels
@@ -142,21 +142,28 @@ def store(cache_dir: str, key: str, exported: ExportedGraph, model_bytes: bytes)
 
 
 def _write(cache_dir: str, path: str, data: bytes) -> bool:
-    """Atomically (concurrent processes never see half a file); a failure only warns."""
-    tmp = None
+    """``write_atomically``; a failure only warns (once per folder)."""
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
+        write_atomically(path, data)
         return True
     except OSError as exc:
         _unusable(cache_dir, "write", exc)
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
         return False
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """Write ``path`` whole or not at all: concurrent processes never see half a file. Raises
+    OSError (folder read-only, full, or a file), leaving no temporary file behind."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def versions_key(*parts) -> str:

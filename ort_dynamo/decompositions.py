@@ -115,10 +115,14 @@ def _adaptive_matrix(in_size: int, out_size: int, like):
     return inside.to(like.dtype) / (end - start).to(like.dtype)[:, None]
 
 
+def _static(*sizes) -> bool:
+    return all(isinstance(size, int) for size in sizes)
+
+
 def _pool_window(in_size, out_size):
     """The window of adaptive pooling along a dim whose windows tile it (``in`` a multiple of
     ``out``): then each is a plain mean, without the (out, in) matrix. None otherwise."""
-    if isinstance(in_size, int) and isinstance(out_size, int) and out_size > 0 and in_size % out_size == 0:
+    if _static(in_size, out_size) and out_size > 0 and in_size % out_size == 0:
         return in_size // out_size
     return None
 
@@ -349,13 +353,21 @@ def _unit_slice(sizes, dim, start, end, step):
     return dim, start, end
 
 
-def _static(*sizes) -> bool:
-    return all(isinstance(size, int) for size in sizes)
-
-
 def _with_zeros(x, dim, before, after):
     """``x`` with ``before`` zeros ahead of it and ``after`` behind, along ``dim``."""
     return aten.constant_pad_nd(x, [0, 0] * (x.dim() - 1 - dim) + [before, after], 0.0)
+
+
+def _cat_nonempty(pieces, dim):
+    return aten.cat([piece for piece in pieces if piece.shape[dim] > 0], dim)
+
+
+def _summed_into(source, dim, size, index):
+    """Zeros of ``size`` along ``dim``, each ``source`` row added at its ``index``: a gather's
+    backward, where the indices are torch's own."""
+    shape = list(source.shape)
+    shape[dim] = size
+    return torch.zeros(shape, dtype=source.dtype, device=source.device).index_add(dim, index, source)
 
 
 # Padding's and unfold's backward: torch's decompositions gather or scatter with an index per
@@ -382,7 +394,7 @@ def _reflection_pad_backward(op, grad, x, padding):
                       middle.narrow(dim, 1 + left, size - 2 - left - right),
                       middle.narrow(dim, size - 1 - right, right) + mirrored_right,
                       middle.narrow(dim, size - 1, 1)]
-            out = aten.cat([piece for piece in pieces if piece.shape[dim] > 0], dim)
+            out = _cat_nonempty(pieces, dim)
         else:
             out = (middle + _with_zeros(mirrored_left, dim, 1, size - 1 - left)
                    + _with_zeros(mirrored_right, dim, size - 1 - right, 1))
@@ -403,8 +415,7 @@ def _replication_pad_backward(op, grad, x, padding):
             continue
         first = out.narrow(dim, 0, left + 1).sum(dim, keepdim=True)
         last = out.narrow(dim, left + size - 1, right + 1).sum(dim, keepdim=True)
-        pieces = [first, out.narrow(dim, left + 1, size - 2), last]
-        out = aten.cat([piece for piece in pieces if piece.shape[dim] > 0], dim)
+        out = _cat_nonempty([first, out.narrow(dim, left + 1, size - 2), last], dim)
     return out
 
 
@@ -417,9 +428,7 @@ def _replication_pad_backward_scattered(grad, x, padding):
         left = padding[2 * i]
         size = x.shape[dim]
         source = (torch.arange(out.shape[dim], device=x.device) - left).clamp(0, size - 1)
-        zeros_shape = list(out.shape)
-        zeros_shape[dim] = size
-        out = torch.zeros(zeros_shape, dtype=grad.dtype, device=grad.device).index_add(dim, source, out)
+        out = _summed_into(out, dim, size, source)
     return out
 
 
@@ -453,6 +462,15 @@ def _nearest_ratio(input_size: int, output_size: int, scale):
     return input_size / (input_size * scale) if scale is not None and scale > 0 else input_size / output_size
 
 
+def _whole_repeat(in_size, out_size, scale):
+    """How many times upsampling repeats each input element along a dim, where that is a whole
+    number and a scale given is that number; None otherwise (symbolic sizes too)."""
+    if not _static(in_size, out_size) or in_size <= 0 or out_size % in_size:
+        return None
+    repeat = out_size // in_size
+    return None if scale is not None and scale > 0 and scale != repeat else repeat
+
+
 def _nearest_blocks(input_sizes, output_size, scales):
     """Per upsampled dim, the whole number of times each input element repeats, where torch's
     index (``floor(o * ratio)`` in float32, as ATen's kernel) is ``o // s`` at every output ``o``
@@ -465,10 +483,8 @@ def _nearest_blocks(input_sizes, output_size, scales):
     for d in range(spatial):
         isize, osize = input_sizes[len(input_sizes) - spatial + d], output_size[d]
         scale = scales[d] if d < len(scales) else None
-        if not _static(isize, osize) or isize <= 0 or osize % isize:
-            return None
-        repeat = osize // isize
-        if scale is not None and scale > 0 and scale != repeat:
+        repeat = _whole_repeat(isize, osize, scale)
+        if repeat is None:
             return None
         index = (np.arange(osize, dtype=np.float32) * np.float32(_nearest_ratio(isize, osize, scale))).astype(np.int64)
         if not np.array_equal(index, np.arange(osize) // repeat):
@@ -506,9 +522,7 @@ def _upsample_nearest_backward(grad, output_size, input_size, *scales):
         axis, isize, osize = lead + d, input_size[lead + d], output_size[d]
         ratio = _nearest_ratio(isize, osize, scales[d] if d < len(scales) else None)
         index = (torch.arange(osize, dtype=torch.float32, device=grad.device) * ratio).to(torch.int64)
-        zeros = list(out.shape)
-        zeros[axis] = isize
-        out = torch.zeros(zeros, dtype=grad.dtype, device=grad.device).index_add(axis, index, out)
+        out = _summed_into(out, axis, isize, index)
     return out
 
 
@@ -539,10 +553,8 @@ def _linear_phases(in_size, out_size, align_corners, scale):
     ``|delta_r|`` (the edges clamp). The deltas, or None where that is not what torch computes."""
     import numpy as np
 
-    if align_corners or not _static(in_size, out_size) or in_size <= 0 or out_size % in_size:
-        return None
-    repeat = out_size // in_size
-    if scale is not None and scale > 0 and scale != repeat:
+    repeat = None if align_corners else _whole_repeat(in_size, out_size, scale)
+    if repeat is None:
         return None
     ratio = np.float32(1.0 / scale if scale is not None and scale > 0 else in_size / out_size)
     source = np.maximum(ratio * (np.arange(out_size, dtype=np.float32) + np.float32(0.5)) - np.float32(0.5), 0)
@@ -576,10 +588,7 @@ def _upsample_linear_backward(grad, output_size, input_size, align_corners, *sca
             continue
         lower, upper, weight = _linear_index(size, output_size[d], align_corners, scale, grad)
         weight = weight.reshape([-1] + [1] * (out.dim() - 1 - axis)).to(grad.dtype)
-        zeros = list(out.shape)
-        zeros[axis] = size
-        base = torch.zeros(zeros, dtype=grad.dtype, device=grad.device)
-        out = base.index_add(axis, lower, out * (1 - weight)).index_add(axis, upper, out * weight)
+        out = _summed_into(out * (1 - weight), axis, size, lower).index_add(axis, upper, out * weight)
     return out
 
 

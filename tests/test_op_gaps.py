@@ -275,14 +275,27 @@ def test_uniform_range_and_mean():
     assert abs(sample.var().item() - 3.0) < 0.15  # (4 - -2)^2 / 12
 
 
-def test_slice_backward_and_slice_scatter_without_scatter_nd(tmp_path):
-    """Slicing's backward is a Pad and slice_scatter a Concat (torchlib: Transpose, ScatterND,
-    Transpose); negative and out-of-range bounds clamp as Python slices do; steps other than 1
-    keep torchlib's lowering."""
+def onnx_ops_of(fn, *inputs, folder, models: str = "*", **options) -> set:
+    """Op types in the ONNX models ``fn`` compiles to on ORT (those whose file names match
+    ``models``: ``"*backward*"`` for the backward's), after one training step on the sum of its
+    outputs and the generated kernels' build; ``options`` go to the backend."""
     import glob
 
     import onnx
 
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="ort", options={"save_onnx": True, "save_path": str(folder), **options})
+    out = compiled(*inputs)
+    sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
+    ort_dynamo.wait_for_kernels()
+    return {node.op_type for path in glob.glob(str(folder / f"{models}.onnx")) for node in onnx.load(path).graph.node}
+
+
+def test_slice_backward_and_slice_scatter_without_scatter_nd(tmp_path):
+    """Slicing's backward is a Pad and slice_scatter a Concat (torchlib: Transpose, ScatterND,
+    Transpose); negative and out-of-range bounds clamp as Python slices do; steps other than 1
+    keep torchlib's lowering."""
     x = torch.randn(2, 3, 8, requires_grad=True)
     check(lambda t: torch.cat((-t[..., 4:], t[..., :4]), dim=-1) * 2, x)  # RoPE's rotate_half
     check(lambda t: t[:, -2:, 1:100].exp() + t[:, :1, :-3].sum(), x)
@@ -291,14 +304,8 @@ def test_slice_backward_and_slice_scatter_without_scatter_nd(tmp_path):
     check(lambda t, s: torch.slice_scatter(t, s, dim=2, start=2, end=5), x, src)
     check(lambda t, s: torch.slice_scatter(t, s, dim=-1, start=-3), x, src)
     check(lambda t, s: torch.slice_scatter(t, s[:, :2], dim=1, end=2), x, src[:, :, :1].expand(2, 3, 8))
-    ort_dynamo.reset()
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda t: torch.cat((-t[..., 4:], t[..., :4]), dim=-1), backend="ort",
-                             options={"save_onnx": True, "save_path": str(tmp_path),
-                                      "pointwise_kernels": False})  # kernels read rotations in place
-    compiled(x).sum().backward()
-    backward = onnx.load(glob.glob(str(tmp_path / "*backward*.onnx"))[0])
-    ops = {node.op_type for node in backward.graph.node}
+    ops = onnx_ops_of(lambda t: torch.cat((-t[..., 4:], t[..., :4]), dim=-1), x, folder=tmp_path,
+                      models="*backward*", pointwise_kernels=False)  # kernels read rotations in place
     assert "ScatterND" not in ops and "Pad" in ops, ops
 
 
@@ -307,10 +314,6 @@ def test_strided_slices_backward_without_scatter_nd_where_kernels_build(tmp_path
     kernels apply, each slice's gradient is a Where the kernels fuse, not torchlib's Transpose,
     ScatterND, Transpose (2.5x eager's time in benchmarks/rope.py); slices that do not take one
     element of every run of ``step`` along the whole dim keep the old lowering."""
-    import glob
-
-    import onnx
-
     from ort_dynamo import _kernels
 
     x = torch.randn(2, 3, 8, requires_grad=True)
@@ -322,29 +325,8 @@ def test_strided_slices_backward_without_scatter_nd_where_kernels_build(tmp_path
     check(lambda t: t[:, ::3].exp() + t[:, 1:, -5::4].square().sum(), x)  # partial: the old way
     if not _kernels.available():
         pytest.skip("no C compiler: the strided slices keep torchlib's lowering")
-    ort_dynamo.reset()
-    torch._dynamo.reset()
-    compiled = torch.compile(strided_rope, backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
-    compiled(x).sum().backward()
-    ops = {node.op_type for path in glob.glob(str(tmp_path / "*backward*.onnx"))
-           for node in onnx.load(path).graph.node}
+    ops = onnx_ops_of(strided_rope, x, folder=tmp_path, models="*backward*")
     assert "ScatterND" not in ops, ops
-
-
-
-def onnx_ops_of(fn, *inputs, folder) -> set:
-    """Op types in the ONNX models ``fn`` compiles to on ORT, forward and backward (of the sum
-    of its outputs)."""
-    import glob
-
-    import onnx
-
-    ort_dynamo.reset()
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend="ort", options={"save_onnx": True, "save_path": str(folder)})
-    out = compiled(*inputs)
-    sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
-    return {node.op_type for path in glob.glob(str(folder / "*.onnx")) for node in onnx.load(path).graph.node}
 
 
 def test_padding_backward_and_unfold_without_index_driven_ops(tmp_path):
@@ -475,10 +457,6 @@ def test_select_backward_and_select_scatter_without_scatter_elements(tmp_path):
     Concat (torchlib: ScatterElements with an int64 index per element; nanoGPT-style attention's
     ``q, k, v = qkv`` after a permute spent 43 ms of a 190 ms step there). Negative indices count
     from the end."""
-    import glob
-
-    import onnx
-
     from ort_dynamo import _kernels
 
     x = torch.randn(3, 2, 4, 5, requires_grad=True)
@@ -499,15 +477,8 @@ def test_select_backward_and_select_scatter_without_scatter_elements(tmp_path):
         return (q @ k.transpose(-1, -2)).softmax(-1) @ v
 
     def backward_ops(pointwise_kernels: bool) -> set:
-        ort_dynamo.reset()
-        torch._dynamo.reset()
-        folder = tmp_path / str(pointwise_kernels)
-        compiled = torch.compile(attention_inputs, backend="ort", options={
-            "save_onnx": True, "save_path": str(folder), "pointwise_kernels": pointwise_kernels})
-        compiled(qkv).sum().backward()
-        ort_dynamo.wait_for_kernels()
-        return {node.op_type for path in glob.glob(str(folder / "*backward*.onnx"))
-                for node in onnx.load(path).graph.node}
+        return onnx_ops_of(attention_inputs, qkv, folder=tmp_path / str(pointwise_kernels), models="*backward*",
+                           pointwise_kernels=pointwise_kernels)
 
     ops = backward_ops(pointwise_kernels=False)
     assert "ScatterElements" not in ops and "Pad" in ops, ops

@@ -1,5 +1,5 @@
-"""Lowerings that replace wrong torchlib ones (mv, dot, bernoulli), add small missing ones, or
-export faster than torchlib's (view)."""
+"""Lowerings that replace wrong torchlib ones (mv, dot, bernoulli, max pooling's NaN), add small
+missing ones, export faster than torchlib's (view) or run faster (unfold, max pooling's indices)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from onnxscript.function_libs.torch_lib.ops import core as torchlib_core
 from onnxscript.function_libs.torch_lib.ops import nn as torchlib_nn
 from onnxscript.function_libs.torch_lib.tensor_typing import TReal
 from onnxscript.onnx_opset import opset18 as op
+
+from .fixes import _FLOATS, _ints
 
 aten = torch.ops.aten
 
@@ -73,7 +75,6 @@ def prims_view_of(self: TReal) -> TReal:
     return op.Identity(self)
 
 
-
 def aten_unfold(self: TReal, dimension: int, size: int, step: int) -> TReal:
     """unfold(Tensor(a) self, int dimension, int size, int step): the windows as slices of the
     input cut into rows of ``step``, not torchlib's Gather with an index per element (2-7x
@@ -109,7 +110,6 @@ def aten_unfold(self: TReal, dimension: int, size: int, step: int) -> TReal:
     return x
 
 
-
 def _max_pool_with_indices(spatial: int):
     """max_pool{1,2,3}d_with_indices: ONNX MaxPool numbers its indices across the whole tensor,
     torch within each (n, c) plane. torchlib finds each plane's first number by running a second
@@ -124,13 +124,13 @@ def _max_pool_with_indices(spatial: int):
         pooled, indices = op.MaxPool(x, ceil_mode=ceil_mode, dilations=dilations, kernel_shape=kernels,
                                      pads=pads, strides=strides)
         shape = op.Shape(x)
-        planes = op.ReduceProd(op.Slice(shape, _ints(0), _ints(2)), keepdims=False)
-        plane_size = op.ReduceProd(op.Slice(shape, _ints(2), _ints(2 + spatial)), keepdims=False)
-        first = op.Mul(op.Range(op.Constant(value_int=0), planes, op.Constant(value_int=1)), plane_size)
-        first = op.Reshape(first, op.Concat(op.Slice(shape, _ints(0), _ints(2)), _ints(*[1] * spatial), axis=0))
-        indices = op.Sub(indices, first)
-        if self.dtype in _NAN_TYPES:
-            pooled, indices = _nan_as_torch(x, pooled, indices, plane_size, shape, spatial,
+        lead, plane = op.Slice(shape, _ints(0), _ints(2)), op.Slice(shape, _ints(2), _ints(2 + spatial))
+        plane_size = op.ReduceProd(plane, keepdims=False)
+        first = op.Mul(op.Range(op.Constant(value_int=0), op.ReduceProd(lead, keepdims=False),
+                                op.Constant(value_int=1)), plane_size)
+        indices = op.Sub(indices, op.Reshape(first, op.Concat(lead, _ints(*[1] * spatial), axis=0)))
+        if self.dtype in _FLOATS:
+            pooled, indices = _nan_as_torch(x, pooled, indices, plane_size, plane,
                                             dict(ceil_mode=ceil_mode, dilations=dilations, kernel_shape=kernels,
                                                  pads=pads, strides=strides))
         if unbatched:
@@ -141,25 +141,19 @@ def _max_pool_with_indices(spatial: int):
     return lowering
 
 
-_NAN_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
-
-
-def _nan_as_torch(x, pooled, indices, plane_size, shape, spatial: int, attributes: dict):
+def _nan_as_torch(x, pooled, indices, plane_size, plane, attributes: dict):
     """ORT's MaxPool skips NaN; torch's takes it (each NaN in a window replaces the maximum so
     far): the value is NaN and the index the window's last NaN in row-major order. A second
     MaxPool, over each NaN's position plus one (float32, 0 elsewhere), finds that NaN."""
     positions = op.Cast(op.Range(op.Constant(value_int=1), op.Add(plane_size, op.Constant(value_int=1)),
                                  op.Constant(value_int=1)), to=ir.DataType.FLOAT)
-    positions = op.Reshape(positions, op.Slice(shape, _ints(2), _ints(2 + spatial)))
+    positions = op.Reshape(positions, plane)
     # Cast and Mul, not Where: ORT's Where broadcasts in a generic loop, four times slower here.
     last_nan, _ = op.MaxPool(op.Mul(op.Cast(op.IsNaN(x), to=ir.DataType.FLOAT), positions), **attributes)
     has_nan = op.Greater(last_nan, op.Constant(value_float=0.0))
     nan = op.CastLike(op.Constant(value_float=float("nan")), pooled)
     index = op.Sub(op.Cast(last_nan, to=ir.DataType.INT64), op.Constant(value_int=1))
     return op.Where(has_nan, nan, pooled), op.Where(has_nan, index, indices)
-
-def _ints(*values):
-    return op.Constant(value_ints=list(values))
 
 
 LOWERINGS = {
