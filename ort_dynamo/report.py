@@ -127,11 +127,7 @@ class Report:
         return sum(g.runs for g in self.graphs)
 
     def stage_seconds(self) -> dict[str, float]:
-        total: dict[str, float] = collections.defaultdict(float)
-        for g in self.graphs:
-            for stage, seconds in g.stage_seconds.items():
-                total[stage] += seconds
-        return dict(total)
+        return _summed_stages(g.stage_seconds for g in self.graphs)
 
     def to_dict(self) -> dict:
         return {
@@ -172,10 +168,7 @@ def format_report(data: dict, path: str = "") -> str:
     for g in graphs:
         lines.append(f"{g['name']:<14}{g['kind']:<11}{g['ort_nodes']:>8}{g['torch_nodes']:>9}"
                      f"{g['partitions']:>7}{g['sessions']:>10}{g['runs']:>7}")
-    stages: dict[str, float] = collections.defaultdict(float)
-    for g in graphs:
-        for stage, seconds in g.get("stage_seconds", {}).items():
-            stages[stage] += seconds
+    stages = _summed_stages(g.get("stage_seconds", {}) for g in graphs)
     if stages:
         lines.append("time per stage: " + ", ".join(f"{k} {v:.3f}s" for k, v in stages.items()))
     breaks = data.get("graph_breaks", {})
@@ -192,6 +185,15 @@ def format_report(data: dict, path: str = "") -> str:
         lines.append("fell back to PyTorch:")
         lines += [f"  [{f.graph}] {f}" for f in fallbacks]
     return "\n".join(lines)
+
+
+def _summed_stages(per_graph) -> dict[str, float]:
+    """Seconds per stage over all graphs, from each graph's stage -> seconds."""
+    total: dict[str, float] = collections.defaultdict(float)
+    for stages in per_graph:
+        for stage, seconds in stages.items():
+            total[stage] += seconds
+    return dict(total)
 
 
 def _dynamo_graph_breaks() -> dict:
