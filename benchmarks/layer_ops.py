@@ -40,6 +40,10 @@ CASES = {
     "max_pool2d": (lambda x: F.max_pool2d(x, 3, 2, 1), (8, 64, 64, 64), "ResNet's stem"),
     "adaptive_avg": (lambda x: F.adaptive_avg_pool2d(x, 7), (8, 64, 56, 56), "windows that tile the input"),
     "adaptive_avg_3d": (lambda x: F.adaptive_avg_pool3d(x, 4), (4, 32, 16, 32, 32), "video models' pooling"),
+    "adaptive_max": (lambda x: F.adaptive_max_pool2d(x, 7), (8, 64, 56, 56), "max pooling to a fixed grid"),
+    "adaptive_max_uneven": (lambda x: F.adaptive_max_pool2d(x, 6), (8, 64, 56, 56), "windows that overlap"),
+    "pixel_shuffle": (lambda x: F.pixel_shuffle(x, 2), (8, 256, 32, 32), "super-resolution upsampling"),
+    "group_norm": (lambda x: F.group_norm(x, 32), (8, 64, 64, 64), "diffusion U-Nets' normalization"),
 }
 
 

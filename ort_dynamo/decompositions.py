@@ -226,8 +226,13 @@ def _pnorm_backward(diff, grad, dist, p: float):
 def _adaptive_max_pool(x, output_size):
     """Adaptive max pooling with torch's CPU choice of index: the first maximum in row-major
     order, or the last NaN if the window has one. Each window is gathered at its largest
-    size (shorter windows repeat their last element, which changes neither choice)."""
+    size (shorter windows repeat their last element, which changes neither choice). Windows
+    that tile the input are a max pooling with the window as stride, which picks the same."""
     spatial = len(output_size)
+    windows = [_pool_window(x.shape[x.dim() - spatial + d], output_size[d]) for d in range(spatial)]
+    if None not in windows:
+        pool = aten.max_pool2d_with_indices if spatial == 2 else aten.max_pool3d_with_indices
+        return pool(x, windows, windows)
     sizes = list(x.shape[-spatial:])
     lead = list(x.shape[:-spatial])
     windows, positions = x, None

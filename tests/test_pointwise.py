@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import ort_dynamo
 from ort_dynamo import _kernels, _pointwise
@@ -894,3 +895,75 @@ def test_a_constant_row_index_that_does_not_cover_whole_rows_leaves_no_initializ
     assert _pointwise._scatter_add_rows(graph, _pointwise._Graph()) == []
     assert [n.op_type for n in graph] == ["ScatterElements"]
     assert list(graph.initializers) == ["indices"]
+
+
+def _pooled(pool, x):
+    """Values, indices and the input's gradient (through both) of ``pool(x)``."""
+    x = x.detach().clone().requires_grad_(True)
+    values, indices = pool(x)
+    (values.nan_to_num(0.0) * torch.arange(values.numel()).reshape(values.shape)).sum().backward()
+    return values.detach(), indices, x.grad
+
+
+def test_max_pooling_is_one_kernel_with_torchs_values_indices_and_gradient(tmp_path):
+    """Max pooling with indices is one TorchMaxPool kernel, not ORT's MaxPool with Indices (a
+    generic loop: 7 ms where its blocked path takes 0.4 for ResNet's stem) plus the lookup of
+    NaNs that ORT's skips; its gradient is one ScatterAddLastAxis, not ORT's one-thread
+    ScatterElements. Values, indices and gradients are torch's: the first of tied maxima (ReLU's
+    zeros), the last NaN of a window, windows of -inf, padding, dilation, ceil mode, 1-, 2- and
+    3-D, unbatched; adaptive pooling whose windows tile the input is the same kernel."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 11, 10)
+    x[0, 0, :4, :4] = 0.0  # ties
+    x[0, 1, 2, 3] = x[0, 1, 5, 5] = x[1, 2, 0, 0] = x[1, 2, 0, 1] = float("nan")
+    x[1, 0, :, :5] = float("-inf")
+    x[1, 1, 4, 4] = float("inf")
+    cases = [
+        lambda t: F.max_pool2d(t, 3, 2, 1, return_indices=True),
+        lambda t: F.max_pool2d(t.relu(), 2, return_indices=True),
+        lambda t: F.max_pool2d(t, 3, 2, dilation=2, ceil_mode=True, return_indices=True),
+        lambda t: F.max_pool2d(t[0], (2, 3), (1, 2), (1, 0), return_indices=True),
+        lambda t: F.max_pool1d(t.flatten(2), 4, 3, 2, ceil_mode=True, return_indices=True),
+        lambda t: F.max_pool3d(t.unsqueeze(1), 2, 1, 1, return_indices=True),
+        lambda t: F.adaptive_max_pool2d(t[..., :10], (11, 5), return_indices=True),
+    ]
+    for index, pool in enumerate(cases):
+        folder = tmp_path / str(index)
+        ort_dynamo.reset()
+        torch._dynamo.reset()
+        compiled = torch.compile(pool, backend="ort", options={"save_onnx": True, "save_path": str(folder)})
+        _pooled(compiled, x)
+        ort_dynamo.wait_for_kernels()
+        got, want = _pooled(compiled, x), _pooled(pool, x)
+        assert ort_dynamo.report().fallback_nodes == 0
+        torch.testing.assert_close(got[0], want[0], equal_nan=True, rtol=0, atol=0)
+        assert torch.equal(got[1], want[1]), index
+        torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)
+        forward, backward = _ops(glob.glob(str(folder / "*forward*.onnx"))), _ops(glob.glob(str(folder / "*backward*.onnx")))
+        assert "MaxPool" not in forward and [op for op in forward if op.startswith("TorchMaxPool_")], forward
+        assert "ScatterAddLastAxis" in backward and "ScatterElements" not in backward, backward
+
+
+def test_scatter_add_along_the_last_axis_rejects_indices_out_of_range():
+    """The pooling gradient's kernel: rows of zeros, each update added at its row's index
+    (repeated and negative indices as ONNX allows), and a clear error for one out of range."""
+    index = ir.Value(name="index", shape=ir.Shape([2, 3]), type=ir.TensorType(ir.DataType.INT64))
+    updates = ir.Value(name="updates", shape=ir.Shape([2, 3]), type=ir.TensorType(ir.DataType.FLOAT))
+    zeros = ir.node("ConstantOfShape", [ir.Value(name="shape", const_value=ir.tensor(np.array([2, 5], dtype=np.int64)))])
+    zeros.outputs[0].shape, zeros.outputs[0].dtype = ir.Shape([2, 5]), ir.DataType.FLOAT
+    scatter = ir.node("ScatterElements", [zeros.outputs[0], index, updates], attributes={"axis": 1, "reduction": "add"})
+    scatter.outputs[0].name = "out"
+    graph = ir.Graph([index, updates], scatter.outputs, nodes=[zeros, scatter],
+                     initializers=[zeros.inputs[0]], opset_imports={"": 18})
+    model = ir.Model(graph, ir_version=10)
+    kernels = _pointwise.fuse_pointwise(model)
+    assert [_pointwise.kernel_name(k) for k in kernels] == ["ScatterAddLastAxis"]
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library(kernels))
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    values = np.arange(1, 7, dtype=np.float32).reshape(2, 3)
+    got = session.run(None, {"index": np.array([[0, 4, 0], [-1, 2, 1]]), "updates": values})[0]
+    np.testing.assert_array_equal(got, [[4, 0, 0, 0, 2], [0, 6, 5, 0, 4]])
+    with pytest.raises(Exception, match="ScatterAddLastAxis: index out of range"):
+        session.run(None, {"index": np.array([[0, 5, 0], [0, 0, 0]]), "updates": values})

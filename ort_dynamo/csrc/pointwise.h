@@ -110,6 +110,8 @@ typedef struct PwKernelDef {
    * entry d = the axis of the tensor's own layout (inputs padded to rank with leading 1s)
    * that axis d of the iteration is. An output's permutation keeps the last axis. */
   const int* perms;
+  /* Per output, a PW_FLOAT or PW_INT64; NULL: all float (every generated kernel). */
+  const int* out_types;
 } PwKernelDef;
 
 static inline int64_t pw_row_length(const PwArgs* a, int64_t r) {
@@ -143,6 +145,11 @@ static inline int64_t pw_out_offset(const PwArgs* a, int j, int64_t r) {
  * is taken in row order. With a first input of type PW_INT64 (ScatterAddRowsToZeros), that
  * input is data's shape and data is all zeros. */
 PW_HIDDEN OrtStatus* pw_scatter_add_rows(const OrtApiTable* api, OrtKernelContext* ctx, const struct PwKernelDef* def);
+/* out = zeros of the shape in input 0; out[r, index[r, j]] += updates[r, j] along the last axis
+ * (rows: every other axis, the same in index, updates and out): max pooling's gradient, each
+ * window's gradient added where its maximum was. Parallel over rows; in index order within one. */
+PW_HIDDEN OrtStatus* pw_scatter_add_last_axis(const OrtApiTable* api, OrtKernelContext* ctx,
+                                              const struct PwKernelDef* def);
 
 PW_HIDDEN OrtStatus* pw_register(OrtSessionOptions* options, const OrtApiBase* base,
                                  const PwKernelDef* const* defs);

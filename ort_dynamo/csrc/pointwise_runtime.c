@@ -156,6 +156,71 @@ OrtStatus* pw_scatter_add_rows(const OrtApiTable* api, OrtKernelContext* ctx, co
   return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, pw_scatter_task, (size_t)tasks, 0, &s);
 }
 
+typedef struct PwScatterLast {
+  float* out;
+  const float* updates;
+  const int64_t* index;
+  int64_t row, out_row, rows_per_task, rows;
+} PwScatterLast;
+
+static void pw_scatter_last_task(void* user, size_t t) {
+  const PwScatterLast* s = (const PwScatterLast*)user;
+  const int64_t r0 = (int64_t)t * s->rows_per_task;
+  const int64_t r1 = r0 + s->rows_per_task < s->rows ? r0 + s->rows_per_task : s->rows;
+  for (int64_t r = r0; r < r1; ++r) {
+    float* restrict o = s->out + r * s->out_row;
+    const float* restrict u = s->updates + r * s->row;
+    const int64_t* restrict at = s->index + r * s->row;
+    memset(o, 0, (size_t)s->out_row * sizeof(float));
+    for (int64_t j = 0; j < s->row; ++j) o[at[j] < 0 ? at[j] + s->out_row : at[j]] += u[j];
+  }
+}
+
+OrtStatus* pw_scatter_add_last_axis(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) {
+  const PwKernel k = {api, def};
+  const OrtValue *shape, *index, *updates;
+  int64_t shape_dims[PW_MAX_RANK], dims[PW_MAX_RANK], index_dims[PW_MAX_RANK], update_dims[PW_MAX_RANK];
+  size_t shape_rank, index_rank, update_rank;
+  void *shape_data, *index_data, *update_data, *out_data;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 0, &shape));
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 1, &index));
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 2, &updates));
+  PW_TRY(pw_shape(api, shape, shape_dims, &shape_rank));
+  PW_TRY(pw_shape(api, index, index_dims, &index_rank));
+  PW_TRY(pw_shape(api, updates, update_dims, &update_rank));
+  if (shape_rank != 1 || shape_dims[0] < 1 || shape_dims[0] > PW_MAX_RANK)
+    return pw_error(&k, "the zeros' shape must list 1 to 8 sizes");
+  const size_t rank = (size_t)shape_dims[0];
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)shape, &shape_data));
+  memcpy(dims, shape_data, rank * sizeof(int64_t));
+  if (index_rank != rank || update_rank != rank) return pw_error(&k, "index, updates and out must have one rank");
+  int64_t rows = 1;
+  for (size_t d = 0; d < rank; ++d) {
+    if (dims[d] < 0 || index_dims[d] != update_dims[d]) return pw_error(&k, "index and updates must have one shape");
+    if (d + 1 < rank && dims[d] != index_dims[d]) return pw_error(&k, "index's rows must be out's rows");
+    if (d + 1 < rank) rows *= dims[d];
+  }
+  const int64_t row = index_dims[rank - 1], out_row = dims[rank - 1];
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)index, &index_data));
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)updates, &update_data));
+  const int64_t* idx = (const int64_t*)index_data;
+  for (int64_t j = 0; j < rows * row; ++j)
+    if (idx[j] < -out_row || idx[j] >= out_row) return pw_error(&k, "index out of range");
+  OrtValue* out;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, dims, rank, &out));
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(out, &out_data));
+  if (rows == 0 || out_row == 0) return NULL;
+  PwScatterLast s = {(float*)out_data, (const float*)update_data, idx, row, out_row, 1, rows};
+  const int64_t per_row = row + out_row;
+  s.rows_per_task = PW_TASK_ELEMENTS / per_row > 1 ? PW_TASK_ELEMENTS / per_row : 1;
+  const int64_t tasks = (rows + s.rows_per_task - 1) / s.rows_per_task;
+  if (tasks <= 1) {
+    pw_scatter_last_task(&s, 0);
+    return NULL;
+  }
+  return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, pw_scatter_last_task, (size_t)tasks, 0, &s);
+}
+
 static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
   const PwKernel* k = (const PwKernel*)kernel;
   const PwKernelDef* def = k->def;
@@ -322,7 +387,10 @@ static int pw_input_type(const OrtCustomOp* op, size_t i) {
   return type == PW_BOOL ? ORTD_ELEM_BOOL : type == PW_INT64 ? ORTD_ELEM_INT64 : ORTD_ELEM_FLOAT;
 }
 static size_t pw_input_count(const OrtCustomOp* op) { return (size_t)pw_def(op)->n_in; }
-static int pw_output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORTD_ELEM_FLOAT; }
+static int pw_output_type(const OrtCustomOp* op, size_t i) {
+  const int* types = pw_def(op)->out_types;
+  return types && types[i] == PW_INT64 ? ORTD_ELEM_INT64 : ORTD_ELEM_FLOAT;
+}
 static size_t pw_output_count(const OrtCustomOp* op) { return (size_t)pw_def(op)->n_out; }
 static int pw_required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORTD_IO_REQUIRED; }
 static int pw_default_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORTD_MEM_DEFAULT; }

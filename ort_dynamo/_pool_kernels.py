@@ -1,0 +1,186 @@
+"""Max pooling with indices, and its gradient, as kernels of the ``ort_dynamo.pointwise`` domain.
+
+``lowerings/core._max_pool_with_indices`` gives torch's semantics with portable ops: ONNX
+MaxPool with Indices, a Sub for per-plane numbering, and a second MaxPool over NaN positions
+(ORT's skips NaN). With Indices, ORT pools in a generic loop: 7 ms where its blocked path
+takes 0.4 (ResNet's stem, 8x64x64x64). The kernel (``csrc/max_pool.h``) computes torch's
+values and indices in one pass. The gradient, a ScatterElements adding along the last axis
+into zeros, goes to a kernel parallel over rows (``pw_scatter_add_last_axis``).
+
+The portable ops stay in the model the session runs while the kernels compile, and wherever
+the pattern is not exactly the lowering's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import onnx_ir as ir
+
+from ._fusions import _int64_constant, _scalar
+
+__all__ = ["max_pools_as_kernels", "scatter_adds_along_last_axis"]
+
+_DOMAIN = "ort_dynamo.pointwise"
+
+#: The gradient's kernel (csrc/pointwise_runtime.c), the same for every use.
+SCATTER_ADD_LAST_AXIS = "\n".join([
+    '#include "pointwise.h"',
+    "static const int ScatterAddLastAxis_types[] = {PW_INT64, PW_INT64, PW_FLOAT};",
+    "static const int ScatterAddLastAxis_none[] = {0};",
+    "PW_KERNEL(ScatterAddLastAxis, 3, ScatterAddLastAxis_types, ScatterAddLastAxis_none, 1, ScatterAddLastAxis_none, "
+    "0, 0, 0, 0, pw_scatter_add_last_axis);",
+]) + "\n"
+
+
+def _is_op(node: ir.Node | None, op_type: str) -> bool:
+    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
+def _attribute(node: ir.Node, name: str, default):
+    return node.attributes[name].value if name in node.attributes else default
+
+
+def _pooling(node: ir.Node) -> tuple | None:
+    """(spatial, kernel, strides, pads before, pads after, dilations, ceil) of a MaxPool the
+    kernel computes, else None."""
+    if _attribute(node, "storage_order", 0) != 0 or _attribute(node, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET"):
+        return None
+    kernel = list(_attribute(node, "kernel_shape", []))
+    spatial = len(kernel)
+    if not 1 <= spatial <= 3:
+        return None
+    strides = list(_attribute(node, "strides", [1] * spatial))
+    pads = list(_attribute(node, "pads", [0] * 2 * spatial))
+    dilations = list(_attribute(node, "dilations", [1] * spatial))
+    if len(strides) != spatial or len(pads) != 2 * spatial or len(dilations) != spatial \
+            or min(kernel + strides + dilations) < 1 or min(pads) < 0:
+        return None
+    return spatial, kernel, strides, pads[:spatial], pads[spatial:], dilations, int(_attribute(node, "ceil_mode", 0))
+
+
+def _is_float32(value: ir.Value | None) -> bool:
+    """Whether ``value`` is float32, looking through the views whose results carry no type
+    (values of inlined torchlib functions: an unbatched pooling's Unsqueeze)."""
+    while value is not None and value.dtype is None:
+        producer = value.producer()
+        if producer is None or producer.op_type not in ("Unsqueeze", "Reshape", "Identity"):
+            return False
+        value = producer.inputs[0]
+    return value is not None and value.dtype == ir.DataType.FLOAT
+
+
+def _is_nan_constant(value: ir.Value | None) -> bool:
+    producer = value.producer() if value is not None else None
+    if _is_op(producer, "CastLike"):
+        value = producer.inputs[0]
+    number = _scalar(value)
+    return number is not None and math.isnan(number)
+
+
+def _nan_lookup(condition: ir.Value | None, x: ir.Value, pooling: tuple) -> bool:
+    """Whether ``condition`` is ``_nan_as_torch``'s: Greater(MaxPool(Cast(IsNaN(x)) * positions), 0)
+    with the same pooling."""
+    greater = condition.producer() if condition is not None else None
+    if not _is_op(greater, "Greater") or _scalar(greater.inputs[1]) != 0.0:
+        return False
+    pool = greater.inputs[0].producer()
+    if not _is_op(pool, "MaxPool") or _pooling(pool) != pooling:
+        return False
+    mul = pool.inputs[0].producer()
+    if not _is_op(mul, "Mul"):
+        return False
+    for operand in mul.inputs:
+        cast = operand.producer() if operand is not None else None
+        isnan = cast.inputs[0].producer() if _is_op(cast, "Cast") else None
+        if _is_op(isnan, "IsNaN") and isnan.inputs[0] is x:
+            return True
+    return False
+
+
+def _lowered_max_pool(pool: ir.Node) -> tuple[ir.Value, ir.Value, tuple] | None:
+    """(values, indices, pooling) that ``_max_pool_with_indices`` computes from ``pool``, its
+    MaxPool with Indices, if the model has exactly its pattern."""
+    if not _is_op(pool, "MaxPool") or len(pool.outputs) != 2:
+        return None
+    pooling, x = _pooling(pool), pool.inputs[0]
+    if pooling is None or not _is_float32(x):
+        return None
+    values, numbered = pool.outputs
+    value_uses = [use.node for use in values.uses() if _is_op(use.node, "Where") and use.idx == 2]
+    sub_uses = [use.node for use in numbered.uses() if _is_op(use.node, "Sub") and use.idx == 0]
+    if len(value_uses) != 1 or len(sub_uses) != 1:
+        return None
+    pick_value = value_uses[0]
+    index_uses = [use.node for use in sub_uses[0].outputs[0].uses() if _is_op(use.node, "Where") and use.idx == 2]
+    if len(index_uses) != 1:
+        return None
+    pick_index = index_uses[0]
+    condition = pick_value.inputs[0]
+    if pick_index.inputs[0] is not condition or not _is_nan_constant(pick_value.inputs[1]) \
+            or not _nan_lookup(condition, pool.inputs[0], pooling):
+        return None
+    return pick_value.outputs[0], pick_index.outputs[0], pooling
+
+
+def _max_pool_source(name: str, pooling: tuple) -> str:
+    spatial, kernel, strides, before, after, dilations, ceil = pooling
+    lead = 3 - spatial  # the kernel's axes are (D, H, W); a pooling without some sees them as 1
+
+    def axes(values, missing):
+        return [missing] * lead + list(values)
+
+    numbers = [*axes(kernel, 1), *axes(strides, 1), *axes(before, 0), *axes(after, 0), *axes(dilations, 1)]
+    return "\n".join(['#include "max_pool.h"',
+                      f"PW_MAX_POOL({name}, {spatial}, {', '.join(str(int(n)) for n in numbers)}, {ceil});"]) + "\n"
+
+
+def max_pools_as_kernels(graph: ir.Graph, take_over) -> list[str]:
+    """Each max pooling ``_max_pool_with_indices`` lowered -> one ``TorchMaxPool_*`` node.
+    Returns the kernels' C units (one per distinct pooling). The portable chain is left for
+    dead-code removal."""
+    kernels = {}
+    for node in list(graph):
+        found = _lowered_max_pool(node)
+        if found is None:
+            continue
+        values, indices, pooling = found
+        source = _max_pool_source("@", pooling)
+        name = "TorchMaxPool_" + hashlib.sha256(source.encode()).hexdigest()[:16]
+        kernels[name] = source.replace("@", name)
+        pool = ir.node(name, [node.inputs[0]], domain=_DOMAIN, num_outputs=2)
+        graph.insert_before(node, pool)
+        take_over(values, pool.outputs[0], "unfused")
+        take_over(indices, pool.outputs[1], "unfused")
+        pool.outputs[0].dtype, pool.outputs[1].dtype = ir.DataType.FLOAT, ir.DataType.INT64
+    return list(kernels.values())
+
+
+def scatter_adds_along_last_axis(graph: ir.Graph, constant_zeros, replace_node) -> int:
+    """``ScatterElements(zeros, index, updates, axis=-1, reduction=add)``, float32, with
+    ``index`` and ``updates`` shaped as the zeros but along the last axis (max pooling's
+    gradient as ``decompositions`` writes it) -> ``ScatterAddLastAxis(shape, index, updates)``.
+    ORT's ScatterElements takes each index through a generic loop on one thread."""
+    count = 0
+    for node in list(graph):
+        if not _is_op(node, "ScatterElements") or len(node.inputs) != 3:
+            continue
+        data, index, updates = node.inputs
+        if data is None or index is None or updates is None or data.shape is None:
+            continue
+        rank = len(data.shape)
+        shape = [d for d in data.shape.dims if isinstance(d, int)]
+        if _attribute(node, "reduction", "none") not in ("add", b"add") or \
+                _attribute(node, "axis", 0) not in (-1, rank - 1) or len(shape) != rank or rank < 1 \
+                or data.dtype != ir.DataType.FLOAT or updates.dtype != ir.DataType.FLOAT \
+                or index.dtype != ir.DataType.INT64 or index.shape is None or updates.shape is None \
+                or list(index.shape.dims) != list(updates.shape.dims) or list(index.shape.dims[:-1]) != shape[:-1]:
+            continue
+        zeros = constant_zeros(data)
+        if zeros is None:
+            continue
+        dims = _int64_constant(graph, f"{node.outputs[0].name}_zeros_shape", shape)
+        replace_node(graph, node, [ir.node("ScatterAddLastAxis", [dims, index, updates], domain=_DOMAIN)], "elements")
+        count += 1
+    return count
