@@ -44,6 +44,8 @@ CASES = {
     "adaptive_max_uneven": (lambda x: F.adaptive_max_pool2d(x, 6), (8, 64, 56, 56), "windows that overlap"),
     "pixel_shuffle": (lambda x: F.pixel_shuffle(x, 2), (8, 256, 32, 32), "super-resolution upsampling"),
     "group_norm": (lambda x: F.group_norm(x, 32), (8, 64, 64, 64), "diffusion U-Nets' normalization"),
+    "group_norm_affine": (lambda x, w=torch.rand(64) + 0.5, b=torch.randn(64): F.group_norm(x, 32, w, b),
+                          (8, 64, 64, 64), "the same with nn.GroupNorm's weight and bias"),
 }
 
 

@@ -632,6 +632,24 @@ def own_decompositions() -> dict:
             return fn
         return wrap
 
+    @register(aten.native_group_norm.default)
+    def native_group_norm(x, weight, bias, n, channels, hxw, groups, eps):
+        # torchlib: InstanceNormalization, then mean and rstd again in three more passes. Each
+        # group is a row of a LayerNormalization, which also returns mean and rstd; the affine
+        # is one pointwise kernel with what follows.
+        # Symbolic sizes would put shape arithmetic between the two kernels: torchlib's then.
+        if x.device.type != "cpu" or x.dtype != torch.float32 or not _static(*x.shape) or x.numel() == 0 \
+                or any(p is not None and p.dtype != torch.float32 for p in (weight, bias)):
+            return NotImplemented
+        rows = x.reshape(n, groups, -1)
+        y, mean, rstd = aten.native_layer_norm(rows, [rows.shape[-1]], None, None, eps)
+        y = y.reshape(n, channels, -1)
+        if weight is not None:
+            y = y * weight.reshape(channels, 1)
+        if bias is not None:
+            y = y + bias.reshape(channels, 1)
+        return y.reshape(x.shape), mean.reshape(n, groups), rstd.reshape(n, groups)
+
     @register(aten.convolution_backward.default)
     def convolution_backward(grad_out, inp, weight, bias_sizes, stride, padding, dilation,
                              transposed, output_padding, groups, output_mask):

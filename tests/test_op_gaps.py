@@ -575,3 +575,19 @@ def test_composite_ops_decompose_without_torch_exports_table(monkeypatch):
               torch.tensor([0, 3, 1, 2, 3]))
     finally:
         lower.decomposition_table.cache_clear()  # the next test builds it without the patch
+
+
+def test_group_norm_is_a_layer_norm_over_the_groups(tmp_path):
+    """torchlib lowers group norm to InstanceNormalization and then computes the mean and rstd
+    backward needs in three more passes; each group is a row of one LayerNormalization, which
+    returns them too (group_norm in benchmarks/layer_ops.py: ort/eager 1.39 -> 1.00). The
+    gradients, through the saved mean and rstd, are eager's; with or without the affine."""
+    x = torch.randn(4, 6, 5, 7, requires_grad=True) * 3 + 1
+    norm = torch.nn.GroupNorm(3, 6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2.0)
+        norm.bias.normal_()
+    check(lambda t: norm(t), x, atol=1e-5)
+    check(lambda t: F.group_norm(t, 2), x[:, :, 0])
+    ops = onnx_ops_of(norm, x, folder=tmp_path, models="*forward*", pointwise_kernels=False)
+    assert "LayerNormalization" in ops and "InstanceNormalization" not in ops, ops
