@@ -46,6 +46,8 @@ CASES = {
     "group_norm": (lambda x: F.group_norm(x, 32), (8, 64, 64, 64), "diffusion U-Nets' normalization"),
     "group_norm_affine": (lambda x, w=torch.rand(64) + 0.5, b=torch.randn(64): F.group_norm(x, 32, w, b),
                           (8, 64, 64, 64), "the same with nn.GroupNorm's weight and bias"),
+    "depthwise_conv": (lambda x, w=torch.randn(96, 1, 7, 7, requires_grad=True): F.conv2d(x, w, padding=3, groups=96),
+                       (8, 96, 56, 56), "ConvNeXt's 7x7 depthwise convolution, weight gradient included"),
 }
 
 

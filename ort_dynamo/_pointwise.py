@@ -26,7 +26,7 @@ import onnx_ir as ir
 from ._fusions import (_MS, _TANH_GELU_BETA, _TANH_GELU_KAPPA, _constant_tensor, _initializer, _int64_constant,
                        _ints, _is, _op, _other, _perm_keeping_last_axis, _scalar)
 from ._fusions import _take_over as _take_over_value
-from . import _pool_kernels
+from . import _op_kernels
 
 __all__ = ["DOMAIN", "fuse_pointwise", "kernel_name", "table_source"]
 
@@ -590,7 +590,7 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
 
 def kernel_name(kernel: str) -> str:
     """The name of a kernel ``fuse_pointwise`` emitted (its op type in the model)."""
-    macro = "PW_KERNEL(" if "PW_KERNEL(" in kernel else "PW_MAX_POOL("  # a pooling's unit: _pool_kernels
+    macro = "PW_KERNEL(" if "PW_KERNEL(" in kernel else "PW_MAX_POOL("  # a pooling's unit: _op_kernels
     return kernel.rsplit(macro, 1)[1].split(",", 1)[0]
 
 
@@ -1163,12 +1163,12 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
     into_zeros = _scatter_add_rows(graph, _Graph())
     kernels = [_SCATTER_ADD_ROWS] if not all(into_zeros) else []
     kernels += [_SCATTER_ADD_ROWS_TO_ZEROS] if any(into_zeros) else []
-    pools = _pool_kernels.max_pools_as_kernels(graph, _take_over_value)
+    pools = _op_kernels.max_pools_as_kernels(graph, _take_over_value)
     if pools:  # the portable chains, dead now, must not become kernels below
         ir.passes.common.RemoveUnusedNodesPass()(model)
     kernels += pools
-    if _pool_kernels.scatter_adds_along_last_axis(graph, _constant_zeros, _replace_node):
-        kernels.append(_pool_kernels.SCATTER_ADD_LAST_AXIS)
+    if _op_kernels.scatter_adds_along_last_axis(graph, _constant_zeros, _replace_node):
+        kernels.append(_op_kernels.SCATTER_ADD_LAST_AXIS)
     groups, info = _groups(graph)
     output_positions = {value: i for i, value in enumerate(graph.outputs)}
     # Replaced nodes leave the graph together at the end: each removal scans every graph
@@ -1229,6 +1229,8 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
         for node in group.nodes:
             replace(node)
     graph.remove(replaced, safe=True)
+    if _op_kernels.slow_transposes_as_kernels(graph, _take_over_value):
+        kernels.append(_op_kernels.TRANSPOSE_ROWS)
     _unfold_rotate_half(graph)
     if kernels:
         model.opset_imports[DOMAIN] = 1

@@ -632,6 +632,28 @@ def own_decompositions() -> dict:
             return fn
         return wrap
 
+    @register(aten.pixel_shuffle.default)
+    def pixel_shuffle(x, r):
+        # A Reshape, a Transpose that moves the innermost axis, a Reshape, all of static
+        # shapes, which the pointwise stage runs as one multi-threaded kernel (ORT's
+        # DepthToSpace, and torchlib's pixel_unshuffle through shape arithmetic, move each
+        # element on one thread). Symbolic sizes: torchlib's.
+        if x.device.type != "cpu" or x.dim() < 3 or not _static(*x.shape):
+            return NotImplemented
+        *lead, c, h, w = x.shape
+        blocks = x.reshape(*lead, c // (r * r), r, r, h, w)
+        k = len(lead)
+        return blocks.permute(*range(k), k, k + 3, k + 1, k + 4, k + 2).reshape(*lead, c // (r * r), h * r, w * r)
+
+    @register(aten.pixel_unshuffle.default)
+    def pixel_unshuffle(x, r):
+        if x.device.type != "cpu" or x.dim() < 3 or not _static(*x.shape):
+            return NotImplemented
+        *lead, c, h, w = x.shape
+        k = len(lead)
+        rows = x.reshape(*lead, c, h // r, r, w // r, r)
+        return rows.permute(*range(k), k, k + 2, k + 4, k + 1, k + 3).reshape(*lead, c * r * r, h // r, w // r)
+
     @register(aten.native_group_norm.default)
     def native_group_norm(x, weight, bias, n, channels, hxw, groups, eps):
         # torchlib: InstanceNormalization, then mean and rstd again in three more passes. Each

@@ -967,3 +967,73 @@ def test_scatter_add_along_the_last_axis_rejects_indices_out_of_range():
     np.testing.assert_array_equal(got, [[4, 0, 0, 0, 2], [0, 6, 5, 0, 4]])
     with pytest.raises(Exception, match="ScatterAddLastAxis: index out of range"):
         session.run(None, {"index": np.array([[0, 5, 0], [0, 0, 0]]), "updates": values})
+
+
+def test_pixel_shuffle_and_its_gradient_move_rows_in_one_kernel(tmp_path):
+    """Pixel shuffle (and unshuffle, its gradient) is a Transpose that moves the innermost axis;
+    ORT's DepthToSpace and Transpose move such a tensor element by element on one thread
+    (benchmarks/layer_ops.py pixel_shuffle: 1.80 times eager). TransposeRows gathers rows on
+    the intra-op threads, with eager's values and gradients, batched or not."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 24, 32)  # big enough for a kernel (16384 elements)
+    for index, (fn, data) in enumerate(((lambda t: F.pixel_shuffle(t, 2).sin(), x[0]),
+                                        (lambda t: F.pixel_shuffle(t, 4).sin(), x),
+                                        (lambda t: F.pixel_unshuffle(t, 2).exp(), x[0]))):
+        folder = tmp_path / str(index)
+        ort_dynamo.reset()
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="ort", options={"save_onnx": True, "save_path": str(folder)})
+        data = data.clone().requires_grad_(True)
+        compiled(data).sum().backward()
+        ort_dynamo.wait_for_kernels()
+        got = compiled(data)
+        (got_grad,) = torch.autograd.grad(got.square().sum(), data)
+        want = fn(data)
+        (want_grad,) = torch.autograd.grad(want.square().sum(), data)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-5)
+        ops = _ops(glob.glob(str(folder / "*.onnx")))
+        assert "TransposeRows" in ops and "Transpose" not in ops and "DepthToSpace" not in ops, ops
+
+
+@pytest.mark.parametrize("dims, perm, kernel", [
+    ((8, 16, 2, 2, 32, 32), (0, 1, 4, 2, 5, 3), True),     # pixel shuffle
+    ((4, 3, 8, 16, 8, 16), (0, 2, 4, 3, 5, 1), True),      # patches with channels last (einops)
+    ((64, 32, 24), (2, 1, 0), True),                       # every axis moves
+    ((64, 32, 24), (2, 0, 1), False),                      # a 2-D transpose once merged: MLAS's
+    ((8, 128, 4, 64), (0, 2, 1, 3), False),                # attention heads: rows of 64 stay whole
+    ((16, 64, 48), (0, 2, 1), False),                      # one axis moves: ORT's blocked path
+    ((8, 1, 64, 1, 64), (0, 3, 4, 1, 2), False),           # only sizes of 1 and one axis move
+])
+def test_transposes_ort_moves_element_by_element_run_as_kernels(dims, perm, kernel):
+    x = ir.Value(name="x", shape=ir.Shape(list(dims)), type=ir.TensorType(ir.DataType.FLOAT))
+    node = ir.node("Transpose", [x], attributes={"perm": list(perm)})
+    node.outputs[0].name = "y"
+    model = ir.Model(ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 18}), ir_version=10)
+    kernels = _pointwise.fuse_pointwise(model)
+    assert ("TransposeRows" in [n.op_type for n in model.graph]) == kernel
+    if not kernel:
+        return
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library(kernels))
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    data = np.random.randn(*dims).astype(np.float32)
+    np.testing.assert_array_equal(session.run(None, {"x": data})[0], data.transpose(perm))
+
+
+def test_transpose_kernel_rejects_a_perm_that_is_no_permutation():
+    x = ir.Value(name="x", shape=ir.Shape([4, 5, 6]), type=ir.TensorType(ir.DataType.FLOAT))
+    perm = ir.Value(name="perm", const_value=ir.tensor(np.array([2, 0, 2], dtype=np.int64)))
+    node = ir.node("TransposeRows", [x, perm], domain=_pointwise.DOMAIN)
+    node.outputs[0].name, node.outputs[0].dtype = "y", ir.DataType.FLOAT
+    graph = ir.Graph([x], node.outputs, nodes=[node], initializers=[perm],
+                     opset_imports={"": 18, _pointwise.DOMAIN: 1})
+    from ort_dynamo import _op_kernels
+
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library([_op_kernels.TRANSPOSE_ROWS]))
+    session = ort.InferenceSession(ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    with pytest.raises(Exception, match="TransposeRows: perm is not a permutation"):
+        session.run(None, {"x": np.zeros((4, 5, 6), np.float32)})

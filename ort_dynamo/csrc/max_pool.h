@@ -4,7 +4,7 @@
  * output, ORT computes it in a generic loop (7 ms for ResNet's stem where its blocked path takes
  * 0.4). This computes what torch's CPU kernel does, in one pass: per (n, c) plane, each window's
  * value and the index within the plane of its first maximum in row-major order, or of its last
- * NaN. A generated unit (ort_dynamo/_pool_kernels.py) instantiates PW_MAX_POOL once per
+ * NaN. A generated unit (ort_dynamo/_op_kernels.py) instantiates PW_MAX_POOL once per
  * pooling, its sizes compile-time constants, so the window loops unroll.
  *
  * Part of ort_dynamo; MIT licensed.

@@ -221,6 +221,77 @@ OrtStatus* pw_scatter_add_last_axis(const OrtApiTable* api, OrtKernelContext* ct
   return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, pw_scatter_last_task, (size_t)tasks, 0, &s);
 }
 
+typedef struct PwTranspose {
+  const float* x;
+  float* out;
+  int64_t rank, dims[PW_MAX_RANK], strides[PW_MAX_RANK]; /* output dims, input strides per output axis */
+  int64_t blocks, blocks_per_task;
+} PwTranspose;
+
+static void pw_transpose_task(void* user, size_t t) {
+  const PwTranspose* p = (const PwTranspose*)user;
+  const int64_t b0 = (int64_t)t * p->blocks_per_task;
+  const int64_t b1 = b0 + p->blocks_per_task < p->blocks ? b0 + p->blocks_per_task : p->blocks;
+  const int64_t r = p->rank, A = p->dims[r - 2], B = p->dims[r - 1], sa = p->strides[r - 2], sb = p->strides[r - 1];
+  for (int64_t b = b0; b < b1; ++b) {
+    int64_t base = 0, rest = b;
+    for (int64_t d = r - 3; d >= 0; --d) {
+      base += (rest % p->dims[d]) * p->strides[d];
+      rest /= p->dims[d];
+    }
+    const float* restrict x = p->x + base;
+    float* restrict o = p->out + b * A * B;
+    for (int64_t a = 0; a < A; ++a)
+      for (int64_t j = 0; j < B; ++j) o[a * B + j] = x[a * sa + j * sb];
+  }
+}
+
+OrtStatus* pw_transpose(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) {
+  const PwKernel k = {api, def};
+  const OrtValue *input, *perm_value;
+  int64_t in_dims[PW_MAX_RANK], perm_dims[PW_MAX_RANK];
+  size_t rank, perm_rank;
+  void *in_data, *perm_data, *out_data;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 0, &input));
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 1, &perm_value));
+  PW_TRY(pw_shape(api, input, in_dims, &rank));
+  PW_TRY(pw_shape(api, perm_value, perm_dims, &perm_rank));
+  if (rank < 2 || rank > PW_MAX_RANK || perm_rank != 1 || perm_dims[0] != (int64_t)rank)
+    return pw_error(&k, "perm must list each of the input's 2 to 8 axes");
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)perm_value, &perm_data));
+  const int64_t* perm = (const int64_t*)perm_data;
+  PwTranspose p = {0};
+  p.rank = (int64_t)rank;
+  int64_t in_strides[PW_MAX_RANK], seen = 0, numel = 1;
+  for (int64_t d = p.rank - 1, stride = 1; d >= 0; --d) {
+    in_strides[d] = stride;
+    stride *= in_dims[d];
+  }
+  for (int64_t d = 0; d < p.rank; ++d) {
+    if (perm[d] < 0 || perm[d] >= p.rank || (seen >> perm[d]) & 1) return pw_error(&k, "perm is not a permutation");
+    seen |= (int64_t)1 << perm[d];
+    p.dims[d] = in_dims[perm[d]];
+    p.strides[d] = in_strides[perm[d]];
+    numel *= p.dims[d];
+  }
+  OrtValue* out;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, p.dims, rank, &out));
+  if (numel == 0) return NULL;
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)input, &in_data));
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(out, &out_data));
+  p.x = (const float*)in_data;
+  p.out = (float*)out_data;
+  const int64_t block = p.dims[p.rank - 2] * p.dims[p.rank - 1];
+  p.blocks = numel / block;
+  p.blocks_per_task = PW_TASK_ELEMENTS / block > 1 ? PW_TASK_ELEMENTS / block : 1;
+  const int64_t tasks = (p.blocks + p.blocks_per_task - 1) / p.blocks_per_task;
+  if (tasks <= 1) {
+    pw_transpose_task(&p, 0);
+    return NULL;
+  }
+  return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, pw_transpose_task, (size_t)tasks, 0, &p);
+}
+
 static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
   const PwKernel* k = (const PwKernel*)kernel;
   const PwKernelDef* def = k->def;

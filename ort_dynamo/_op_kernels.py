@@ -1,14 +1,20 @@
-"""Max pooling with indices, and its gradient, as kernels of the ``ort_dynamo.pointwise`` domain.
+"""Hand-written kernels of the ``ort_dynamo.pointwise`` domain for single ONNX ops that ORT's
+CPU provider runs slowly (csrc/max_pool.h, csrc/pointwise_runtime.c):
 
-``lowerings/core._max_pool_with_indices`` gives torch's semantics with portable ops: ONNX
-MaxPool with Indices, a Sub for per-plane numbering, and a second MaxPool over NaN positions
-(ORT's skips NaN). With Indices, ORT pools in a generic loop: 7 ms where its blocked path
-takes 0.4 (ResNet's stem, 8x64x64x64). The kernel (``csrc/max_pool.h``) computes torch's
-values and indices in one pass. The gradient, a ScatterElements adding along the last axis
-into zeros, goes to a kernel parallel over rows (``pw_scatter_add_last_axis``).
+- Max pooling with indices. ``lowerings/core._max_pool_with_indices`` gives torch's semantics
+  with portable ops: ONNX MaxPool with Indices, a Sub for per-plane numbering, and a second
+  MaxPool over NaN positions (ORT's skips NaN). With Indices, ORT pools in a generic loop: 7 ms
+  where its blocked path takes 0.4 (ResNet's stem, 8x64x64x64). ``TorchMaxPool_*`` computes
+  torch's values and indices in one pass.
+- Its gradient, a ScatterElements adding along the last axis into zeros, on one thread in ORT:
+  ``ScatterAddLastAxis``, parallel over rows.
+- Transposes that move the innermost axis and more than one axis, which ORT moves element by
+  element on one thread (pixel shuffle and its gradient, einops' patch
+  rearrangements): ``TransposeRows``. (``decompositions`` writes pixel shuffle as such a
+  transpose of static shapes.)
 
 The portable ops stay in the model the session runs while the kernels compile, and wherever
-the pattern is not exactly the lowering's.
+a pattern is not exactly the one described.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import onnx_ir as ir
 
 from ._fusions import _int64_constant, _scalar
 
-__all__ = ["max_pools_as_kernels", "scatter_adds_along_last_axis"]
+__all__ = ["max_pools_as_kernels", "scatter_adds_along_last_axis", "slow_transposes_as_kernels"]
 
 _DOMAIN = "ort_dynamo.pointwise"
 
@@ -32,6 +38,18 @@ SCATTER_ADD_LAST_AXIS = "\n".join([
     "PW_KERNEL(ScatterAddLastAxis, 3, ScatterAddLastAxis_types, ScatterAddLastAxis_none, 1, ScatterAddLastAxis_none, "
     "0, 0, 0, 0, pw_scatter_add_last_axis);",
 ]) + "\n"
+
+
+#: The transposes' kernel: x and the permutation (an int64 constant).
+TRANSPOSE_ROWS = "\n".join([
+    '#include "pointwise.h"',
+    "static const int TransposeRows_types[] = {PW_FLOAT, PW_INT64};",
+    "static const int TransposeRows_none[] = {0};",
+    "PW_KERNEL(TransposeRows, 2, TransposeRows_types, TransposeRows_none, 1, TransposeRows_none, 0, 0, 0, 0, "
+    "pw_transpose);",
+]) + "\n"
+#: Fewer elements stay ORT's: its loop costs microseconds there.
+_MIN_TRANSPOSED = 16384
 
 
 def _is_op(node: ir.Node | None, op_type: str) -> bool:
@@ -182,5 +200,53 @@ def scatter_adds_along_last_axis(graph: ir.Graph, constant_zeros, replace_node) 
             continue
         dims = _int64_constant(graph, f"{node.outputs[0].name}_zeros_shape", shape)
         replace_node(graph, node, [ir.node("ScatterAddLastAxis", [dims, index, updates], domain=_DOMAIN)], "elements")
+        count += 1
+    return count
+
+
+def _static_dims(value: ir.Value | None) -> list[int] | None:
+    if value is None or value.shape is None or not all(isinstance(d, int) for d in value.shape.dims):
+        return None
+    return list(value.shape.dims)
+
+
+def _moves_elementwise(dims: list[int], perm: list[int]) -> bool:
+    """Whether ORT's Transpose moves element by element: after dropping axes of size 1 and
+    merging axes that stay neighbours, the innermost axis moves and so does more than one."""
+    kept = [axis for axis in perm if dims[axis] != 1]
+    runs: list[list[int]] = []
+    for axis in kept:  # runs of consecutive input axes in output order
+        if runs and axis == runs[-1][-1] + 1:
+            runs[-1].append(axis)
+        else:
+            runs.append([axis])
+    order = [run[0] for run in runs]
+    merged = [sorted(order).index(first) for first in order]
+    if len(merged) < 3 or merged[-1] == len(merged) - 1:
+        return False
+    # One axis moved: the others keep their order (ORT's single-axis paths copy blocks).
+    return not any(merged[:i] + merged[i + 1:] == sorted(merged[:i] + merged[i + 1:]) for i in range(len(merged)))
+
+
+def slow_transposes_as_kernels(graph: ir.Graph, take_over) -> int:
+    """Float32 Transposes of static shapes that ORT would move element by element ->
+    ``TransposeRows``. Run after the pointwise groups: a Transpose that only a group reads,
+    the group reads at its strides instead."""
+    count = 0
+    for node in list(graph):
+        if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+            continue
+        x = node.inputs[0]
+        dims = _static_dims(x)
+        perm = list(_attribute(node, "perm", []))
+        if dims is None or not 3 <= len(dims) <= 8 or sorted(perm) != list(range(len(dims))) or not _is_float32(x) \
+                or math.prod(dims) < _MIN_TRANSPOSED or not _moves_elementwise(dims, perm):
+            continue
+        kernel = ir.node("TransposeRows", [x, _int64_constant(graph, f"{node.outputs[0].name}_perm", perm)],
+                         domain=_DOMAIN)
+        graph.insert_before(node, kernel)
+        take_over(node.outputs[0], kernel.outputs[0], "unfused")
+        kernel.outputs[0].dtype = ir.DataType.FLOAT
+        graph.remove(node, safe=True)
         count += 1
     return count
