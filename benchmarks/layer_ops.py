@@ -46,6 +46,13 @@ CASES = {
     "group_norm": (lambda x: F.group_norm(x, 32), (8, 64, 64, 64), "diffusion U-Nets' normalization"),
     "group_norm_affine": (lambda x, w=torch.rand(64) + 0.5, b=torch.randn(64): F.group_norm(x, 32, w, b),
                           (8, 64, 64, 64), "the same with nn.GroupNorm's weight and bias"),
+    "batch_norm": (lambda x, w=torch.rand(64, requires_grad=True), b=torch.randn(64, requires_grad=True):
+                   F.batch_norm(x, None, None, w, b, training=True), (8, 64, 56, 56), "ResNet's BatchNorm2d, training"),
+    "conv_transpose": (lambda x, w=torch.randn(64, 32, 2, 2, requires_grad=True): F.conv_transpose2d(x, w, stride=2),
+                       (8, 64, 32, 32), "U-Net decoders' 2x2 up-convolution"),
+    "avg_pool2d": (lambda x: F.avg_pool2d(x, 2), (8, 64, 64, 64), "DenseNet's transitions"),
+    "channels_last_norm": (lambda x, w=torch.rand(96, requires_grad=True): F.layer_norm(
+        x.permute(0, 2, 3, 1), (96,), w).permute(0, 3, 1, 2), (8, 96, 56, 56), "ConvNeXt's LayerNorm over channels"),
     "depthwise_conv": (lambda x, w=torch.randn(96, 1, 7, 7, requires_grad=True): F.conv2d(x, w, padding=3, groups=96),
                        (8, 96, 56, 56), "ConvNeXt's 7x7 depthwise convolution, weight gradient included"),
 }
