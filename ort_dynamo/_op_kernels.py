@@ -8,8 +8,8 @@ CPU provider runs slowly (csrc/max_pool.h, csrc/pointwise_runtime.c):
   torch's values and indices in one pass.
 - Its gradient, a ScatterElements adding along the last axis into zeros, on one thread in ORT:
   ``ScatterAddLastAxis``, parallel over rows.
-- Transposes that move the innermost axis and more than one axis, which ORT moves element by
-  element on one thread (pixel shuffle and its gradient, einops' patch
+- Transposes that move the innermost axis and more than one axis, or keep it but it is short,
+  which ORT moves element by element (or a few floats at a time) on one thread (pixel shuffle and its gradient, einops' patch
   rearrangements): ``TransposeRows``. (``decompositions`` writes pixel shuffle as such a
   transpose of static shapes.)
 
@@ -50,6 +50,8 @@ TRANSPOSE_ROWS = "\n".join([
 ]) + "\n"
 #: Fewer elements stay ORT's: its loop costs microseconds there.
 _MIN_TRANSPOSED = 16384
+#: An innermost axis that stays innermost, ORT copies in blocks of its length: fine from here.
+_MIN_BLOCK = 16
 
 
 def _is_op(node: ir.Node | None, op_type: str) -> bool:
@@ -211,8 +213,10 @@ def _static_dims(value: ir.Value | None) -> list[int] | None:
 
 
 def _moves_elementwise(dims: list[int], perm: list[int]) -> bool:
-    """Whether ORT's Transpose moves element by element: after dropping axes of size 1 and
-    merging axes that stay neighbours, the innermost axis moves and so does more than one."""
+    """Whether ORT's Transpose moves element by element or in blocks of a few floats: after
+    dropping axes of size 1 and merging axes that stay neighbours, either the innermost axis
+    moves and so does more than one (one moved axis: ORT's blocked single-axis paths), or it
+    stays but is shorter than ``_MIN_BLOCK`` (ORT copies it block by block)."""
     kept = [axis for axis in perm if dims[axis] != 1]
     runs: list[list[int]] = []
     for axis in kept:  # runs of consecutive input axes in output order
@@ -222,9 +226,10 @@ def _moves_elementwise(dims: list[int], perm: list[int]) -> bool:
             runs.append([axis])
     order = [run[0] for run in runs]
     merged = [sorted(order).index(first) for first in order]
-    if len(merged) < 3 or merged[-1] == len(merged) - 1:
+    if len(merged) < 3:
         return False
-    # One axis moved: the others keep their order (ORT's single-axis paths copy blocks).
+    if merged[-1] == len(merged) - 1:
+        return math.prod(dims[axis] for axis in runs[-1]) < _MIN_BLOCK
     return not any(merged[:i] + merged[i + 1:] == sorted(merged[:i] + merged[i + 1:]) for i in range(len(merged)))
 
 

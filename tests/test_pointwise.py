@@ -1001,6 +1001,7 @@ def test_pixel_shuffle_and_its_gradient_move_rows_in_one_kernel(tmp_path):
     ((4, 3, 8, 16, 8, 16), (0, 2, 4, 3, 5, 1), True),      # patches with channels last (einops)
     ((64, 32, 24), (2, 1, 0), True),                       # every axis moves
     ((64, 32, 24), (2, 0, 1), False),                      # a 2-D transpose once merged: MLAS's
+    ((8, 32, 32, 2, 32, 2), (0, 2, 4, 1, 3, 5), True),     # patches: the innermost axis stays, 2 floats
     ((8, 128, 4, 64), (0, 2, 1, 3), False),                # attention heads: rows of 64 stay whole
     ((16, 64, 48), (0, 2, 1), False),                      # one axis moves: ORT's blocked path
     ((8, 1, 64, 1, 64), (0, 3, 4, 1, 2), False),           # only sizes of 1 and one axis move

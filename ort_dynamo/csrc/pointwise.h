@@ -151,10 +151,10 @@ PW_HIDDEN OrtStatus* pw_scatter_add_rows(const OrtApiTable* api, OrtKernelContex
 PW_HIDDEN OrtStatus* pw_scatter_add_last_axis(const OrtApiTable* api, OrtKernelContext* ctx,
                                               const struct PwKernelDef* def);
 
-/* out = Transpose(x, perm), perm an int64 input (a constant): each output row pair (the last two
- * output axes) gathered at the input's strides, rows split over the intra-op threads. For the
- * permutations ORT moves element by element on one thread (the innermost axis moves and more
- * than one axis moves: pixel shuffle, einops' patch rearrangements). */
+/* out = Transpose(x, perm), x of 3 to 8 axes, perm an int64 input (a constant): blocks of the
+ * last three output axes gathered at the input's strides, split over the intra-op threads. For
+ * the permutations ORT moves element by element, or in blocks of a few floats, on one thread
+ * (pixel shuffle, patches: einops' rearrangements, a patch convolution's weight gradient). */
 PW_HIDDEN OrtStatus* pw_transpose(const OrtApiTable* api, OrtKernelContext* ctx, const struct PwKernelDef* def);
 PW_HIDDEN OrtStatus* pw_register(OrtSessionOptions* options, const OrtApiBase* base,
                                  const PwKernelDef* const* defs);

@@ -232,17 +232,20 @@ static void pw_transpose_task(void* user, size_t t) {
   const PwTranspose* p = (const PwTranspose*)user;
   const int64_t b0 = (int64_t)t * p->blocks_per_task;
   const int64_t b1 = b0 + p->blocks_per_task < p->blocks ? b0 + p->blocks_per_task : p->blocks;
-  const int64_t r = p->rank, A = p->dims[r - 2], B = p->dims[r - 1], sa = p->strides[r - 2], sb = p->strides[r - 1];
+  const int64_t r = p->rank, C = p->dims[r - 3], A = p->dims[r - 2], B = p->dims[r - 1];
+  const int64_t sc = p->strides[r - 3], sa = p->strides[r - 2], sb = p->strides[r - 1];
   for (int64_t b = b0; b < b1; ++b) {
     int64_t base = 0, rest = b;
-    for (int64_t d = r - 3; d >= 0; --d) {
+    for (int64_t d = r - 4; d >= 0; --d) {
       base += (rest % p->dims[d]) * p->strides[d];
       rest /= p->dims[d];
     }
-    const float* restrict x = p->x + base;
-    float* restrict o = p->out + b * A * B;
-    for (int64_t a = 0; a < A; ++a)
-      for (int64_t j = 0; j < B; ++j) o[a * B + j] = x[a * sa + j * sb];
+    float* restrict o = p->out + b * C * A * B;
+    for (int64_t c = 0; c < C; ++c) {
+      const float* restrict x = p->x + base + c * sc;
+      for (int64_t a = 0; a < A; ++a, o += B)
+        for (int64_t j = 0; j < B; ++j) o[j] = x[a * sa + j * sb];
+    }
   }
 }
 
@@ -256,8 +259,8 @@ OrtStatus* pw_transpose(const OrtApiTable* api, OrtKernelContext* ctx, const PwK
   PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 1, &perm_value));
   PW_TRY(pw_shape(api, input, in_dims, &rank));
   PW_TRY(pw_shape(api, perm_value, perm_dims, &perm_rank));
-  if (rank < 2 || rank > PW_MAX_RANK || perm_rank != 1 || perm_dims[0] != (int64_t)rank)
-    return pw_error(&k, "perm must list each of the input's 2 to 8 axes");
+  if (rank < 3 || rank > PW_MAX_RANK || perm_rank != 1 || perm_dims[0] != (int64_t)rank)
+    return pw_error(&k, "perm must list each of the input's 3 to 8 axes");
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)perm_value, &perm_data));
   const int64_t* perm = (const int64_t*)perm_data;
   PwTranspose p = {0};
@@ -281,7 +284,7 @@ OrtStatus* pw_transpose(const OrtApiTable* api, OrtKernelContext* ctx, const PwK
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)(out, &out_data));
   p.x = (const float*)in_data;
   p.out = (float*)out_data;
-  const int64_t block = p.dims[p.rank - 2] * p.dims[p.rank - 1];
+  const int64_t block = p.dims[p.rank - 3] * p.dims[p.rank - 2] * p.dims[p.rank - 1];
   p.blocks = numel / block;
   p.blocks_per_task = PW_TASK_ELEMENTS / block > 1 ? PW_TASK_ELEMENTS / block : 1;
   const int64_t tasks = (p.blocks + p.blocks_per_task - 1) / p.blocks_per_task;
