@@ -198,12 +198,13 @@ for _name, _math in (("_linear_cross_entropy_batch_chunked", linear_cross_entrop
 
 def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True) -> int:
     """Replace torch-level calls that would leave ORT-less backward kernels, and (``fuse``)
-    tanh-GELU written out in Python by one ``F.gelu`` call. Returns the count."""
+    tanh-GELU written out in Python by one ``F.gelu`` call and a LayerNorm over channels
+    between two permutes by one in place. Returns the count."""
     replaced = 0
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
-        changed = _tanh_gelu_as_one_op(module.graph) if fuse else 0
+        changed = _tanh_gelu_as_one_op(module.graph) + _layer_norm_over_channels_in_place(module.graph) if fuse else 0
         for node in module.graph.nodes:
             if node.op == "call_function" and node.target in _DYNAMO_REWRITES:
                 node.target = _DYNAMO_REWRITES[node.target]
@@ -404,3 +405,73 @@ def whole_upsampling():
                 op.py_kernels[key] = kernel
             for op in _UPSAMPLING:
                 op._dispatch_cache.clear()
+
+
+def channels_first_layer_norm(x, weight=None, bias=None, eps: float = 1e-5):
+    """LayerNorm over dim 1, in x's own layout: reductions over the channels and elementwise
+    ops, no transposes forward or backward."""
+    mean = x.mean(1, keepdim=True)
+    centered = x - mean
+    y = centered * torch.rsqrt((centered * centered).mean(1, keepdim=True) + eps)
+    shape = [-1] + [1] * (x.dim() - 2)
+    if weight is not None:
+        y = y * weight.reshape(shape)
+    if bias is not None:
+        y = y + bias.reshape(shape)
+    return y
+
+
+_LAYER_NORMS = {torch.nn.functional.layer_norm, torch.layer_norm}
+_PERMUTES = {"permute", torch.permute}
+
+
+def _permute_dims(node) -> list | None:
+    """The dims of a ``permute`` node (method or function, dims spread or in a sequence)."""
+    if not isinstance(node, torch.fx.Node) or node.kwargs or node.target not in _PERMUTES \
+            or node.op not in ("call_method", "call_function") or len(node.args) < 2:
+        return None
+    dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+    return list(dims) if all(isinstance(d, int) for d in dims) else None
+
+
+def _float32_cpu(node) -> bool:
+    val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dtype == torch.float32 and val.device.type == "cpu"
+
+
+def _layer_norm_over_channels_in_place(graph: torch.fx.Graph) -> int:
+    """``F.layer_norm(x.permute(0, 2, .., 1), (C,)).permute(0, n-1, 1, ..)``, timm's
+    LayerNorm2d: a LayerNorm over the channels of an NCHW tensor. ORT transposes twice forward
+    and its kernels read the gradient through transposes backward; computed in x's layout,
+    the channels are a reduction over dim 1 instead (``channels_first_layer_norm``). CPU
+    float32 only: eager's own kernel runs LayerNorm in float32, these ops in x's dtype."""
+    count = 0
+    for norm in [n for n in graph.nodes if n.op == "call_function" and n.target in _LAYER_NORMS]:
+        names = ("input", "normalized_shape", "weight", "bias", "eps")
+        args = dict(zip(names, norm.args), **norm.kwargs)
+        permute, shape = args.get("input"), args.get("normalized_shape")
+        dims = _permute_dims(permute)
+        users = list(norm.users)
+        if dims is None or len(dims) < 3 or len(users) != 1 or set(args) - set(names):
+            continue
+        rank = len(dims)
+        back = _permute_dims(users[0])
+        x = permute.args[0]
+        val = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, torch.fx.Node) else None
+        if dims != [0, *range(2, rank), 1] or back != [0, rank - 1, *range(1, rank - 1)] \
+                or not _float32_cpu(x) or not _float32_cpu(norm) or val.dim() != rank \
+                or list(shape if isinstance(shape, (tuple, list)) else [shape]) != [val.shape[1]] \
+                or not all(p is None or _float32_cpu(p) for p in (args.get("weight"), args.get("bias"))) \
+                or not isinstance(args.get("eps", 1e-5), float):
+            continue
+        with graph.inserting_after(users[0]):
+            in_place = graph.call_function(channels_first_layer_norm,
+                                           (x, args.get("weight"), args.get("bias"), args.get("eps", 1e-5)))
+        in_place.meta = dict(users[0].meta)
+        users[0].replace_all_uses_with(in_place)
+        graph.erase_node(users[0])
+        graph.erase_node(norm)
+        if not permute.users:
+            graph.erase_node(permute)
+        count += 1
+    return count

@@ -609,3 +609,30 @@ def test_weight_gradient_of_a_patch_convolution_is_one_product(tmp_path):
     ops = onnx_ops_of(lambda t, w: F.conv2d(t, w, stride=2).square(), x, torch.randn(4, 6, 2, 2, requires_grad=True),
                       folder=tmp_path, models="*backward*", pointwise_kernels=False)
     assert "MatMul" in ops and "Conv" not in ops, ops  # the input's gradient is a ConvTranspose
+
+
+class _LayerNorm2d(torch.nn.LayerNorm):
+    """timm's LayerNorm2d: a LayerNorm over the channels of an NCHW tensor."""
+
+    def forward(self, x):
+        return F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias, self.eps).permute(0, 3, 1, 2)
+
+
+def test_layer_norm_over_channels_between_permutes_is_computed_in_place(tmp_path):
+    """timm's LayerNorm2d (ConvNeXt's stem and downsampling norms) permutes NCHW to NHWC, normalizes
+    the channels and permutes back: two Transposes forward, and kernels that read the gradient
+    through transposes backward (layer_ops channels_last_norm: 1.34 times eager). It is computed in
+    x's layout, the channels a reduction over dim 1 (0.77). Eager's values and gradients for
+    input, weight and bias; other permutes keep the LayerNorm."""
+    torch.manual_seed(0)
+    norm = _LayerNorm2d(6)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 2.0)
+        norm.bias.normal_()
+    x = torch.randn(2, 6, 5, 7, requires_grad=True) * 3 + 1
+    check(lambda t, w, b: F.layer_norm(t.permute(0, 2, 3, 1), (6,), w, b, 1e-6).permute(0, 3, 1, 2), x,
+          norm.weight.detach().clone().requires_grad_(True), norm.bias.detach().clone().requires_grad_(True))
+    check(lambda t: F.layer_norm(t.permute(0, 2, 1), (6,)).permute(0, 2, 1), x[:, :, 0])  # 1-D, no affine
+    check(lambda t: F.layer_norm(t.permute(0, 3, 2, 1), (6,)).permute(0, 3, 2, 1), x)  # W and H swap too: kept
+    ops = onnx_ops_of(norm, x, folder=tmp_path, pointwise_kernels=False)
+    assert "Transpose" not in ops and "LayerNormalization" not in ops, ops
