@@ -3,10 +3,13 @@ forward and backward, eager against ``backend="ort"``, on the shapes those model
 
     .venv/bin/python benchmarks/layer_ops.py
     .venv/bin/python benchmarks/layer_ops.py reflect2d unfold_frames    # some cases only
+    .venv/bin/python benchmarks/layer_ops.py --profile max_pool2d          # and ORT's heaviest nodes
 
 Each case is ``(op(x) * 1.5).square().sum()`` and its backward, timed interleaved with eager
 after the generated kernels are built, with glibc malloc's thresholds fixed as in
-train_step.py; prints the median ms of 20 steps and ort/eager.
+train_step.py; prints the median ms of 20 steps and ort/eager. ``--profile`` then compiles the
+case again into profiled sessions and prints the heaviest ORT nodes, each its median ms over
+10 steps (ORT's profiler; the sessions the kernels replaced left out).
 """
 
 from __future__ import annotations
@@ -58,7 +61,39 @@ CASES = {
 }
 
 
+def heaviest_nodes(op, x, steps: int = 10, top: int = 6) -> list[tuple[float, str]]:
+    """(median ms, "op output-shape") of ORT's heaviest nodes in a step of the case."""
+    import collections
+    import json
+    import statistics
+    import tempfile
+
+    from profile_step import profiled_sessions
+
+    with tempfile.TemporaryDirectory() as folder, profiled_sessions(folder) as runners:
+        ort_dynamo.reset()
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t: (op(t) * 1.5).square().sum(), backend="ort")
+        compiled(x).backward()
+        ort_dynamo.wait_for_kernels()
+        for _ in range(steps):
+            compiled(x).backward()
+        durations = collections.defaultdict(list)
+        for runner in runners:
+            for session, *_ in runner._sessions.values():
+                with open(session.end_profiling()) as fh:
+                    for event in json.load(fh):
+                        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+                            shape = json.dumps(event["args"].get("output_type_shape", ""))
+                            durations[(event["name"], f"{event['args'].get('op_name')} {shape}")].append(event["dur"])
+        ran = {key: times for key, times in durations.items() if len(times) >= steps}  # not replaced ones
+        nodes = sorted(((statistics.median(times) / 1e3, key[1]) for key, times in ran.items()), reverse=True)
+        return nodes[:top]
+
+
 def main(names: list[str]) -> None:
+    profile = "--profile" in names
+    names = [name for name in names if name != "--profile"]
     warnings.simplefilter("ignore")
     unknown = sorted(set(names) - set(CASES))
     if unknown:
@@ -72,6 +107,9 @@ def main(names: list[str]) -> None:
         e, o = interleaved_ms(lambda t, op=op: (op(t) * 1.5).square().sum(), (x,), 20)
         print(f"{name:20s} {str(tuple(shape)):19s} eager {e:7.2f} ms  ort {o:7.2f} ms  ort/eager {o / e:5.2f}  "
               f"fallback nodes {ort_dynamo.report().fallback_nodes}  ({where})", flush=True)
+        if profile:
+            for ms, node in heaviest_nodes(op, x):
+                print(f"    {ms:6.2f} ms  {node[:100]}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import math
 import os
@@ -48,7 +49,10 @@ def phase_times(name: str, backend: str, steps: int) -> dict:
     return {k: v / steps * 1e3 for k, v in totals.items()}
 
 
-def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple:
+@contextlib.contextmanager
+def profiled_sessions(folder: str):
+    """Every ORT session made inside profiles its runs into ``folder``; yields the list of
+    runners made, whose sessions' ``end_profiling()`` gives the files."""
     runners = []
     make_options, make_runner = run_stage.session_options, run_stage.OrtRunner.__init__
 
@@ -63,16 +67,24 @@ def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple:
         runners.append(self)
 
     run_stage.session_options, run_stage.OrtRunner.__init__ = profiled_options, recorded_runner
-    torch._dynamo.reset()  # compile again, into profiled sessions
-    model, batch = build(name, "cpu")
-    _, fn = compiled_copy(model, "ort")
-    opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
-    train_step(fn, opt, batch, "cpu", False)
-    ort_dynamo.wait_for_kernels()  # the kernels' sessions replace the interim ones from here
-    for _ in range(steps):
+    try:
+        yield runners
+    finally:
+        run_stage.session_options, run_stage.OrtRunner.__init__ = make_options, make_runner
+
+
+def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple:
+    with profiled_sessions(folder) as runners:
+        torch._dynamo.reset()  # compile again, into profiled sessions
+        model, batch = build(name, "cpu")
+        _, fn = compiled_copy(model, "ort")
+        opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
         train_step(fn, opt, batch, "cpu", False)
-    # Only the sessions that ran these steps (not the interim ones the kernels replaced).
-    paths = [session.end_profiling() for runner in runners for session, *_ in runner._sessions.values()]
+        ort_dynamo.wait_for_kernels()  # the kernels' sessions replace the interim ones from here
+        for _ in range(steps):
+            train_step(fn, opt, batch, "cpu", False)
+        # Only the sessions that ran these steps (not the interim ones the kernels replaced).
+        paths = [session.end_profiling() for runner in runners for session, *_ in runner._sessions.values()]
     per_op, calls, per_node = collections.Counter(), collections.Counter(), collections.Counter()
     session = collections.Counter()
     per_gemm = collections.defaultdict(lambda: [0.0, 0.0])  # operand shapes -> [ms, FLOP] per step

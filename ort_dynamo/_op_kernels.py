@@ -3,9 +3,9 @@ CPU provider runs slowly (csrc/max_pool.h, csrc/pointwise_runtime.c):
 
 - Max pooling with indices. ``lowerings/core._max_pool_with_indices`` gives torch's semantics
   with portable ops: ONNX MaxPool with Indices, a Sub for per-plane numbering, and a second
-  MaxPool over NaN positions (ORT's skips NaN). With Indices, ORT pools in a generic loop: 7 ms
-  where its blocked path takes 0.4 (ResNet's stem, 8x64x64x64). ``TorchMaxPool_*`` computes
-  torch's values and indices in one pass.
+  MaxPool over NaN positions (ORT's skips NaN). With Indices, ORT pools in a generic loop (8.5
+  ms of ResNet's stem pooling, 8x64x64x64: ``layer_ops.py --profile max_pool2d``), without in
+  its blocked layout. ``TorchMaxPool_*`` computes torch's values and indices in one pass.
 - Its gradient, a ScatterElements adding along the last axis into zeros, on one thread in ORT:
   ``ScatterAddLastAxis``, parallel over rows.
 - Transposes that move the innermost axis and more than one axis, or keep it but it is short,

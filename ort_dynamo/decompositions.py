@@ -42,7 +42,8 @@ def _patch_weight_grad(inp, grad_out, weight_shape):
     """dL/dW of a convolution whose windows tile its input (stride = kernel, no padding or
     dilation, one group: patch embeddings, 2x2 downsampling, and as the transposed one,
     up-convolutions): the gradient times the input's patches, one product. As a convolution
-    its kernel would be the whole input: 7.7 ms of a U-Net up-convolution's 11 on ORT."""
+    its kernel would be the whole input: most of a U-Net up-convolution's step on ORT
+    (``benchmarks/layer_ops.py --profile conv_transpose``)."""
     spatial = len(weight_shape) - 2
     n, cin, cout = inp.shape[0], inp.shape[1], grad_out.shape[1]
     kernel, outs = list(weight_shape[2:]), list(grad_out.shape[2:])

@@ -907,7 +907,7 @@ def _pooled(pool, x):
 
 def test_max_pooling_is_one_kernel_with_torchs_values_indices_and_gradient(tmp_path):
     """Max pooling with indices is one TorchMaxPool kernel, not ORT's MaxPool with Indices (a
-    generic loop: 7 ms where its blocked path takes 0.4 for ResNet's stem) plus the lookup of
+    generic loop, not its blocked layout: 8.5 ms for ResNet's stem) plus the lookup of
     NaNs that ORT's skips; its gradient is one ScatterAddLastAxis, not ORT's one-thread
     ScatterElements. Values, indices and gradients are torch's: the first of tied maxima (ReLU's
     zeros), the last NaN of a window, windows of -inf, padding, dilation, ceil mode, 1-, 2- and
