@@ -610,14 +610,43 @@ def _upsample_linear_backward(grad, output_size, input_size, align_corners, *sca
     for d in range(spatial):
         axis, size = lead + d, input_size[lead + d]
         scale = scales[d] if d < len(scales) else None
+        lower, upper, weight = _linear_index(size, output_size[d], align_corners, scale, grad)
         deltas = _linear_phases(size, output_size[d], align_corners, scale)
+        longest = _MATRIX_MAX if deltas is None else _MATRIX_OVER_PHASES_MAX
+        if size <= longest and grad.dtype in (torch.float32, torch.float64) and _static(*out.shape):
+            out = _along(out, axis, _linear_matrix(lower, upper, weight.to(grad.dtype), size))
+            continue
         if deltas is not None:
             out = _linear_phases_backward(out, axis, size, deltas)
             continue
-        lower, upper, weight = _linear_index(size, output_size[d], align_corners, scale, grad)
         weight = weight.reshape([-1] + [1] * (out.dim() - 1 - axis)).to(grad.dtype)
         out = _summed_into(out * (1 - weight), axis, size, lower).index_add(axis, upper, out * weight)
     return out
+
+
+#: Inputs up to this long take a linear upsampling's backward as a product with its (out, in)
+#: weights: 2 * in FLOPs per element at ~150 GFLOP/s against ORT's ScatterElements' ~20 ns.
+_MATRIX_MAX = 256
+#: ... and up to this long where a whole-number scale has its phases' backward (the product is
+#: faster for 32 and 64 inputs, slower for 128: benchmarks/layer_ops.py upsample_bilinear*).
+_MATRIX_OVER_PHASES_MAX = 64
+
+
+def _linear_matrix(lower, upper, weight, size):
+    """(out, in): each output's weights on its two input elements (the same one at an edge)."""
+    j = torch.arange(size, device=lower.device)
+    return ((j == lower[:, None]).to(weight.dtype) * (1 - weight)[:, None]
+            + (j == upper[:, None]).to(weight.dtype) * weight[:, None])
+
+
+def _along(x, axis, matrix):
+    """``x``'s ``axis`` (of length out) mapped through ``matrix`` (out, in), as one MatMul: the
+    last axis on the right, another with the matrix transposed on the left (no Transposes of x)."""
+    if axis == x.dim() - 1:
+        return x @ matrix
+    before, after = list(x.shape[:axis]), list(x.shape[axis + 1:])
+    rows = x.reshape(-1, x.shape[axis], math.prod(after))
+    return (matrix.t() @ rows).reshape(*before, matrix.shape[1], *after)
 
 
 def _linear_phases_backward(grad, axis, size, deltas):

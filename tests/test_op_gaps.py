@@ -636,3 +636,33 @@ def test_layer_norm_over_channels_between_permutes_is_computed_in_place(tmp_path
     check(lambda t: F.layer_norm(t.permute(0, 3, 2, 1), (6,)).permute(0, 3, 2, 1), x)  # W and H swap too: kept
     ops = onnx_ops_of(norm, x, folder=tmp_path, pointwise_kernels=False)
     assert "Transpose" not in ops and "LayerNormalization" not in ops, ops
+
+
+def test_linear_upsampling_backward_of_any_scale_is_a_product_with_its_weights(tmp_path):
+    """Linear upsampling whose backward is no whole-number pattern (align_corners, other
+    scales) took an index_add per dim: ScatterElements, 20 ns an element on one thread (layer_ops
+    upsample_bilinear_ac: 2.06 times eager). Up to 256 inputs along a dim, it is one MatMul with
+    the (out, in) weights instead (0.46); longer dims keep the scatter. Whole-number scales take
+    the product up to 64 inputs (faster there than their phases). Eager's gradients, float32
+    and float64, 1-, 2- and 3-D."""
+    x = torch.randn(2, 3, 7, 9, requires_grad=True)
+    check(lambda t: F.interpolate(t, scale_factor=2, mode="bilinear", align_corners=True), x)
+    check(lambda t: F.interpolate(t, size=(10, 5), mode="bilinear"), x)
+    check(lambda t: F.interpolate(t, size=(13,), mode="linear", align_corners=True), x[0])
+    check(lambda t: F.interpolate(t, scale_factor=1.7, mode="trilinear"), x[:1].unsqueeze(1))
+    check(lambda t: F.interpolate(t, size=(11, 6), mode="bilinear", align_corners=True), x.double())
+    small = onnx_ops_of(lambda t: F.interpolate(t, scale_factor=2, mode="bilinear", align_corners=True), x,
+                        folder=tmp_path / "small", models="*backward*", pointwise_kernels=False)
+    assert "MatMul" in small and "ScatterElements" not in small, small
+    wide = torch.randn(1, 2, 2, 300, requires_grad=True)
+    # (ORT's Resize computes align_corners' positions in another float32 order: 1.5e-5 apart here)
+    check(lambda t: F.interpolate(t, size=(3, 310), mode="bilinear", align_corners=True), wide, atol=1e-4)
+    ops = onnx_ops_of(lambda t: F.interpolate(t, size=(3, 310), mode="bilinear", align_corners=True), wide,
+                      folder=tmp_path / "wide", models="*backward*", pointwise_kernels=False)
+    assert "ScatterElements" in ops and "MatMul" in ops, ops  # the width's scatter, the height's product
+    # Whole-number scales: the product up to 64 inputs, the phases' sums (one Split) beyond.
+    tall = torch.randn(1, 2, 70, 3, requires_grad=True)
+    check(lambda t: F.interpolate(t, scale_factor=2, mode="bilinear"), tall)
+    ops = onnx_ops_of(lambda t: F.interpolate(t, scale_factor=2, mode="bilinear"), tall, folder=tmp_path / "tall",
+                      models="*backward*", pointwise_kernels=False)
+    assert "Split" in ops and "MatMul" in ops and "ScatterElements" not in ops, ops
