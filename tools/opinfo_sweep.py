@@ -114,10 +114,15 @@ element; its backward Pads and adds, not ScatterElements): up to 42x eager's tim
 (`benchmarks/layer_ops.py`). Adaptive average pooling whose windows tile the input is a mean and
 one Expand, not products against an averaging matrix. Nearest upsampling by whole numbers is ONNX
 Resize, its backward a reshaped sum; linear upsampling is Resize where ORT computes what torch does,
-and by whole numbers its backward is sums and shifts (torch's tracing would write all of them as
-index gathers and scatters; `lower.whole_upsampling`). Max pooling's indices are numbered per
-plane from the shape, not with a second MaxPool over the whole input, and a NaN in a window pools
-to NaN at the window's last NaN, as in torch (ORT's MaxPool skips NaN). `tools/idiom_scan.py` lists, for common indexing and splitting
+and its backward, along a dim of up to 256 inputs (64 for whole-number scales), one MatMul with the
+(out, in) weights; by whole numbers beyond that, sums and shifts (torch's tracing would write all of
+them as index gathers and scatters; `lower.whole_upsampling`). Max pooling's indices are numbered
+per plane from the shape, not with a second MaxPool over the whole input, and a NaN in a window
+pools to NaN at the window's last NaN, as in torch (ORT's MaxPool skips NaN); on CPU the pointwise
+stage runs it as one kernel. Adaptive max pooling whose windows tile the input is that pooling.
+Group norm is a LayerNormalization over the groups (CPU float32), pixel shuffle and unshuffle a
+Reshape, a Transpose and a Reshape of static shapes, and a patch convolution's weight gradient
+(stride = kernel) one MatMul. `tools/idiom_scan.py` lists, for common indexing and splitting
 idioms, the index-driven ONNX ops their graphs still use: only the strided slices without the
 kernels, and the idioms whose indices are data.
 
