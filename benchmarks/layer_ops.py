@@ -60,6 +60,11 @@ CASES = {
     "avg_pool2d": (lambda x: F.avg_pool2d(x, 2), (8, 64, 64, 64), "DenseNet's transitions"),
     "channels_last_norm": (lambda x, w=torch.rand(96, requires_grad=True): F.layer_norm(
         x.permute(0, 2, 3, 1), (96,), w).permute(0, 3, 1, 2), (8, 96, 56, 56), "ConvNeXt's LayerNorm over channels"),
+    "roll": (lambda x: torch.roll(x, (-3, -3), (1, 2)), (8, 56, 56, 96), "Swin's shifted windows"),
+    "window_partition": (lambda x: x.view(8, 8, 7, 8, 7, 96).permute(0, 1, 3, 2, 4, 5).reshape(-1, 49, 96),
+                         (8, 56, 56, 96), "Swin's windows of 7x7 tokens"),
+    "im2col": (lambda x: F.unfold(x, 3, padding=1), (8, 64, 32, 32), "F.unfold's patches"),
+    "instance_norm": (lambda x: F.instance_norm(x), (8, 64, 64, 64), "style transfer's InstanceNorm2d"),
     "depthwise_conv": (lambda x, w=torch.randn(96, 1, 7, 7, requires_grad=True): F.conv2d(x, w, padding=3, groups=96),
                        (8, 96, 56, 56), "ConvNeXt's 7x7 depthwise convolution, weight gradient included"),
 }

@@ -684,6 +684,33 @@ def own_decompositions() -> dict:
             return fn
         return wrap
 
+    @register(aten.im2col.default)
+    def im2col(x, kernel_size, dilation, padding, stride):
+        # F.unfold. torchlib gathers each window's elements with an int64 index, along the
+        # innermost axis too (ORT's Gather: 17.7 ms of a 26 ms step at (8, 64, 32, 32)). The
+        # patches are kernel-many strided slices of the padded input, stacked.
+        if not _static(*x.shape) or x.dim() not in (3, 4):
+            return NotImplemented
+        batched = x.dim() == 4
+        x = x if batched else x.unsqueeze(0)
+        (kh, kw), (dh, dw), (ph, pw), (sh, sw) = kernel_size, dilation, padding, stride
+        n, c, h, w = x.shape
+        oh, ow = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+        if oh < 1 or ow < 1:
+            return NotImplemented  # torch's own error
+        padded = aten.constant_pad_nd(x, [pw, pw, ph, ph], 0.0) if ph or pw else x
+        blocks = [padded[:, :, i * dh:i * dh + (oh - 1) * sh + 1:sh, j * dw:j * dw + (ow - 1) * sw + 1:sw]
+                  for i in range(kh) for j in range(kw)]
+        patches = torch.stack(blocks, 2).reshape(n, c * kh * kw, oh * ow)
+        return patches if batched else patches.squeeze(0)
+
+    @register(aten.col2im.default)
+    def col2im(x, output_size, kernel_size, dilation, padding, stride):
+        # An unbatched F.fold (and unbatched F.unfold's gradient): ONNX Col2Im wants a batch.
+        if x.dim() != 2:
+            return NotImplemented
+        return aten.col2im(x.unsqueeze(0), output_size, kernel_size, dilation, padding, stride).squeeze(0)
+
     @register(aten.pixel_shuffle.default)
     def pixel_shuffle(x, r):
         # A Reshape, a Transpose that moves the innermost axis, a Reshape, all of static
