@@ -248,51 +248,33 @@ def _pnorm_backward(diff, grad, dist, p: float):
 
 def _adaptive_max_pool(x, output_size):
     """Adaptive max pooling with torch's CPU choice of index: the first maximum in row-major
-    order, or the last NaN if the window has one. Each window is gathered at its largest
-    size (shorter windows repeat their last element, which changes neither choice). Windows
-    that tile the input are a max pooling with the window as stride, which picks the same."""
+    order, or the last NaN if the window has one. Windows that tile the input are a max pooling
+    with the window as stride, which picks the same. Other windows are gathered at their
+    largest size, tile by tile (shorter windows repeat their last element, which changes
+    neither choice), and max-pooled by tiles; a table of the plane's positions maps each tile's
+    index back. Rows are gathered along the axes before the last; the last axis, whose gather
+    moves single elements, is gathered as rows of the transposed input."""
     spatial = len(output_size)
     windows = [_pool_window(x.shape[x.dim() - spatial + d], output_size[d]) for d in range(spatial)]
+    pool = aten.max_pool2d_with_indices if spatial == 2 else aten.max_pool3d_with_indices
     if None not in windows:
-        pool = aten.max_pool2d_with_indices if spatial == 2 else aten.max_pool3d_with_indices
         return pool(x, windows, windows)
     sizes = list(x.shape[-spatial:])
-    lead = list(x.shape[:-spatial])
-    windows, positions = x, None
-    ks = []
+    tiles, positions, ks = x, torch.zeros((), dtype=torch.int64, device=x.device), []
     for d, (n, o) in enumerate(zip(sizes, output_size)):
         k = max(((i + 1) * n + o - 1) // o - (i * n) // o for i in range(o))
         ks.append(k)
         i = torch.arange(o, device=x.device)
         start, end = (i * n) // o, ((i + 1) * n + o - 1) // o
-        idx = torch.minimum(start[:, None] + torch.arange(k, device=x.device)[None, :], end[:, None] - 1)
-        axis = len(lead) + 2 * d
-        windows = windows.index_select(axis, idx.reshape(-1))
-        windows = windows.reshape(*windows.shape[:axis], o, k, *windows.shape[axis + 1:])
-        stride = 1
-        for s in sizes[d + 1:]:
-            stride *= s
-        shape = [1] * (2 * spatial)
-        shape[2 * d], shape[2 * d + 1] = o, k
-        term = (idx * stride).reshape(shape)
-        positions = term if positions is None else positions + term
-    # (.., o1, k1, o2, k2, ..) -> (.., o1, o2, .., k1*k2*..)
-    order = [2 * d for d in range(spatial)] + [2 * d + 1 for d in range(spatial)]
-    windows = windows.permute(*range(len(lead)), *[len(lead) + a for a in order])
-    windows = windows.reshape(*lead, *output_size, -1)
-    positions = positions.permute(*order).reshape(*output_size, -1)
-    count = windows.shape[-1]
-    slot = torch.arange(count, device=x.device)
-    isnan = torch.isnan(windows)
-    last_nan = torch.where(isnan, slot, -1).amax(-1)
-    low = float("-inf") if x.is_floating_point() else torch.iinfo(x.dtype).min
-    fill = torch.full((), low, dtype=x.dtype, device=x.device)
-    best = torch.where(isnan, fill, windows).amax(-1, keepdim=True)
-    first_max = torch.where(windows == best, slot, count).amin(-1)
-    choice = torch.where(last_nan >= 0, last_nan, first_max).unsqueeze(-1)
-    values = windows.gather(-1, choice).squeeze(-1)
-    indices = positions.expand(windows.shape).gather(-1, choice).squeeze(-1)
-    return values, indices
+        idx = torch.minimum(start[:, None] + torch.arange(k, device=x.device)[None, :], end[:, None] - 1).reshape(-1)
+        axis = x.dim() - spatial + d
+        if d < spatial - 1:
+            tiles = tiles.index_select(axis, idx)
+        else:
+            tiles = tiles.transpose(-1, -2).index_select(-2, idx).transpose(-1, -2)
+        positions = positions.unsqueeze(-1) * n + idx  # (o1*k1, .., od*kd): the plane's flat positions
+    values, tile_index = pool(tiles, ks, ks)
+    return values, positions.reshape(-1)[tile_index]
 
 
 def _max_pool_indices_backward(grad, x, indices, spatial: int):

@@ -911,7 +911,8 @@ def test_max_pooling_is_one_kernel_with_torchs_values_indices_and_gradient(tmp_p
     NaNs that ORT's skips; its gradient is one ScatterAddLastAxis, not ORT's one-thread
     ScatterElements. Values, indices and gradients are torch's: the first of tied maxima (ReLU's
     zeros), the last NaN of a window, windows of -inf, padding, dilation, ceil mode, 1-, 2- and
-    3-D, unbatched; adaptive pooling whose windows tile the input is the same kernel."""
+    3-D, unbatched; adaptive pooling is the same kernel, over the input where its windows tile
+    it, else over the windows gathered as tiles (whose indices a table maps back)."""
     torch.manual_seed(0)
     x = torch.randn(2, 3, 11, 10)
     x[0, 0, :4, :4] = 0.0  # ties
@@ -926,6 +927,8 @@ def test_max_pooling_is_one_kernel_with_torchs_values_indices_and_gradient(tmp_p
         lambda t: F.max_pool1d(t.flatten(2), 4, 3, 2, ceil_mode=True, return_indices=True),
         lambda t: F.max_pool3d(t.unsqueeze(1), 2, 1, 1, return_indices=True),
         lambda t: F.adaptive_max_pool2d(t[..., :10], (11, 5), return_indices=True),
+        lambda t: F.adaptive_max_pool2d(t, (4, 3), return_indices=True),  # windows that overlap: tiled
+        lambda t: F.adaptive_max_pool3d(t.unsqueeze(1), (3, 4, 4), return_indices=True),
     ]
     for index, pool in enumerate(cases):
         folder = tmp_path / str(index)
@@ -1003,8 +1006,9 @@ def test_pixel_shuffle_and_its_gradient_move_rows_in_one_kernel(tmp_path):
     ((64, 32, 24), (2, 0, 1), False),                      # a 2-D transpose once merged: MLAS's
     ((8, 32, 32, 2, 32, 2), (0, 2, 4, 1, 3, 5), True),     # patches: the innermost axis stays, 2 floats
     ((8, 128, 4, 64), (0, 2, 1, 3), False),                # attention heads: rows of 64 stay whole
-    ((16, 64, 48), (0, 2, 1), False),                      # one axis moves: ORT's blocked path
-    ((8, 1, 64, 1, 64), (0, 3, 4, 1, 2), False),           # only sizes of 1 and one axis move
+    ((16, 64, 48), (0, 2, 1), True),                       # one axis moves, rows of 64: ORT writes them slowly
+    ((8, 56, 56, 64), (0, 3, 1, 2), False),                # NHWC to NCHW: long rows, ORT's single-axis path
+    ((8, 1, 128, 1, 64), (0, 3, 4, 1, 2), False),          # the same through sizes of 1
 ])
 def test_transposes_ort_moves_element_by_element_run_as_kernels(dims, perm, kernel):
     x = ir.Value(name="x", shape=ir.Shape(list(dims)), type=ir.TensorType(ir.DataType.FLOAT))
@@ -1038,3 +1042,17 @@ def test_transpose_kernel_rejects_a_perm_that_is_no_permutation():
                                    providers=["CPUExecutionProvider"])
     with pytest.raises(Exception, match="TransposeRows: perm is not a permutation"):
         session.run(None, {"x": np.zeros((4, 5, 6), np.float32)})
+
+
+def test_a_transpose_a_matmul_reads_is_left_to_ort():
+    """ORT folds a Transpose into the MatMul that reads it (FusedMatMul): no kernel there."""
+    x = ir.Value(name="x", shape=ir.Shape([16, 64, 48]), type=ir.TensorType(ir.DataType.FLOAT))
+    w = ir.Value(name="w", shape=ir.Shape([64, 32]), type=ir.TensorType(ir.DataType.FLOAT))
+    transpose = ir.node("Transpose", [x], attributes={"perm": [0, 2, 1]})
+    transpose.outputs[0].shape, transpose.outputs[0].dtype = ir.Shape([16, 48, 64]), ir.DataType.FLOAT
+    product = ir.node("MatMul", [transpose.outputs[0], w])
+    product.outputs[0].name = "y"
+    model = ir.Model(ir.Graph([x, w], product.outputs, nodes=[transpose, product], opset_imports={"": 18}),
+                     ir_version=10)
+    _pointwise.fuse_pointwise(model)
+    assert [n.op_type for n in model.graph] == ["Transpose", "MatMul"]
