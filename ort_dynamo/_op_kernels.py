@@ -216,12 +216,17 @@ def _static_dims(value: ir.Value | None) -> list[int] | None:
     return list(value.shape.dims)
 
 
+def _one_axis_moves(order: list[int]) -> bool:
+    return any(order[:i] + order[i + 1:] == sorted(order[:i] + order[i + 1:]) for i in range(len(order)))
+
+
 def _moves_elementwise(dims: list[int], perm: list[int]) -> bool:
-    """Whether ORT's Transpose moves element by element or in blocks of a few floats: after
-    dropping axes of size 1 and merging axes that stay neighbours, either the innermost axis
-    moves and so does more than one, or one axis moves and the output's rows are short, or
-    the innermost axis stays but is shorter than ``_MIN_BLOCK`` (ORT copies it block by
-    block)."""
+    """Whether ORT's Transpose is slower than ``TransposeRows`` here (benchmarks/transposes.py).
+    After dropping axes of size 1 and merging axes that stay neighbours: the innermost axis
+    moves and so does more than one; or one axis moves and the output's rows are short (ORT's
+    single-axis paths write those slowly); or the innermost axis stays but is shorter than
+    ``_MIN_BLOCK`` and more than one of the others moves (ORT copies it block by block; with
+    one axis moving, its single-axis path copies even short blocks well)."""
     kept = [axis for axis in perm if dims[axis] != 1]
     runs: list[list[int]] = []
     for axis in kept:  # runs of consecutive input axes in output order
@@ -235,10 +240,8 @@ def _moves_elementwise(dims: list[int], perm: list[int]) -> bool:
         return False
     innermost = math.prod(dims[axis] for axis in runs[-1])
     if merged[-1] == len(merged) - 1:
-        return innermost < _MIN_BLOCK
-    if any(merged[:i] + merged[i + 1:] == sorted(merged[:i] + merged[i + 1:]) for i in range(len(merged))):
-        # One axis moves (a batched 2-D transpose): ORT's single-axis paths copy long output
-        # rows well, short ones (up to _SHORT_ROW) slowly: 1.9 ms where the kernel takes 0.8.
+        return innermost < _MIN_BLOCK and not _one_axis_moves(merged[:-1])
+    if _one_axis_moves(merged):
         return innermost <= _SHORT_ROW
     return True
 

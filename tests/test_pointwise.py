@@ -1005,6 +1005,7 @@ def test_pixel_shuffle_and_its_gradient_move_rows_in_one_kernel(tmp_path):
     ((64, 32, 24), (2, 1, 0), True),                       # every axis moves
     ((64, 32, 24), (2, 0, 1), False),                      # a 2-D transpose once merged: MLAS's
     ((8, 32, 32, 2, 32, 2), (0, 2, 4, 1, 3, 5), True),     # patches: the innermost axis stays, 2 floats
+    ((8, 64, 32, 2, 32, 2), (0, 1, 2, 4, 3, 5), False),    # the same, but one other axis moves: ORT's
     ((8, 128, 4, 64), (0, 2, 1, 3), False),                # attention heads: rows of 64 stay whole
     ((16, 64, 48), (0, 2, 1), True),                       # one axis moves, rows of 64: ORT writes them slowly
     ((8, 56, 56, 64), (0, 3, 1, 2), False),                # NHWC to NCHW: long rows, ORT's single-axis path

@@ -1,0 +1,77 @@
+"""ORT's Transpose against the ``TransposeRows`` kernel, one op per session, on permutations
+convolutional and attention layers give them; says which of them the pointwise stage hands to
+the kernel (``_op_kernels._moves_elementwise``).
+
+    .venv/bin/python benchmarks/transposes.py
+
+Each session runs the one op 20 times after 3 warm-up runs, on the session's two intra-op
+threads, and checks its result against numpy's; prints the mean ms of each and ort/kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ort_dynamo import _kernels, _op_kernels, _pointwise  # noqa: E402
+
+CASES = [
+    # (input shape, perm, what does it)
+    ((8, 64, 56, 60), (0, 1, 3, 2), "the last two axes swap, rows of 56"),
+    ((8, 64, 56, 56), (0, 2, 3, 1), "NCHW -> NHWC, rows of 64"),
+    ((8, 56, 56, 64), (0, 3, 1, 2), "NHWC -> NCHW, rows of 3136"),
+    ((8, 128, 4, 64), (0, 2, 3, 1), "rows of 128"),
+    ((8, 64, 2, 2, 32, 32), (0, 1, 4, 2, 5, 3), "pixel shuffle's"),
+    ((8, 64, 32, 2, 32, 2), (0, 1, 3, 5, 2, 4), "pixel unshuffle's"),
+    ((8, 32, 32, 2, 32, 2), (0, 2, 4, 1, 3, 5), "a 2x2 patch convolution's patches, blocks of 2"),
+    ((8, 64, 32, 2, 32, 2), (0, 1, 2, 4, 3, 5), "two middle axes swap, blocks of 2"),
+]
+
+
+def session(dims, perm, kernel: bool) -> ort.InferenceSession:
+    x = ir.Value(name="x", shape=ir.Shape(list(dims)), type=ir.TensorType(ir.DataType.FLOAT))
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as ort_dynamo's sessions
+    if kernel:
+        order = ir.Value(name="perm", const_value=ir.tensor(np.array(perm, dtype=np.int64)))
+        node = ir.node("TransposeRows", [x, order], domain=_pointwise.DOMAIN)
+        initializers, opsets = [order], {"": 18, _pointwise.DOMAIN: 1}
+        so.register_custom_ops_library(_kernels.library([_op_kernels.TRANSPOSE_ROWS]))
+    else:
+        node = ir.node("Transpose", [x], attributes={"perm": list(perm)})
+        initializers, opsets = [], {"": 18}
+    node.outputs[0].name, node.outputs[0].dtype = "y", ir.DataType.FLOAT
+    graph = ir.Graph([x], node.outputs, nodes=[node], initializers=initializers, opset_imports=opsets)
+    model = ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString()
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def mean_ms(sess: ort.InferenceSession, x: np.ndarray, perm) -> float:
+    for _ in range(3):
+        y = sess.run(None, {"x": x})[0]
+    np.testing.assert_array_equal(y, x.transpose(perm))
+    start = time.perf_counter()
+    for _ in range(20):
+        sess.run(None, {"x": x})
+    return (time.perf_counter() - start) / 20 * 1e3
+
+
+def main() -> None:
+    print(f"onnxruntime {ort.__version__}; mean ms of 20 runs, two intra-op threads")
+    for dims, perm, what in CASES:
+        x = np.random.default_rng(0).standard_normal(dims, dtype=np.float32)
+        theirs, ours = mean_ms(session(dims, perm, False), x, perm), mean_ms(session(dims, perm, True), x, perm)
+        chosen = "kernel" if _op_kernels._moves_elementwise(list(dims), list(perm)) else "ORT"
+        print(f"{str(dims):22s} {str(perm):20s} ORT {theirs:6.2f} ms  kernel {ours:6.2f} ms  "
+              f"ORT/kernel {theirs / ours:5.2f}  taken by: {chosen:6s} ({what})")
+
+
+if __name__ == "__main__":
+    main()
