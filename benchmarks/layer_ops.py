@@ -1,4 +1,5 @@
-"""Layers of convolutional and audio models (padding, ``Tensor.unfold``, upsampling, pooling),
+"""Layers of convolutional and audio models (padding, ``Tensor.unfold``, spectrograms, upsampling,
+pooling, normalization, layout),
 forward and backward, eager against ``backend="ort"``, on the shapes those models give them.
 
     .venv/bin/python benchmarks/layer_ops.py
@@ -34,6 +35,8 @@ CASES = {
     "unfold_frames": (lambda x: x.unfold(-1, 400, 160), (8, 16000), "audio frames: 25 ms every 10 ms"),
     "unfold_patches": (lambda x: x.unfold(-1, 16, 16), (8, 64, 4096), "patches that touch"),
     "unfold_overlap": (lambda x: x.unfold(-1, 4, 2), (8, 64, 4096), "windows of 4 every 2"),
+    "spectrogram": (lambda x, w=torch.hann_window(400): torch.stft(x, 400, 160, window=w, return_complex=True).abs()
+                    .pow(2), (8, 16000), "audio models' power spectrogram: 25 ms every 10 ms"),
     "upsample_nearest": (lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), (8, 64, 32, 32),
                          "U-Net and diffusion decoders"),
     "upsample_bilinear": (lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), (8, 64, 32, 32),

@@ -198,13 +198,15 @@ for _name, _math in (("_linear_cross_entropy_batch_chunked", linear_cross_entrop
 
 def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True) -> int:
     """Replace torch-level calls that would leave ORT-less backward kernels, and (``fuse``)
-    tanh-GELU written out in Python by one ``F.gelu`` call and a LayerNorm over channels
-    between two permutes by one in place. Returns the count."""
+    tanh-GELU written out in Python by one ``F.gelu`` call, a LayerNorm over channels between
+    two permutes by one in place, and an STFT's magnitude by real arithmetic. Returns the
+    count."""
     replaced = 0
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
             continue
-        changed = _tanh_gelu_as_one_op(module.graph) + _layer_norm_over_channels_in_place(module.graph) if fuse else 0
+        changed = (_tanh_gelu_as_one_op(module.graph) + _layer_norm_over_channels_in_place(module.graph)
+                   + _stft_magnitudes_in_real_arithmetic(module.graph)) if fuse else 0
         for node in module.graph.nodes:
             if node.op == "call_function" and node.target in _DYNAMO_REWRITES:
                 node.target = _DYNAMO_REWRITES[node.target]
@@ -473,5 +475,73 @@ def _layer_norm_over_channels_in_place(graph: torch.fx.Graph) -> int:
         graph.erase_node(norm)
         if not permute.users:
             graph.erase_node(permute)
+        count += 1
+    return count
+
+
+def stft_magnitude(x, n_fft: int, hop_length=None, win_length=None, window=None, center: bool = True,
+                   pad_mode: str = "reflect", normalized: bool = False, onesided=None):
+    """``torch.stft(x, ..., return_complex=True).abs()`` in real arithmetic: the signal's
+    frames (``Tensor.unfold``) times the DFT's cosine and sine bases. A magnitude of zero has
+    the gradient zero, as torch's complex ``abs`` gives it."""
+    hop = hop_length or n_fft // 4
+    win_length = win_length or n_fft
+    signal = x if x.dim() == 2 else x.unsqueeze(0)
+    if center:
+        signal = torch.nn.functional.pad(signal.unsqueeze(1), (n_fft // 2, n_fft // 2), mode=pad_mode).squeeze(1)
+    frames = signal.unfold(-1, n_fft, hop)  # (batch, frames, n_fft)
+    if window is None:
+        window = torch.ones(win_length, dtype=x.dtype, device=x.device)
+    if win_length < n_fft:  # centred in n_fft, as torch.stft pads it
+        left = (n_fft - win_length) // 2
+        window = torch.nn.functional.pad(window, (left, n_fft - win_length - left))
+    frames = frames * window
+    bins = n_fft // 2 + 1 if onesided is None or onesided else n_fft
+    n = torch.arange(n_fft, dtype=torch.float64, device=x.device)
+    k = torch.arange(bins, dtype=torch.float64, device=x.device)
+    angle = (n[:, None] * k[None, :]).remainder(n_fft) * (2 * math.pi / n_fft)  # exact phase first
+    basis = torch.cat([torch.cos(angle), torch.sin(angle)], 1).to(x.dtype)  # one product for both parts
+    real, imag = (frames @ basis).split(bins, -1)
+    power = real * real + imag * imag
+    nonzero = power > 0
+    magnitude = torch.where(nonzero, torch.sqrt(torch.where(nonzero, power, 1.0)), 0.0)
+    if normalized:
+        magnitude = magnitude * n_fft ** -0.5
+    magnitude = magnitude.transpose(-1, -2)  # (batch, bins, frames)
+    return magnitude if x.dim() == 2 else magnitude.squeeze(0)
+
+
+_STFT_PARAMETERS = ("input", "n_fft", "hop_length", "win_length", "window", "center", "pad_mode", "normalized",
+                    "onesided", "return_complex")
+
+
+def _stft_magnitudes_in_real_arithmetic(graph: torch.fx.Graph) -> int:
+    """``torch.stft(..., return_complex=True)`` whose every use is ``.abs()`` (a spectrogram's
+    magnitude or power, torchaudio's Spectrogram) -> ``stft_magnitude``. ORT has no complex
+    tensors, so the STFT and its abs would stay in PyTorch. Float32 CPU signals only."""
+    count = 0
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in (torch.stft, torch.functional.stft)]:
+        if len(node.args) > len(_STFT_PARAMETERS) or set(node.kwargs) - set(_STFT_PARAMETERS):
+            continue
+        args = {**dict(zip(_STFT_PARAMETERS, node.args)), **node.kwargs}
+        users = list(node.users)
+        val = args["input"].meta.get("example_value") if isinstance(args["input"], torch.fx.Node) else None
+        scalars = [args.get(name) for name in ("n_fft", "hop_length", "win_length")]
+        if args.get("return_complex") is not True or not users or not _float32_cpu(args["input"]) \
+                or val.dim() not in (1, 2) or not all(s is None or isinstance(s, int) for s in scalars) \
+                or not isinstance(args.get("center", True), bool) or not isinstance(args.get("pad_mode", "reflect"), str) \
+                or args.get("normalized", False) not in (True, False) or args.get("onesided") not in (None, True, False) \
+                or not (args.get("window") is None or _float32_cpu(args["window"])) \
+                or not all((u.op == "call_method" and u.target == "abs" or u.op == "call_function" and u.target is torch.abs)
+                           and len(u.args) == 1 and not u.kwargs for u in users):
+            continue
+        for use in users:
+            with graph.inserting_after(use):
+                magnitude = graph.call_function(stft_magnitude, (args["input"],), {
+                    name: args.get(name) for name in _STFT_PARAMETERS[1:-1] if name in args})
+            magnitude.meta = dict(use.meta)
+            use.replace_all_uses_with(magnitude)
+            graph.erase_node(use)
+        graph.erase_node(node)
         count += 1
     return count

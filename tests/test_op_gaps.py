@@ -682,3 +682,26 @@ def test_unfold_into_patches_is_strided_slices_stacked(tmp_path):
     ops = onnx_ops_of(lambda t: F.unfold(t, 3, padding=1), x, folder=tmp_path, models="*forward*",
                       pointwise_kernels=False)
     assert not {op for op in ops if op.startswith(("Gather", "Scatter"))}, ops
+
+
+def test_a_spectrograms_magnitude_runs_on_ort_in_real_arithmetic(tmp_path):
+    """ORT has no complex tensors, so torch.stft and its abs stayed in PyTorch (14 nodes for a
+    power spectrogram). When every use of a complex STFT is ``.abs()`` (a magnitude or power
+    spectrogram, torchaudio's Spectrogram), it is frames times the DFT's cosine and sine bases.
+    Eager's values and gradients, a silent stretch included (magnitude zero: gradient zero, not
+    NaN); windows shorter than n_fft, no centring, two-sided, normalized. An STFT used otherwise
+    stays in PyTorch, with eager's result."""
+    x = torch.randn(2, 1000, requires_grad=True)
+    with torch.no_grad():
+        x[:, 100:300] = 0.0
+    window = torch.hann_window(48)
+    check(lambda t: torch.stft(t, 64, 16, win_length=48, window=window, return_complex=True).abs().pow(2), x, atol=1e-4)
+    check(lambda t: torch.stft(t, 32, return_complex=True, center=False, normalized=True).abs(), x[0], atol=1e-4)
+    check(lambda t: torch.stft(t, 32, 8, return_complex=True, onesided=False, pad_mode="constant").abs(), x, atol=1e-4)
+    grads = run_on_ort(lambda t: torch.stft(t, 64, 16, return_complex=True).abs(), x)[1]
+    assert not grads[0].isnan().any()
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    phase = lambda t: torch.stft(t, 64, 16, return_complex=True).angle()  # noqa: E731
+    torch.testing.assert_close(torch.compile(phase, backend="ort")(x), phase(x))
+    assert ort_dynamo.report().fallback_nodes > 0

@@ -122,7 +122,10 @@ pools to NaN at the window's last NaN, as in torch (ORT's MaxPool skips NaN); on
 stage runs it as one kernel. Adaptive max pooling whose windows tile the input is that pooling.
 Group norm is a LayerNormalization over the groups (CPU float32), pixel shuffle and unshuffle a
 Reshape, a Transpose and a Reshape of static shapes, and a patch convolution's weight gradient
-(stride = kernel) one MatMul. `tools/idiom_scan.py` lists, for common indexing and splitting
+(stride = kernel) one MatMul. F.unfold's patches are strided slices, stacked. ORT has no complex
+tensors: a complex STFT stays in PyTorch (reported), except where its every use is `.abs()` (a
+magnitude or power spectrogram), which is frames times the DFT's bases in real arithmetic
+(`lower.stft_magnitude`). `tools/idiom_scan.py` lists, for common indexing and splitting
 idioms, the index-driven ONNX ops their graphs still use: only the strided slices without the
 kernels, and the idioms whose indices are data.
 
