@@ -24,7 +24,7 @@ import math
 
 import onnx_ir as ir
 
-from ._fusions import _int64_constant, _scalar
+from ._fusions import _int64_constant, _op, _scalar, _take_over
 
 __all__ = ["max_pools_as_kernels", "scatter_adds_along_last_axis", "slow_transposes_as_kernels"]
 
@@ -58,30 +58,23 @@ _SHORT_ROW = 64
 _READS_TRANSPOSED = {"MatMul", "Gemm", "FusedMatMul"}
 
 
-def _is_op(node: ir.Node | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
-
-
-def _attribute(node: ir.Node, name: str, default):
-    return node.attributes[name].value if name in node.attributes else default
-
-
 def _pooling(node: ir.Node) -> tuple | None:
     """(spatial, kernel, strides, pads before, pads after, dilations, ceil) of a MaxPool the
     kernel computes, else None."""
-    if _attribute(node, "storage_order", 0) != 0 or _attribute(node, "auto_pad", "NOTSET") not in ("NOTSET", b"NOTSET"):
+    attributes = node.attributes
+    if attributes.get_int("storage_order", 0) != 0 or attributes.get_string("auto_pad", "NOTSET") != "NOTSET":
         return None
-    kernel = list(_attribute(node, "kernel_shape", []))
+    kernel = list(attributes.get_ints("kernel_shape", []))
     spatial = len(kernel)
     if not 1 <= spatial <= 3:
         return None
-    strides = list(_attribute(node, "strides", [1] * spatial))
-    pads = list(_attribute(node, "pads", [0] * 2 * spatial))
-    dilations = list(_attribute(node, "dilations", [1] * spatial))
+    strides = list(attributes.get_ints("strides", [1] * spatial))
+    pads = list(attributes.get_ints("pads", [0] * 2 * spatial))
+    dilations = list(attributes.get_ints("dilations", [1] * spatial))
     if len(strides) != spatial or len(pads) != 2 * spatial or len(dilations) != spatial \
             or min(kernel + strides + dilations) < 1 or min(pads) < 0:
         return None
-    return spatial, kernel, strides, pads[:spatial], pads[spatial:], dilations, int(_attribute(node, "ceil_mode", 0))
+    return spatial, kernel, strides, pads[:spatial], pads[spatial:], dilations, attributes.get_int("ceil_mode", 0)
 
 
 def _is_float32(value: ir.Value | None) -> bool:
@@ -97,7 +90,7 @@ def _is_float32(value: ir.Value | None) -> bool:
 
 def _is_nan_constant(value: ir.Value | None) -> bool:
     producer = value.producer() if value is not None else None
-    if _is_op(producer, "CastLike"):
+    if _op(producer, "CastLike"):
         value = producer.inputs[0]
     number = _scalar(value)
     return number is not None and math.isnan(number)
@@ -107,18 +100,18 @@ def _nan_lookup(condition: ir.Value | None, x: ir.Value, pooling: tuple) -> bool
     """Whether ``condition`` is ``_nan_as_torch``'s: Greater(MaxPool(Cast(IsNaN(x)) * positions), 0)
     with the same pooling."""
     greater = condition.producer() if condition is not None else None
-    if not _is_op(greater, "Greater") or _scalar(greater.inputs[1]) != 0.0:
+    if not _op(greater, "Greater") or _scalar(greater.inputs[1]) != 0.0:
         return False
     pool = greater.inputs[0].producer()
-    if not _is_op(pool, "MaxPool") or _pooling(pool) != pooling:
+    if not _op(pool, "MaxPool") or _pooling(pool) != pooling:
         return False
     mul = pool.inputs[0].producer()
-    if not _is_op(mul, "Mul"):
+    if not _op(mul, "Mul"):
         return False
     for operand in mul.inputs:
         cast = operand.producer() if operand is not None else None
-        isnan = cast.inputs[0].producer() if _is_op(cast, "Cast") else None
-        if _is_op(isnan, "IsNaN") and isnan.inputs[0] is x:
+        isnan = cast.inputs[0].producer() if _op(cast, "Cast") else None
+        if _op(isnan, "IsNaN") and isnan.inputs[0] is x:
             return True
     return False
 
@@ -126,18 +119,18 @@ def _nan_lookup(condition: ir.Value | None, x: ir.Value, pooling: tuple) -> bool
 def _lowered_max_pool(pool: ir.Node) -> tuple[ir.Value, ir.Value, tuple] | None:
     """(values, indices, pooling) that ``_max_pool_with_indices`` computes from ``pool``, its
     MaxPool with Indices, if the model has exactly its pattern."""
-    if not _is_op(pool, "MaxPool") or len(pool.outputs) != 2:
+    if not _op(pool, "MaxPool") or len(pool.outputs) != 2:
         return None
     pooling, x = _pooling(pool), pool.inputs[0]
     if pooling is None or not _is_float32(x):
         return None
     values, numbered = pool.outputs
-    value_uses = [use.node for use in values.uses() if _is_op(use.node, "Where") and use.idx == 2]
-    sub_uses = [use.node for use in numbered.uses() if _is_op(use.node, "Sub") and use.idx == 0]
+    value_uses = [use.node for use in values.uses() if _op(use.node, "Where") and use.idx == 2]
+    sub_uses = [use.node for use in numbered.uses() if _op(use.node, "Sub") and use.idx == 0]
     if len(value_uses) != 1 or len(sub_uses) != 1:
         return None
     pick_value = value_uses[0]
-    index_uses = [use.node for use in sub_uses[0].outputs[0].uses() if _is_op(use.node, "Where") and use.idx == 2]
+    index_uses = [use.node for use in sub_uses[0].outputs[0].uses() if _op(use.node, "Where") and use.idx == 2]
     if len(index_uses) != 1:
         return None
     pick_index = index_uses[0]
@@ -157,10 +150,12 @@ def _max_pool_source(name: str, pooling: tuple) -> str:
 
     numbers = [*axes(kernel, 1), *axes(strides, 1), *axes(before, 0), *axes(after, 0), *axes(dilations, 1)]
     return "\n".join(['#include "max_pool.h"',
-                      f"PW_MAX_POOL({name}, {spatial}, {', '.join(str(int(n)) for n in numbers)}, {ceil});"]) + "\n"
+                      f"PW_MAX_POOL({name}, {spatial}, {', '.join(str(int(n)) for n in numbers)}, {ceil});",
+                      f"PW_KERNEL({name}, 1, {name}_types, {name}_none, 2, {name}_none, 0, 0, 0, 0, {name}_compute, 0, "
+                      f"{name}_out_types);"]) + "\n"
 
 
-def max_pools_as_kernels(graph: ir.Graph, take_over) -> list[str]:
+def max_pools_as_kernels(graph: ir.Graph) -> list[str]:
     """Each max pooling ``_max_pool_with_indices`` lowered -> one ``TorchMaxPool_*`` node.
     Returns the kernels' C units (one per distinct pooling). The portable chain is left for
     dead-code removal."""
@@ -175,8 +170,8 @@ def max_pools_as_kernels(graph: ir.Graph, take_over) -> list[str]:
         kernels[name] = source.replace("@", name)
         pool = ir.node(name, [node.inputs[0]], domain=_DOMAIN, num_outputs=2)
         graph.insert_before(node, pool)
-        take_over(values, pool.outputs[0], "unfused")
-        take_over(indices, pool.outputs[1], "unfused")
+        _take_over(values, pool.outputs[0])
+        _take_over(indices, pool.outputs[1])
         pool.outputs[0].dtype, pool.outputs[1].dtype = ir.DataType.FLOAT, ir.DataType.INT64
     return list(kernels.values())
 
@@ -188,15 +183,15 @@ def scatter_adds_along_last_axis(graph: ir.Graph, constant_zeros, replace_node) 
     ORT's ScatterElements takes each index through a generic loop on one thread."""
     count = 0
     for node in list(graph):
-        if not _is_op(node, "ScatterElements") or len(node.inputs) != 3:
+        if not _op(node, "ScatterElements") or len(node.inputs) != 3:
             continue
         data, index, updates = node.inputs
-        if data is None or index is None or updates is None or data.shape is None:
+        shape = _static_dims(data)
+        if shape is None or index is None or updates is None:
             continue
-        rank = len(data.shape)
-        shape = [d for d in data.shape.dims if isinstance(d, int)]
-        if _attribute(node, "reduction", "none") not in ("add", b"add") or \
-                _attribute(node, "axis", 0) not in (-1, rank - 1) or len(shape) != rank or rank < 1 \
+        rank = len(shape)
+        if node.attributes.get_string("reduction", "none") != "add" or \
+                node.attributes.get_int("axis", 0) not in (-1, rank - 1) or rank < 1 \
                 or data.dtype != ir.DataType.FLOAT or updates.dtype != ir.DataType.FLOAT \
                 or index.dtype != ir.DataType.INT64 or index.shape is None or updates.shape is None \
                 or list(index.shape.dims) != list(updates.shape.dims) or list(index.shape.dims[:-1]) != shape[:-1]:
@@ -246,7 +241,7 @@ def _moves_elementwise(dims: list[int], perm: list[int]) -> bool:
     return True
 
 
-def slow_transposes_as_kernels(graph: ir.Graph, take_over) -> int:
+def slow_transposes_as_kernels(graph: ir.Graph) -> int:
     """Float32 Transposes of static shapes that ORT would move element by element ->
     ``TransposeRows``. Run after the pointwise groups: a Transpose that only a group reads,
     the group reads at its strides instead."""
@@ -256,7 +251,7 @@ def slow_transposes_as_kernels(graph: ir.Graph, take_over) -> int:
             continue
         x = node.inputs[0]
         dims = _static_dims(x)
-        perm = list(_attribute(node, "perm", []))
+        perm = list(node.attributes.get_ints("perm", []))
         if dims is None or not 3 <= len(dims) <= 8 or sorted(perm) != list(range(len(dims))) or not _is_float32(x) \
                 or math.prod(dims) < _MIN_TRANSPOSED or not _moves_elementwise(dims, perm) \
                 or any(use.node.op_type in _READS_TRANSPOSED for use in node.outputs[0].uses()):
@@ -264,7 +259,7 @@ def slow_transposes_as_kernels(graph: ir.Graph, take_over) -> int:
         kernel = ir.node("TransposeRows", [x, _int64_constant(graph, f"{node.outputs[0].name}_perm", perm)],
                          domain=_DOMAIN)
         graph.insert_before(node, kernel)
-        take_over(node.outputs[0], kernel.outputs[0], "unfused")
+        _take_over(node.outputs[0], kernel.outputs[0])
         kernel.outputs[0].dtype = ir.DataType.FLOAT
         graph.remove(node, safe=True)
         count += 1

@@ -590,8 +590,7 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
 
 def kernel_name(kernel: str) -> str:
     """The name of a kernel ``fuse_pointwise`` emitted (its op type in the model)."""
-    macro = "PW_KERNEL(" if "PW_KERNEL(" in kernel else "PW_MAX_POOL("  # a pooling's unit: _op_kernels
-    return kernel.rsplit(macro, 1)[1].split(",", 1)[0]
+    return kernel.rsplit("PW_KERNEL(", 1)[1].split(",", 1)[0]
 
 
 def table_source(kernels: list[str]) -> str:
@@ -1163,7 +1162,7 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
     into_zeros = _scatter_add_rows(graph, _Graph())
     kernels = [_SCATTER_ADD_ROWS] if not all(into_zeros) else []
     kernels += [_SCATTER_ADD_ROWS_TO_ZEROS] if any(into_zeros) else []
-    pools = _op_kernels.max_pools_as_kernels(graph, _take_over_value)
+    pools = _op_kernels.max_pools_as_kernels(graph)
     if pools:  # the portable chains, dead now, must not become kernels below
         ir.passes.common.RemoveUnusedNodesPass()(model)
     kernels += pools
@@ -1229,7 +1228,7 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
         for node in group.nodes:
             replace(node)
     graph.remove(replaced, safe=True)
-    if _op_kernels.slow_transposes_as_kernels(graph, _take_over_value):
+    if _op_kernels.slow_transposes_as_kernels(graph):
         kernels.append(_op_kernels.TRANSPOSE_ROWS)
     _unfold_rotate_half(graph)
     if kernels:

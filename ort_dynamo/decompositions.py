@@ -592,14 +592,15 @@ def _upsample_linear_backward(grad, output_size, input_size, align_corners, *sca
     for d in range(spatial):
         axis, size = lead + d, input_size[lead + d]
         scale = scales[d] if d < len(scales) else None
-        lower, upper, weight = _linear_index(size, output_size[d], align_corners, scale, grad)
         deltas = _linear_phases(size, output_size[d], align_corners, scale)
-        longest = _MATRIX_MAX if deltas is None else _MATRIX_OVER_PHASES_MAX
-        if size <= longest and grad.dtype in (torch.float32, torch.float64) and _static(*out.shape):
-            out = _along(out, axis, _linear_matrix(lower, upper, weight.to(grad.dtype), size))
-            continue
-        if deltas is not None:
+        as_product = size <= (_MATRIX_MAX if deltas is None else _MATRIX_OVER_PHASES_MAX) \
+            and grad.dtype in (torch.float32, torch.float64) and _static(*out.shape)
+        if deltas is not None and not as_product:
             out = _linear_phases_backward(out, axis, size, deltas)
+            continue
+        lower, upper, weight = _linear_index(size, output_size[d], align_corners, scale, grad)
+        if as_product:
+            out = _along(out, axis, _linear_matrix(lower, upper, weight.to(grad.dtype), size))
             continue
         weight = weight.reshape([-1] + [1] * (out.dim() - 1 - axis)).to(grad.dtype)
         out = _summed_into(out * (1 - weight), axis, size, lower).index_add(axis, upper, out * weight)

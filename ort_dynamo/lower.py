@@ -283,7 +283,7 @@ def _tanh_gelu_as_one_op(graph: torch.fx.Graph) -> int:
             if found is None:
                 continue
             x, region = found
-            val = x.meta.get("example_value", x.meta.get("val"))
+            val = _example(x)
             if not (isinstance(val, torch.Tensor) and val.is_floating_point()):
                 break
             try:
@@ -436,8 +436,13 @@ def _permute_dims(node) -> list | None:
     return list(dims) if all(isinstance(d, int) for d in dims) else None
 
 
+def _example(node):
+    """What a Dynamo graph's node computes, as its fake value (None for a constant argument)."""
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+
+
 def _float32_cpu(node) -> bool:
-    val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
+    val = _example(node)
     return isinstance(val, torch.Tensor) and val.dtype == torch.float32 and val.device.type == "cpu"
 
 
@@ -459,7 +464,7 @@ def _layer_norm_over_channels_in_place(graph: torch.fx.Graph) -> int:
         rank = len(dims)
         back = _permute_dims(users[0])
         x = permute.args[0]
-        val = x.meta.get("example_value", x.meta.get("val")) if isinstance(x, torch.fx.Node) else None
+        val = _example(x)
         if dims != [0, *range(2, rank), 1] or back != [0, rank - 1, *range(1, rank - 1)] \
                 or not _float32_cpu(x) or not _float32_cpu(norm) or val.dim() != rank \
                 or list(shape if isinstance(shape, (tuple, list)) else [shape]) != [val.shape[1]] \
@@ -525,7 +530,7 @@ def _stft_magnitudes_in_real_arithmetic(graph: torch.fx.Graph) -> int:
             continue
         args = {**dict(zip(_STFT_PARAMETERS, node.args)), **node.kwargs}
         users = list(node.users)
-        val = args["input"].meta.get("example_value") if isinstance(args["input"], torch.fx.Node) else None
+        val = _example(args["input"])
         scalars = [args.get(name) for name in ("n_fft", "hop_length", "win_length")]
         if args.get("return_complex") is not True or not users or not _float32_cpu(args["input"]) \
                 or val.dim() not in (1, 2) or not all(s is None or isinstance(s, int) for s in scalars) \
@@ -535,11 +540,11 @@ def _stft_magnitudes_in_real_arithmetic(graph: torch.fx.Graph) -> int:
                 or not all((u.op == "call_method" and u.target == "abs" or u.op == "call_function" and u.target is torch.abs)
                            and len(u.args) == 1 and not u.kwargs for u in users):
             continue
+        with graph.inserting_after(node):  # one magnitude, however many uses take the abs
+            magnitude = graph.call_function(stft_magnitude, (args["input"],), {
+                name: args.get(name) for name in _STFT_PARAMETERS[1:-1] if name in args})
+        magnitude.meta = dict(users[0].meta)
         for use in users:
-            with graph.inserting_after(use):
-                magnitude = graph.call_function(stft_magnitude, (args["input"],), {
-                    name: args.get(name) for name in _STFT_PARAMETERS[1:-1] if name in args})
-            magnitude.meta = dict(use.meta)
             use.replace_all_uses_with(magnitude)
             graph.erase_node(use)
         graph.erase_node(node)

@@ -698,6 +698,11 @@ def test_a_spectrograms_magnitude_runs_on_ort_in_real_arithmetic(tmp_path):
     check(lambda t: torch.stft(t, 64, 16, win_length=48, window=window, return_complex=True).abs().pow(2), x, atol=1e-4)
     check(lambda t: torch.stft(t, 32, return_complex=True, center=False, normalized=True).abs(), x[0], atol=1e-4)
     check(lambda t: torch.stft(t, 32, 8, return_complex=True, onesided=False, pad_mode="constant").abs(), x, atol=1e-4)
+    def magnitude_twice(t):  # two uses of one STFT's abs
+        spectrum = torch.stft(t, 64, 16, return_complex=True)
+        return spectrum.abs() + spectrum.abs().square()
+
+    check(magnitude_twice, x, atol=1e-4)
     grads = run_on_ort(lambda t: torch.stft(t, 64, 16, return_complex=True).abs(), x)[1]
     assert not grads[0].isnan().any()
     ort_dynamo.reset()

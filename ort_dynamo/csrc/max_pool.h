@@ -13,12 +13,6 @@
 #define ORT_DYNAMO_MAX_POOL_H
 #include "pointwise.h"
 
-#define PW_TRY_STATUS(call)      \
-  do {                           \
-    OrtStatus* status_ = (call); \
-    if (status_) return status_; \
-  } while (0)
-
 typedef struct PwPool {
   const float* x;
   float* y;
@@ -121,22 +115,17 @@ static inline __attribute__((always_inline)) void pw_pool_planes(
 static inline __attribute__((always_inline)) OrtStatus* pw_pool_compute(
     const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def, void (*task)(void*, size_t), int spatial,
     const int64_t* k, const int64_t* s, const int64_t* p, const int64_t* e, const int64_t* d, int ceil) {
-  char message[256];
+  const PwKernel kernel = {api, def};
+  char message[128];
   const OrtValue* input;
-  OrtTensorTypeAndShapeInfo* info;
   int64_t dims[PW_MAX_RANK];
   size_t rank = 0;
   void* data;
-  PW_TRY_STATUS(ORTD_CALL(api, KernelContext_GetInput)(ctx, 0, &input));
-  PW_TRY_STATUS(ORTD_CALL(api, GetTensorTypeAndShape)(input, &info));
-  OrtStatus* status = ORTD_CALL(api, GetDimensionsCount)(info, &rank);
-  if (!status && rank == (size_t)spatial + 2) status = ORTD_CALL(api, GetDimensions)(info, dims, rank);
-  ORTD_CALL(api, ReleaseTensorTypeAndShapeInfo)(info);
-  if (status) return status;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 0, &input));
+  PW_TRY(pw_shape(api, input, dims, &rank));
   if (rank != (size_t)spatial + 2) {
-    snprintf(message, sizeof message, "ort_dynamo kernel %s: the input must have %d axes, not %d", def->name,
-             spatial + 2, (int)rank);
-    return ORTD_CALL(api, CreateStatus)(ORTD_INVALID_ARGUMENT, message);
+    snprintf(message, sizeof message, "the input must have %d axes, not %d", spatial + 2, (int)rank);
+    return pw_error(&kernel, message);
   }
   PwPool a = {0};
   int64_t out_dims[PW_MAX_RANK] = {dims[0], dims[1]};
@@ -145,33 +134,27 @@ static inline __attribute__((always_inline)) OrtStatus* pw_pool_compute(
     a.in[i] = axis < 0 ? 1 : dims[2 + axis];
     a.out[i] = axis < 0 ? 1 : pw_pool_size(a.in[i], k[i], s[i], p[i], e[i], d[i], ceil);
     if (a.out[i] < 1) {
-      snprintf(message, sizeof message, "ort_dynamo kernel %s: an input of size %lld is too small for the window",
-               def->name, (long long)a.in[i]);
-      return ORTD_CALL(api, CreateStatus)(ORTD_INVALID_ARGUMENT, message);
+      snprintf(message, sizeof message, "an input of size %lld is too small for the window", (long long)a.in[i]);
+      return pw_error(&kernel, message);
     }
     if (axis >= 0) out_dims[2 + axis] = a.out[i];
   }
   OrtValue *values, *indices;
-  PW_TRY_STATUS(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, out_dims, rank, &values));
-  PW_TRY_STATUS(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 1, out_dims, rank, &indices));
-  PW_TRY_STATUS(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)input, &data));
+  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, out_dims, rank, &values));
+  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 1, out_dims, rank, &indices));
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)input, &data));
   a.x = (const float*)data;
-  PW_TRY_STATUS(ORTD_CALL(api, GetTensorMutableData)(values, &data));
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(values, &data));
   a.y = (float*)data;
-  PW_TRY_STATUS(ORTD_CALL(api, GetTensorMutableData)(indices, &data));
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(indices, &data));
   a.at = (int64_t*)data;
   a.planes = dims[0] * dims[1];
-  const int64_t work = a.out[0] * a.out[1] * a.out[2] * k[0] * k[1] * k[2] + a.in[0] * a.in[1] * a.in[2];
-  a.planes_per_task = PW_TASK_ELEMENTS / work > 1 ? PW_TASK_ELEMENTS / work : 1;
-  const int64_t tasks = a.planes ? (a.planes + a.planes_per_task - 1) / a.planes_per_task : 0;
-  if (tasks <= 1) {
-    if (tasks) task(&a, 0);
-    return NULL;
-  }
-  return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, task, (size_t)tasks, 0, &a);
+  a.planes_per_task = pw_per_task(a.out[0] * a.out[1] * a.out[2] * k[0] * k[1] * k[2] + a.in[0] * a.in[1] * a.in[2]);
+  return pw_run_tasks(api, ctx, task, pw_task_count(a.planes, a.planes_per_task), &a);
 }
 
-/* One pooling: per axis (D, H, W) kernel, stride, pad before, pad after, dilation. */
+/* One pooling: per axis (D, H, W) kernel, stride, pad before, pad after, dilation. Defines
+ * name_compute and the type lists; the generated unit's PW_KERNEL line names the op. */
 #define PW_MAX_POOL(name, spatial, K0, K1, K2, S0, S1, S2, P0, P1, P2, E0, E1, E2, D0, D1, D2, CEIL)         \
   static void name##_task(void* user, size_t t) {                                                           \
     pw_pool_planes((const PwPool*)user, t, K0, K1, K2, S0, S1, S2, P0, P1, P2, D0, D1, D2);                 \
@@ -183,7 +166,6 @@ static inline __attribute__((always_inline)) OrtStatus* pw_pool_compute(
   }                                                                                                         \
   static const int name##_types[] = {PW_FLOAT};                                                             \
   static const int name##_out_types[] = {PW_FLOAT, PW_INT64};                                               \
-  static const int name##_none[] = {0, 0};                                                                  \
-  PW_KERNEL(name, 1, name##_types, name##_none, 2, name##_none, 0, 0, 0, 0, name##_compute, 0, name##_out_types)
+  static const int name##_none[] = {0, 0}
 
 #endif /* ORT_DYNAMO_MAX_POOL_H */

@@ -140,6 +140,29 @@ static inline int64_t pw_out_offset(const PwArgs* a, int j, int64_t r) {
 /* A kernel's definition, visible to the library it is linked into (not outside it). */
 #define PW_KERNEL(name, ...) PW_HIDDEN extern const PwKernelDef name##_def; const PwKernelDef name##_def = {#name, __VA_ARGS__}
 
+/* Helpers of the hand-written ops (pointwise_runtime.c and max_pool.h). */
+#define PW_TRY(call)             \
+  do {                           \
+    OrtStatus* status_ = (call); \
+    if (status_) return status_; \
+  } while (0)
+typedef struct PwKernel {
+  const OrtApiTable* api;
+  const struct PwKernelDef* def;
+} PwKernel;
+/* An invalid-argument status naming the kernel. */
+PW_HIDDEN OrtStatus* pw_error(const PwKernel* k, const char* what);
+/* A tensor's shape; dims is filled only for a rank up to PW_MAX_RANK. */
+PW_HIDDEN OrtStatus* pw_shape(const OrtApiTable* api, const OrtValue* value, int64_t* dims, size_t* rank);
+/* Items per thread task for about PW_TASK_ELEMENTS of work each, given each item's work. */
+static inline int64_t pw_per_task(int64_t work_per_item) {
+  return work_per_item > 0 && PW_TASK_ELEMENTS / work_per_item > 1 ? PW_TASK_ELEMENTS / work_per_item : 1;
+}
+static inline int64_t pw_task_count(int64_t items, int64_t per_task) { return (items + per_task - 1) / per_task; }
+/* task(user, t) for t < tasks on the session's intra-op threads; a single task runs here. */
+PW_HIDDEN OrtStatus* pw_run_tasks(const OrtApiTable* api, OrtKernelContext* ctx, void (*task)(void*, size_t),
+                                  int64_t tasks, void* user);
+
 /* out = data; out[index[r]] += updates[r] for each row r (rows: the first axis): the gradient
  * of an embedding. Parallel over columns, so no two threads add to one element and each sum
  * is taken in row order. With a first input of type PW_INT64 (ScatterAddRowsToZeros), that

@@ -10,27 +10,23 @@
  */
 #include "pointwise.h"
 
-typedef struct PwKernel {
-  const OrtApiTable* api;
-  const PwKernelDef* def;
-} PwKernel;
-
 typedef struct PwOp {
   OrtCustomOp op; /* first: ORT hands back a pointer to it */
   const PwKernelDef* def;
 } PwOp;
 
-static OrtStatus* pw_error(const PwKernel* k, const char* what) {
+OrtStatus* pw_error(const PwKernel* k, const char* what) {
   char message[256];
   snprintf(message, sizeof message, "ort_dynamo pointwise kernel %s: %s", k->def->name, what);
   return ORTD_CALL(k->api, CreateStatus)(ORTD_INVALID_ARGUMENT, message);
 }
 
-#define PW_TRY(call)             \
-  do {                           \
-    OrtStatus* status_ = (call); \
-    if (status_) return status_; \
-  } while (0)
+OrtStatus* pw_run_tasks(const OrtApiTable* api, OrtKernelContext* ctx, void (*task)(void*, size_t), int64_t tasks,
+                        void* user) {
+  if (tasks > 1) return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, task, (size_t)tasks, 0, user);
+  if (tasks == 1) task(user, 0);
+  return NULL;
+}
 
 static void pw_task(void* user, size_t t) {
   const PwArgs* a = (const PwArgs*)user;
@@ -67,7 +63,7 @@ static int pw_kind_holds(int kind, const int64_t* shape, const PwArgs* a, int64_
   }
 }
 
-static OrtStatus* pw_shape(const OrtApiTable* api, const OrtValue* value, int64_t* dims, size_t* rank) {
+OrtStatus* pw_shape(const OrtApiTable* api, const OrtValue* value, int64_t* dims, size_t* rank) {
   OrtTensorTypeAndShapeInfo* info;
   PW_TRY(ORTD_CALL(api, GetTensorTypeAndShape)(value, &info));
   OrtStatus* status = ORTD_CALL(api, GetDimensionsCount)(info, rank);
@@ -148,12 +144,7 @@ OrtStatus* pw_scatter_add_rows(const OrtApiTable* api, OrtKernelContext* ctx, co
   /* Columns in blocks of at least 64 floats, about PW_TASK_ELEMENTS additions per task. */
   const int64_t per_task = PW_TASK_ELEMENTS / indices > 64 ? PW_TASK_ELEMENTS / indices : 64;
   s.block = (per_task + 15) / 16 * 16;
-  const int64_t tasks = (row + s.block - 1) / s.block;
-  if (tasks <= 1) {
-    pw_scatter_task(&s, 0);
-    return NULL;
-  }
-  return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, pw_scatter_task, (size_t)tasks, 0, &s);
+  return pw_run_tasks(api, ctx, pw_scatter_task, pw_task_count(row, s.block), &s);
 }
 
 typedef struct PwScatterLast {
@@ -211,14 +202,8 @@ OrtStatus* pw_scatter_add_last_axis(const OrtApiTable* api, OrtKernelContext* ct
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)(out, &out_data));
   if (rows == 0 || out_row == 0) return NULL;
   PwScatterLast s = {(float*)out_data, (const float*)update_data, idx, row, out_row, 1, rows};
-  const int64_t per_row = row + out_row;
-  s.rows_per_task = PW_TASK_ELEMENTS / per_row > 1 ? PW_TASK_ELEMENTS / per_row : 1;
-  const int64_t tasks = (rows + s.rows_per_task - 1) / s.rows_per_task;
-  if (tasks <= 1) {
-    pw_scatter_last_task(&s, 0);
-    return NULL;
-  }
-  return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, pw_scatter_last_task, (size_t)tasks, 0, &s);
+  s.rows_per_task = pw_per_task(row + out_row);
+  return pw_run_tasks(api, ctx, pw_scatter_last_task, pw_task_count(rows, s.rows_per_task), &s);
 }
 
 typedef struct PwTranspose {
@@ -286,13 +271,8 @@ OrtStatus* pw_transpose(const OrtApiTable* api, OrtKernelContext* ctx, const PwK
   p.out = (float*)out_data;
   const int64_t block = p.dims[p.rank - 3] * p.dims[p.rank - 2] * p.dims[p.rank - 1];
   p.blocks = numel / block;
-  p.blocks_per_task = PW_TASK_ELEMENTS / block > 1 ? PW_TASK_ELEMENTS / block : 1;
-  const int64_t tasks = (p.blocks + p.blocks_per_task - 1) / p.blocks_per_task;
-  if (tasks <= 1) {
-    pw_transpose_task(&p, 0);
-    return NULL;
-  }
-  return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, pw_transpose_task, (size_t)tasks, 0, &p);
+  p.blocks_per_task = pw_per_task(block);
+  return pw_run_tasks(api, ctx, pw_transpose_task, pw_task_count(p.blocks, p.blocks_per_task), &p);
 }
 
 static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
@@ -396,26 +376,16 @@ static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
     a.inner = a.rank ? a.dims[a.rank - 1] : 1;
   }
   a.rows = (a.numel + a.inner - 1) / a.inner;
-  a.rows_per_task = PW_TASK_ELEMENTS / a.inner > 1 ? PW_TASK_ELEMENTS / a.inner : 1;
-  const int64_t tasks = (a.rows + a.rows_per_task - 1) / a.rows_per_task;
-  if (!has_column_sums) {
-    if (tasks <= 1) {
-      a.rows_fn(&a, 0, a.rows);
-      return NULL;
-    }
-    return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, pw_task, (size_t)tasks, 0, &a);
-  }
+  a.rows_per_task = pw_per_task(a.inner);
+  const int64_t tasks = pw_task_count(a.rows, a.rows_per_task);
+  if (!has_column_sums) return pw_run_tasks(api, ctx, pw_task, tasks, &a);
   /* Column sums: each task adds its rows into its own row of partial sums; then the partial
    * rows are added in task order (which depends on the shapes only: the same sums each run). */
   float* partials = (float*)calloc((size_t)(tasks * a.inner * def->n_out), sizeof(float));
   if (!partials) return ORTD_CALL(api, CreateStatus)(ORTD_FAIL, "ort_dynamo pointwise kernel: out of memory");
   for (int j = 0; j < def->n_out; ++j)
     if (def->out_kinds[j] >= PW_OUT_COLUMN_SUM) a.partial[j] = partials + j * tasks * a.inner;
-  OrtStatus* status = NULL;
-  if (tasks <= 1)
-    a.rows_fn(&a, 0, a.rows);
-  else
-    status = ORTD_CALL(api, KernelContext_ParallelFor)(ctx, pw_task, (size_t)tasks, 0, &a);
+  OrtStatus* status = pw_run_tasks(api, ctx, pw_task, tasks, &a);
   for (int j = 0; j < def->n_out && !status; ++j) {
     if (def->out_kinds[j] < PW_OUT_COLUMN_SUM) continue;
     float* restrict out = (float*)a.out[j];
