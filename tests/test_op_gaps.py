@@ -640,7 +640,7 @@ def test_layer_norm_over_channels_between_permutes_is_computed_in_place(tmp_path
 
 def test_linear_upsampling_backward_of_any_scale_is_a_product_with_its_weights(tmp_path):
     """Linear upsampling whose backward is no whole-number pattern (align_corners, other
-    scales) took an index_add per dim: ScatterElements, 20 ns an element on one thread (layer_ops
+    scales) took an index_add per dim: ScatterElements, on one thread (layer_ops
     upsample_bilinear_ac: 2.06 times eager). Up to 256 inputs along a dim, it is one MatMul with
     the (out, in) weights instead (0.46); longer dims keep the scatter. Whole-number scales take
     the product up to 64 inputs (faster there than their phases). Eager's gradients, float32
