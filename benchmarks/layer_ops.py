@@ -68,6 +68,9 @@ CASES = {
                          (8, 56, 56, 96), "Swin's windows of 7x7 tokens"),
     "im2col": (lambda x: F.unfold(x, 3, padding=1), (8, 64, 32, 32), "F.unfold's patches"),
     "instance_norm": (lambda x: F.instance_norm(x), (8, 64, 64, 64), "style transfer's InstanceNorm2d"),
+    "seg_cross_entropy": (lambda x, y=torch.randint(0, 21, (8, 128, 128)): F.cross_entropy(x, y, reduction="none"),
+                          (8, 21, 128, 128), "segmentation loss: log-softmax over the channels"),
+    "channel_softmax": (lambda x: F.softmax(x, dim=1), (8, 64, 32, 32), "softmax over channels (attention maps)"),
     "depthwise_conv": (lambda x, w=torch.randn(96, 1, 7, 7, requires_grad=True): F.conv2d(x, w, padding=3, groups=96),
                        (8, 96, 56, 56), "ConvNeXt's 7x7 depthwise convolution, weight gradient included"),
 }

@@ -988,24 +988,33 @@ def _column_sums_through_reshapes(graph: ir.Graph, info: _Graph) -> int:
 
 
 def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
-    """Softmax and LogSoftmax over the last axis -> their row-wise steps (max, exp, sum), so
-    that they fuse with the ops around them (attention's scale and mask) into one kernel of
-    three passes over each row. ORT's own Softmax kernel is slow on short rows."""
-    axes = None
+    """Softmax and LogSoftmax -> their steps (max, exp, sum). Over the last axis they fuse with
+    the ops around them (attention's scale and mask) into one kernel of three passes over each
+    row; ORT's own Softmax kernel is slow on short rows. Over another axis (a segmentation
+    loss's channels), ORT transposes that axis last and back and runs rows as short as the
+    channels (4 times eager's time): there the max and the sum stay ORT's reductions over
+    that axis, and the elementwise steps become kernels. That needs static sizes."""
+    axes_of: dict[int, ir.Value] = {}
     for node in list(graph):
         if node.domain not in ("", "ai.onnx") or node.op_type not in ("Softmax", "LogSoftmax"):
             continue
         x = node.inputs[0]
         shape = info.dims(x)
         axis = node.attributes["axis"].value if "axis" in node.attributes else -1
-        if x.dtype != ir.DataType.FLOAT or not shape or shape[-1] == 1 or axis not in (-1, len(shape) - 1) \
-                or len(shape) > _MAX_RANK or (all(isinstance(d, int) for d in shape)
-                                               and math.prod(shape) < MIN_ELEMENTS):
+        static = bool(shape) and all(isinstance(d, int) for d in shape)
+        if x.dtype != ir.DataType.FLOAT or not shape or shape[-1] == 1 or len(shape) > _MAX_RANK \
+                or not -len(shape) <= axis < len(shape) or (static and math.prod(shape) < MIN_ELEMENTS):
             continue
-        if axes is None:
-            axes = _int64_constant(graph, "pointwise_last_axis", [-1])
+        axis %= len(shape)
+        along_rows = axis == len(shape) - 1
+        if not along_rows and not (static and shape[axis] > 1):
+            continue
+        key = -1 if along_rows else axis
+        if key not in axes_of:
+            axes_of[key] = _int64_constant(graph, "pointwise_last_axis" if along_rows else f"pointwise_axis_{axis}", [key])
+        axes = axes_of[key]
         peak = ir.node("ReduceMax", [x, axes], attributes={"keepdims": 1})
-        peak.meta[_SOFTMAX_MAX] = True
+        peak.meta[_SOFTMAX_MAX] = along_rows  # another axis's max stays ORT's (its NaN: see row_reduction_shape)
         shifted = ir.node("Sub", [x, peak.outputs[0]])
         exp = ir.node("Exp", [shifted.outputs[0]])
         total = ir.node("ReduceSum", [exp.outputs[0], axes], attributes={"keepdims": 1})
@@ -1016,6 +1025,9 @@ def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
             steps = [peak, shifted, exp, total, log, ir.node("Sub", [shifted.outputs[0], log.outputs[0]])]
         for step in steps:
             step.outputs[0].dtype = ir.DataType.FLOAT
+            if static:  # what the groups read their operands' layouts from
+                reduced = step.op_type in ("ReduceMax", "ReduceSum", "Log")
+                step.outputs[0].shape = ir.Shape([1 if reduced and d == axis else n for d, n in enumerate(shape)])
         _replace_node(graph, node, steps, "unexpanded")
 
 

@@ -38,6 +38,12 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
     return grad
 
 
+def _per_spatial_dim(values, spatial: int) -> list:
+    """A convolution parameter with one entry per spatial dim (ATen broadcasts a single one)."""
+    values = list(values)
+    return values * spatial if len(values) == 1 else values
+
+
 def _patch_weight_grad(inp, grad_out, weight_shape):
     """dL/dW of a convolution whose windows tile its input (stride = kernel, no padding or
     dilation, one group: patch embeddings, 2x2 downsampling, and as the transposed one,
@@ -79,6 +85,11 @@ def _avg_pool_parts(x, kernel_size, stride, padding, ceil_mode, count_include_pa
     st = st * (spatial if len(st) == 1 else 1)
     pd = list(padding) * (spatial if len(padding) == 1 else 1)
     sizes = list(x.shape[-spatial:])
+    # A single window larger than the padded input (ceil mode; HF EfficientNet's pooler has a
+    # kernel of 320 over 2 x 2) sums and counts no more than the padded input: kernel-sized
+    # ones would make the backward's transposed convolution kernel x kernel per plane.
+    ks = [min(k, n + 2 * p) if _static(n) and _pool_geometry(n, k, s, p, ceil_mode)[0] == 1 else k
+          for n, k, s, p in zip(sizes, ks, st, pd)]
     extra = [_pool_geometry(n, k, s, p, ceil_mode)[1] for n, k, s, p in zip(sizes, ks, st, pd)]
     flat = x.reshape(-1, 1, *sizes)
     # constant_pad_nd takes (left, right) pairs from the last dim backwards.
@@ -739,6 +750,9 @@ def own_decompositions() -> dict:
     def convolution_backward(grad_out, inp, weight, bias_sizes, stride, padding, dilation,
                              transposed, output_padding, groups, output_mask):
         spatial = weight.dim() - 2
+        # ATen lets one value stand for every spatial dim (``padding="valid"`` gives [0]).
+        stride, padding, dilation, output_padding = (
+            _per_spatial_dim(values, spatial) for values in (stride, padding, dilation, output_padding))
         grad_input = grad_weight = grad_bias = None
         if output_mask[0]:
             if transposed:
@@ -766,6 +780,17 @@ def own_decompositions() -> dict:
         if output_mask[2]:
             grad_bias = grad_out.sum([0] + list(range(2, grad_out.dim())))
         return grad_input, grad_weight, grad_bias
+
+    @register(aten._weight_norm_interface_backward.default)
+    def weight_norm_interface_backward(grad_w, v, g, norms, dim):
+        # torch.nn.utils weight_norm (wav2vec2's and HiFi-GAN's convolutions); torchlib lowers
+        # the forward but has no backward. ATen's formula, in the norms' dtype (float for bf16).
+        others = [d for d in range(v.dim()) if d != dim]
+        wide = norms.dtype
+        gw, vw = grad_w.to(wide), v.to(wide)
+        along = (gw * vw).sum(others, keepdim=True)
+        grad_v = (g.to(wide) / norms) * (gw - vw * (along / (norms * norms)))
+        return grad_v.to(v.dtype), (along / norms).to(g.dtype)
 
     @register(aten.avg_pool2d.default)
     def avg_pool2d(x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,

@@ -6,6 +6,8 @@ statistically."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -710,3 +712,48 @@ def test_a_spectrograms_magnitude_runs_on_ort_in_real_arithmetic(tmp_path):
     phase = lambda t: torch.stft(t, 64, 16, return_complex=True).angle()  # noqa: E731
     torch.testing.assert_close(torch.compile(phase, backend="ort")(x), phase(x))
     assert ort_dynamo.report().fallback_nodes > 0
+
+
+def test_convolution_parameters_given_once_for_every_dim_train_like_eager():
+    """``padding="valid"`` reaches the graph as ``padding=[0]``, one value for every spatial dim
+    (EfficientNet's strided depthwise convolutions); the gradients' decomposition read one
+    value per dim and failed to compile."""
+    x = torch.randn(2, 4, 9, 10, requires_grad=True)
+    check(lambda t, w: F.conv2d(t, w, stride=2, padding="valid", groups=4), x, torch.randn(4, 1, 3, 3, requires_grad=True))
+    check(lambda t, w: F.conv2d(t, w, stride=(2, 3), padding="valid"), x, torch.randn(5, 4, 3, 2, requires_grad=True))
+    check(lambda t, w: F.conv1d(t, w, padding="same", dilation=2), x[0], torch.randn(3, 9, 3, requires_grad=True))
+
+
+def test_average_pooling_with_one_window_larger_than_its_input_stays_input_sized(tmp_path):
+    """HF EfficientNet pools with a kernel of its hidden size (320) over a 2 x 2 map in ceil mode:
+    one window, clipped to the input. The gradient spread the window's kernel-sized ones over every
+    plane (a 320 x 320 ConvTranspose per channel, nine times eager's whole step); it needs no more
+    than the padded input. Eager's values and gradients, with and without padding counted."""
+    import glob
+
+    import onnx
+
+    x = torch.randn(2, 3, 2, 3, requires_grad=True)
+    check(lambda t: F.avg_pool2d(t, 40, ceil_mode=True).sin(), x)
+    check(lambda t: F.avg_pool2d(t, (40, 2), padding=(1, 1), ceil_mode=True).sin(), x)
+    check(lambda t: F.avg_pool2d(t, 6, padding=3, ceil_mode=True, count_include_pad=False).sin(), x)
+    check(lambda t: F.avg_pool2d(t, (3, 50), ceil_mode=True, divisor_override=7).sin(), x)
+    check(lambda t: F.avg_pool1d(t[0], 50, ceil_mode=True).sin(), x)
+    onnx_ops_of(lambda t: F.avg_pool2d(t, 320, ceil_mode=True), x, folder=tmp_path, models="*backward*",
+                pointwise_kernels=False)
+    for path in glob.glob(str(tmp_path / "*backward*.onnx")):
+        inferred = onnx.shape_inference.infer_shapes(onnx.load(path), data_prop=True)
+        for value in inferred.graph.value_info:
+            dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
+            assert all(dims) and math.prod(dims) <= x.numel(), (value.name, dims)
+
+
+@pytest.mark.parametrize("dim", [0, 2])
+def test_weight_norm_trains_on_ort_like_eager(dim):
+    """torch.nn.utils weight_norm (wav2vec2's positional convolution normalizes over dim 2):
+    torchlib lowers its forward but not ``_weight_norm_interface_backward``, which fell back."""
+    conv = torch.nn.Conv1d(4, 6, 3)
+    v = conv.weight.detach().clone().requires_grad_()
+    g = torch.linalg.vector_norm(v, dim=[d for d in range(3) if d != dim], keepdim=True).detach().mul(1.5).requires_grad_()
+    x = torch.randn(2, 4, 9, requires_grad=True)
+    check(lambda t, v, g: F.conv1d(t, torch._weight_norm(v, g, dim)).sin(), x, v, g)

@@ -197,6 +197,30 @@ def test_row_sums_and_softmax_fuse_with_their_neighbours_and_match_eager(tmp_pat
     assert not [n for n in onnx.load(forward).graph.node if n.op_type in ("Softmax", "LogSoftmax")]
 
 
+def test_softmax_over_channels_is_reductions_over_that_axis_and_kernels(tmp_path):
+    """A softmax or log-softmax over an axis that is not the last (a segmentation loss over
+    NCHW logits, channel attention): ORT's Softmax moves that axis last and back and walks rows
+    as short as the channels (layer_ops seg_cross_entropy: 4 times eager). Now the max and sum
+    are reductions over that axis and the rest kernels; eager's values and gradients, with a
+    NaN, a row of -inf and a masked row as eager has them."""
+    def fn(x, w):
+        scores = (x * w).masked_fill(x > 2.5, float("-inf"))
+        return scores.softmax(1), x.log_softmax(-3) * 2, torch.log_softmax(x, 2)
+
+    x = torch.randn(4, 12, 24, 33)
+    x[0, :, 3, 4] = float("-inf")
+    x[1, 5, 6, 7] = float("nan")
+    w = torch.randn(12, 1, 1)
+    got = _step_fn(fn, x, w, tmp_path)
+    want = _step_fn(fn, x, w)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5 * e.nan_to_num(0, 0, 0).abs().max().item(), equal_nan=True)
+    forward = glob.glob(str(tmp_path / "*forward*.onnx"))[0]
+    ops = [n.op_type for n in onnx.load(forward).graph.node]
+    assert "Softmax" not in ops and "LogSoftmax" not in ops and "Transpose" not in ops, ops
+    assert ops.count("ReduceMax") == 3 and _pointwise_nodes(forward), ops
+
+
 def _step_fn(fn, x, w, tmp_path=None):
     """Outputs and gradients of ``fn`` (eager when no ``tmp_path``, else ort, saving models)."""
     x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
