@@ -21,9 +21,19 @@ __all__ = ["export_graph", "onnx_registry", "ExportedGraph", "OutputSlot"]
 log = logging.getLogger("ort_dynamo")
 
 
-@functools.lru_cache(None)
 def onnx_registry(opset: int):
-    """torchlib's aten -> ONNX registry for ``opset`` (built once: it is slow)."""
+    """torchlib's aten -> ONNX registry for ``opset``, with ours, and those of other libraries'
+    ops defined by now (a library imported after the first compile still gets them)."""
+    from . import lowerings
+
+    registry = _built_registry(opset)
+    lowerings.register_library_ops(registry)
+    return registry
+
+
+@functools.lru_cache(None)
+def _built_registry(opset: int):
+    """torchlib's registry with our lowerings (built once: it is slow)."""
     from torch.onnx._internal.exporter import _registration
 
     for name in ("_registration", "_core"):

@@ -21,10 +21,10 @@ SCRIPT = textwrap.dedent("""
     out.sum().backward()
     torch.testing.assert_close(out, model(x))
     r = ort_dynamo.report()
-    from ort_dynamo.export import onnx_registry
+    from ort_dynamo.export import _built_registry
     print(json.dumps({"exports": r.exports, "hits": sum(g.cache_hits for g in r.graphs),
                       "grad": x.grad.sum().item(), "fallbacks": r.fallback_nodes,
-                      "registry_built": onnx_registry.cache_info().currsize > 0}))
+                      "registry_built": _built_registry.cache_info().currsize > 0}))
 """)
 
 

@@ -757,3 +757,40 @@ def test_weight_norm_trains_on_ort_like_eager(dim):
     g = torch.linalg.vector_norm(v, dim=[d for d in range(3) if d != dim], keepdim=True).detach().mul(1.5).requires_grad_()
     x = torch.randn(2, 4, 9, requires_grad=True)
     check(lambda t, v, g: F.conv1d(t, torch._weight_norm(v, g, dim)).sin(), x, v, g)
+
+
+def test_transformers_grouped_expert_products_run_on_ort():
+    """transformers' mixture-of-experts layers (Mixtral, Qwen-MoE) multiply each expert's rows by
+    its weight through ``transformers::grouped_mm_fallback`` on CPU: a Python loop behind a custom
+    op, which stayed in PyTorch with its backward (8 fallback nodes in Mixtral). Each expert is
+    now a Slice and a MatMul. An expert without rows, and rows past the last offset (zeros):
+    eager's values and gradients."""
+    pytest.importorskip("transformers.integrations.moe")
+    grouped_mm = torch.ops.transformers.grouped_mm_fallback
+    x = torch.randn(10, 6, requires_grad=True)
+    w = torch.randn(4, 6, 5, requires_grad=True)
+    for offs in ([3, 3, 7, 9], [0, 10, 10, 10], [2, 4, 6, 10]):
+        check(lambda t, v, ends: grouped_mm(t, v, ends).sin(), x, w, torch.tensor(offs, dtype=torch.int32))
+
+
+def test_a_library_imported_after_the_first_compile_still_gets_its_lowerings():
+    """Other libraries' ops exist only once the library is imported; the registry is built at
+    the first compile. A process that compiles before importing transformers' MoE code must
+    still lower its grouped products."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers.integrations.moe")
+    script = """
+import torch, ort_dynamo
+torch.compile(lambda t: t.sin(), backend="ort")(torch.randn(4))
+import transformers.integrations.moe
+x, w = torch.randn(6, 3), torch.randn(2, 3, 4)
+got = torch.compile(lambda a, b, c: torch.ops.transformers.grouped_mm_fallback(a, b, c), backend="ort")(
+    x, w, torch.tensor([2, 6], dtype=torch.int32))
+torch.testing.assert_close(got, torch.cat([x[:2] @ w[0], x[2:] @ w[1]]))
+print(ort_dynamo.report().fallback_nodes)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1] == "0", result.stdout

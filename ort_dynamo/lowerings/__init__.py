@@ -1,6 +1,8 @@
 """Extra ONNX lowerings: ops torchlib lacks, and replacements for torchlib lowerings that are wrong.
 
-``register(registry)`` is called once by ``export.onnx_registry`` when the registry is built.
+``register(registry)`` is called once by ``export.onnx_registry`` when the registry is built;
+``register_library_ops(registry)`` on every use of it, since other libraries' ops (``library``)
+may be defined after the registry was built.
 Custom registrations go first in the registry, so they win over torchlib's own.
 
 Each submodule has a ``LOWERINGS`` dict (torch op -> function), and may have
@@ -15,11 +17,11 @@ from __future__ import annotations
 
 from onnxscript.values import Opset, TracedOnnxFunction
 
-from . import bessel, core, fixes, linalg, special
+from . import bessel, core, fixes, library, linalg, special
 
 import torch
 
-__all__ = ["register", "dtype_refusal", "REMOVED_LOWERINGS"]
+__all__ = ["register", "register_library_ops", "dtype_refusal", "REMOVED_LOWERINGS"]
 
 _OPSET = Opset("pkg.ort_dynamo", 1)
 _MODULES = (core, special, bessel, linalg, fixes)
@@ -34,6 +36,16 @@ def register(registry) -> None:
     for module in _MODULES:
         for target, fn in module.LOWERINGS.items():
             registry.register_op(target, TracedOnnxFunction(_OPSET, fn))
+    register_library_ops(registry)
+
+
+def register_library_ops(registry) -> None:
+    """Add the lowerings of other libraries' ops that are defined by now and not yet added."""
+    added = registry.__dict__.setdefault("_ort_dynamo_library_ops", set())
+    for name, fn in library.LOWERINGS.items():
+        if name not in added and (target := library.defined_op(name)) is not None:
+            registry.register_op(target, TracedOnnxFunction(_OPSET, fn))
+            added.add(name)
 
 
 _ACCURATE_DTYPES = {op: frozenset(dtypes) for module in _MODULES
