@@ -186,9 +186,15 @@ def measure(name: str, build, make_batch, steps: int, backend: str = "ort", floa
         _, eager_loss = step(model)
         want, got = _gradients(model), _gradients(compiled)
         parity = f"loss diff {abs(loss - eager_loss):.0e}  grad diff {_difference(got, want):.0e}"
-        if float64:  # how far each float32 run is from the float64 one
-            wide = _float64_gradients(model, batch)
-            parity += f" (vs float64: eager {_difference(want, wide):.0e}, {backend} {_difference(got, wide):.0e})"
+        if float64:  # how far each float32 run is from the float64 one, and how far eager moves
+            wide = _float64_gradients(model, batch)  # when its float inputs move by 1e-6
+            nudged = {k: v * (1 + 1e-6 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)))
+                      if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
+            shaken = copy.deepcopy(model)
+            shaken.zero_grad(set_to_none=True)
+            shaken(**nudged).loss.backward()
+            parity += (f" (vs float64: eager {_difference(want, wide):.0e}, {backend} {_difference(got, wide):.0e},"
+                       f" eager on inputs x (1 + 1e-6 noise) {_difference(_gradients(shaken), wide):.0e})")
         ratios, eager_ms = [], []
         for _ in range(steps):
             eager = step(model)[0]
@@ -219,7 +225,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--backend", default="ort", help="the compiled side (default ort; e.g. inductor)")
     parser.add_argument("--float64", action="store_true",
-                        help="also compare both sides' gradients with a float64 eager run's")
+                        help="also compare both sides' gradients with a float64 eager run's, and eager's "
+                             "on inputs moved by 1e-6 (how sensitive the model's gradient is)")
     args = parser.parse_args()
     unknown = [name for name in args.models if name not in configs]
     if unknown:

@@ -68,6 +68,8 @@ CASES = {
                          (8, 56, 56, 96), "Swin's windows of 7x7 tokens"),
     "im2col": (lambda x: F.unfold(x, 3, padding=1), (8, 64, 32, 32), "F.unfold's patches"),
     "instance_norm": (lambda x: F.instance_norm(x), (8, 64, 64, 64), "style transfer's InstanceNorm2d"),
+    "avg_pool_whole": (lambda x: F.avg_pool2d(x, 320, ceil_mode=True), (8, 320, 4, 4),
+                       "one window larger than the map: HF EfficientNet's pooler"),
     "seg_cross_entropy": (lambda x, y=torch.randint(0, 21, (8, 128, 128)): F.cross_entropy(x, y, reduction="none"),
                           (8, 21, 128, 128), "segmentation loss: log-softmax over the channels"),
     "channel_softmax": (lambda x: F.softmax(x, dim=1), (8, 64, 32, 32), "softmax over channels (attention maps)"),

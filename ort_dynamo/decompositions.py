@@ -132,7 +132,10 @@ def _avg_pool_backward(grad_out, x, kernel_size, stride, padding, ceil_mode, cou
     # rows past the last window (always < stride).
     out_pad = [x_padded.shape[2 + i] - ((g.shape[2 + i] - 1) * st[i] + kernel.shape[2 + i])
                for i in range(spatial)]
-    grad_padded = aten.convolution(g, kernel, None, st, [0] * spatial, [1] * spatial, True, out_pad, 1)
+    if all(g.shape[2 + i] == 1 and kernel.shape[2 + i] == x_padded.shape[2 + i] for i in range(spatial)):
+        grad_padded = g.expand(x_padded.shape)  # one window over everything: a broadcast
+    else:
+        grad_padded = aten.convolution(g, kernel, None, st, [0] * spatial, [1] * spatial, True, out_pad, 1)
     grad = grad_padded
     for i in range(spatial):
         grad = grad.narrow(2 + i, pd[i], sizes[i])

@@ -728,7 +728,8 @@ def test_average_pooling_with_one_window_larger_than_its_input_stays_input_sized
     """HF EfficientNet pools with a kernel of its hidden size (320) over a 2 x 2 map in ceil mode:
     one window, clipped to the input. The gradient spread the window's kernel-sized ones over every
     plane (a 320 x 320 ConvTranspose per channel, nine times eager's whole step); it needs no more
-    than the padded input. Eager's values and gradients, with and without padding counted."""
+    than the padded input, and a window over all of it spreads its gradient by a broadcast. Eager's
+    values and gradients, with and without padding counted."""
     import glob
 
     import onnx
@@ -739,8 +740,9 @@ def test_average_pooling_with_one_window_larger_than_its_input_stays_input_sized
     check(lambda t: F.avg_pool2d(t, 6, padding=3, ceil_mode=True, count_include_pad=False).sin(), x)
     check(lambda t: F.avg_pool2d(t, (3, 50), ceil_mode=True, divisor_override=7).sin(), x)
     check(lambda t: F.avg_pool1d(t[0], 50, ceil_mode=True).sin(), x)
-    onnx_ops_of(lambda t: F.avg_pool2d(t, 320, ceil_mode=True), x, folder=tmp_path, models="*backward*",
-                pointwise_kernels=False)
+    ops = onnx_ops_of(lambda t: F.avg_pool2d(t, 320, ceil_mode=True), x, folder=tmp_path, models="*backward*",
+                      pointwise_kernels=False)
+    assert "ConvTranspose" not in ops, ops  # one window over everything: its gradient is a broadcast
     for path in glob.glob(str(tmp_path / "*backward*.onnx")):
         inferred = onnx.shape_inference.infer_shapes(onnx.load(path), data_prop=True)
         for value in inferred.graph.value_info:
