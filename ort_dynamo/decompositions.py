@@ -80,10 +80,9 @@ def _avg_pool_parts(x, kernel_size, stride, padding, ceil_mode, count_include_pa
     and ``divisor_override`` (which torchlib's lowering ignores).
     """
     spatial = len(kernel_size) if len(kernel_size) > 1 else x.dim() - 2
-    ks = list(kernel_size) * (spatial if len(kernel_size) == 1 else 1)
-    st = list(stride or ks)
-    st = st * (spatial if len(st) == 1 else 1)
-    pd = list(padding) * (spatial if len(padding) == 1 else 1)
+    ks = _per_spatial_dim(kernel_size, spatial)
+    st = _per_spatial_dim(stride or ks, spatial)
+    pd = _per_spatial_dim(padding, spatial)
     sizes = list(x.shape[-spatial:])
     # A single window larger than the padded input (ceil mode; HF EfficientNet's pooler has a
     # kernel of 320 over 2 x 2) sums and counts no more than the padded input: kernel-sized

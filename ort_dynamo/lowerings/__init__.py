@@ -18,6 +18,7 @@ from __future__ import annotations
 from onnxscript.values import Opset, TracedOnnxFunction
 
 from . import bessel, core, fixes, library, linalg, special
+from ..lower import _overload  # "namespace::name" -> the op, None until a library defines it
 
 import torch
 
@@ -36,14 +37,13 @@ def register(registry) -> None:
     for module in _MODULES:
         for target, fn in module.LOWERINGS.items():
             registry.register_op(target, TracedOnnxFunction(_OPSET, fn))
-    register_library_ops(registry)
 
 
 def register_library_ops(registry) -> None:
     """Add the lowerings of other libraries' ops that are defined by now and not yet added."""
     added = registry.__dict__.setdefault("_ort_dynamo_library_ops", set())
     for name, fn in library.LOWERINGS.items():
-        if name not in added and (target := library.defined_op(name)) is not None:
+        if name not in added and (target := _overload(name)) is not None:
             registry.register_op(target, TracedOnnxFunction(_OPSET, fn))
             added.add(name)
 

@@ -11,7 +11,6 @@ few and fixed by the weight's shape, rows per expert are data.
 from __future__ import annotations
 
 import onnx_ir as ir
-import torch
 from onnxscript.onnx_opset import opset18 as op
 
 from .fixes import _ints
@@ -63,17 +62,8 @@ def transformers_grouped_mm_backward(input, weight, offs, grad_output):
     return _rows_then_zeros(grad_rows, input), op.Concat(*grad_weights, axis=0)
 
 
-#: "namespace::name" (overload ``default``) -> lowering.
+#: "namespace::name" (overload ``default``) -> lowering; ``lower._overload`` finds the op once defined.
 LOWERINGS = {
     "transformers::grouped_mm_fallback": transformers_grouped_mm,
     "transformers::grouped_mm_fallback_backward": transformers_grouped_mm_backward,
 }
-
-
-def defined_op(qualified: str):
-    """The op ``namespace::name``'s default overload, or None while no library defined it."""
-    namespace, _, name = qualified.partition("::")
-    try:
-        return getattr(getattr(torch.ops, namespace), name).default
-    except (AttributeError, RuntimeError):
-        return None
