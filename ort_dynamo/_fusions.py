@@ -87,6 +87,36 @@ def _other(node: ir.Node, value: ir.Value) -> ir.Value | None:
     return None
 
 
+def softmax_written_out(peak: ir.Node) -> bool:
+    """Whether ``peak`` is the ReduceMax of a softmax written out, with its row's logsumexp
+    (``lower._AttentionRecomputed`` keeps it for backward): ReduceMax, Sub, Exp, ReduceSum,
+    Div, and Log of the sum added to the max, nothing else reading the max, the differences
+    or the exponentials. There a max that passes over NaN (ORT's, the pointwise kernels')
+    gives torch's results: a row holding NaN has a NaN sum, which every result reads."""
+    if not _op(peak, "ReduceMax") or len(peak.inputs) != 2:
+        return False
+    x, top = peak.inputs[0], peak.outputs[0]
+    shifts = [u.node for u in top.uses() if _op(u.node, "Sub") and u.idx == 1 and u.node.inputs[0] is x]
+    if len(shifts) != 1 or top.is_graph_output():
+        return False
+    shifted = shifts[0].outputs[0]
+    exps = [u.node for u in shifted.uses()]
+    if len(exps) != 1 or not _op(exps[0], "Exp") or shifted.is_graph_output():
+        return False
+    exp = exps[0].outputs[0]
+    sums = [u.node for u in exp.uses() if _op(u.node, "ReduceSum") and u.idx == 0
+            and _ints(u.node.inputs[1]) == _ints(peak.inputs[1]) is not None]
+    if len(sums) != 1 or exp.is_graph_output():
+        return False
+    total = sums[0].outputs[0]
+    divides = [u.node for u in exp.uses() if _op(u.node, "Div") and u.idx == 0 and u.node.inputs[1] is total]
+    if len(exp.uses()) != 1 + len(divides):
+        return False
+    logs = [u.node for u in total.uses() if _op(u.node, "Log")]
+    adds = [u.node for log in logs for u in log.outputs[0].uses() if _op(u.node, "Add") and top in u.node.inputs]
+    return all(u.node in (*shifts, *adds) for u in top.uses())
+
+
 def _is_float32(value: ir.Value | None) -> bool:
     return value is not None and value.dtype == ir.DataType.FLOAT
 

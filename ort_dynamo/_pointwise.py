@@ -25,6 +25,7 @@ import onnx_ir as ir
 
 from ._fusions import (_MS, _TANH_GELU_BETA, _TANH_GELU_KAPPA, _constant_tensor, _initializer, _int64_constant,
                        _ints, _is, _op, _other, _perm_keeping_last_axis, _scalar)
+from ._fusions import softmax_written_out as _softmax_written_out
 from ._fusions import _take_over as _take_over_value
 from . import _op_kernels
 
@@ -1031,6 +1032,14 @@ def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
         _replace_node(graph, node, steps, "unexpanded")
 
 
+def _mark_softmax_written_out(graph: ir.Graph) -> None:
+    """The max of a softmax written out (``_fusions.softmax_written_out``) is marked as an
+    expanded Softmax's is, so that it fuses into the kernel with the rest."""
+    for node in graph:
+        if _softmax_written_out(node):
+            node.meta[_SOFTMAX_MAX] = True
+
+
 def _users(value: ir.Value, op_type: str, operand) -> list[ir.Node]:
     """The binary ``op_type`` nodes reading ``value`` whose other input is ``operand``: a
     number (a constant of that value) or a value itself."""
@@ -1166,6 +1175,7 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
     Returns each new kernel's C code (an empty list if nothing was fused)."""
     graph = model.graph
     _expand_softmax(graph, _Graph())
+    _mark_softmax_written_out(graph)
     _gelu_beside_its_backward(graph, _Graph())
     _fold_rotate_half(graph, _Graph())
     if _elementwise_before_reshapes(graph, _Graph()):

@@ -47,7 +47,8 @@ class OrtBackend:
         if kwargs:
             raise OptionsError(f"OrtBackend takes its options at construction, got {sorted(kwargs)}")
         options = self.options
-        lower_stage.lower_graph(gm, fuse=options.enable_compute_optimizer and not options.deterministic_compute)
+        lower_stage.lower_graph(gm, fuse=options.enable_compute_optimizer and not options.deterministic_compute,
+                                recompute_attention=options.memory_opt_level >= 1)
         compiler = functools.partial(compile_graph, options=self.options)
         kwargs = {}
         if self.options.memory_opt_level >= 1:

@@ -32,28 +32,106 @@ __all__ = ["lower_graph", "decomposition_table", "whole_upsampling"]
 aten = torch.ops.aten
 
 
+def _masked(scores, mask, is_causal: bool):
+    """``scores`` with the causal mask and ``mask`` applied, and the rows ``mask`` masks whole
+    (None without a mask). Torch's attention gives such a row zeros, not softmax's NaN (its
+    ``_safe_softmax``): here the row is scored 0, so its probabilities and gradients stay
+    finite, and the caller zeroes its probabilities. Torch decides on the masked scores, this
+    on the mask; they differ only where q·k itself is infinite."""
+    q_len, kv_len = scores.size(-2), scores.size(-1)
+    if is_causal:  # top-left aligned: every row keeps its first column
+        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is None:
+        return scores, None
+    if mask.dtype == torch.bool:
+        scores, empty = scores.masked_fill(~mask, float("-inf")), ~mask.any(dim=-1, keepdim=True)
+    else:
+        scores, empty = scores + mask, (mask == float("-inf")).all(dim=-1, keepdim=True)
+    return scores.masked_fill(empty, 0.0), empty
+
+
+def _zero_rows(probs, empty):
+    return probs if empty is None else probs.masked_fill(empty, 0.0)
+
+
 def sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
     """``F.scaled_dot_product_attention`` in ops ONNX has, differentiable by autograd."""
-    q_len, kv_len = query.size(-2), key.size(-2)
     scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
     if enable_gqa and key.size(-3) != query.size(-3):
         repeat = query.size(-3) // key.size(-3)
         key = key.repeat_interleave(repeat, dim=-3)
         value = value.repeat_interleave(repeat, dim=-3)
-    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
-    if is_causal:
-        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        else:
-            scores = scores + attn_mask
-    probs = torch.softmax(scores, dim=-1)
+    scores, empty = _masked(torch.matmul(query, key.transpose(-2, -1)) * scale, attn_mask, is_causal)
+    probs = _zero_rows(torch.softmax(scores, dim=-1), empty)
     if dropout_p > 0.0:
         probs = torch.nn.functional.dropout(probs, p=dropout_p, training=True)
     return torch.matmul(probs, value)
+
+
+class _AttentionRecomputed(torch.autograd.Function):
+    """softmax(q kᵀ·scale + mask) v that saves each row's logsumexp instead of the
+    probabilities; backward recomputes them, as flash attention's does. Per layer that is
+    [batch, heads, q, kv] floats less to keep, for one more batched product in backward.
+
+    Products are on [batch·heads, rows, dim] operands, as matmul's decomposition makes them,
+    so that the forward's copies of q and kᵀ are what backward reads, and each transpose
+    backward needs folds into ORT's FusedMatMul. Backward scales q rather than the product:
+    the same scores, written so that no CSE can join them with the forward's (which would
+    save them, undoing the point)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, scale, is_causal):
+        batch, q_len, kv_len = query.shape[:-2], query.size(-2), key.size(-2)
+        q = query.reshape(-1, q_len, query.size(-1))
+        k_t = key.transpose(-2, -1).reshape(-1, key.size(-1), kv_len)
+        v = value.reshape(-1, kv_len, value.size(-1))
+        scores, empty = _masked((torch.bmm(q, k_t) * scale).view(*batch, q_len, kv_len), mask, is_causal)
+        # softmax written out, so that its max and sum give the logsumexp (one kernel on ORT)
+        peak = scores.amax(dim=-1, keepdim=True)
+        exp = torch.exp(scores - peak)
+        total = exp.sum(dim=-1, keepdim=True)
+        probs = _zero_rows(exp / total, empty)
+        logsumexp = peak + torch.log(total)
+        ctx.save_for_backward(q, k_t, v, mask, logsumexp)
+        ctx.scale, ctx.is_causal, ctx.batch = scale, is_causal, batch
+        out = torch.bmm(probs.reshape(-1, q_len, kv_len), v)
+        return out.view(*batch, q_len, value.size(-1))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_t, v, mask, logsumexp = ctx.saved_tensors
+        batch, q_len, kv_len = ctx.batch, q.size(-2), k_t.size(-1)
+        scores, empty = _masked(torch.bmm(q * ctx.scale, k_t).view(*batch, q_len, kv_len), mask, ctx.is_causal)
+        probs = _zero_rows(torch.exp(scores - logsumexp), empty).reshape(-1, q_len, kv_len)
+        grad = grad_out.reshape(-1, q_len, v.size(-1))
+        grad_probs = torch.bmm(grad, v.transpose(1, 2))
+        grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True)) * ctx.scale
+        grad_query = torch.bmm(grad_scores, k_t.transpose(1, 2)).view(*batch, q_len, q.size(-1))
+        grad_key = torch.bmm(grad_scores.transpose(1, 2), q).view(*batch, kv_len, q.size(-1))
+        grad_value = torch.bmm(probs.transpose(1, 2), grad).view(*batch, kv_len, v.size(-1))
+        return grad_query, grad_key, grad_value, None, None, None
+
+
+def sdpa_recomputed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                    enable_gqa=False):
+    """``sdpa_math`` that keeps no probabilities for backward (``memory_opt_level=1``). Dropout,
+    half types and autocast take ``sdpa_math``: their backward would need the dropout mask or
+    autocast's casts replayed."""
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    if (dropout_p > 0.0 or len(dtypes) != 1 or dtypes - {torch.float32, torch.float64}
+            or torch.is_autocast_enabled(query.device.type) or query.dim() < 3
+            or (attn_mask is not None and attn_mask.requires_grad)):
+        return sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    if enable_gqa and key.size(-3) != query.size(-3):
+        repeat = query.size(-3) // key.size(-3)
+        key = key.repeat_interleave(repeat, dim=-3)
+        value = value.repeat_interleave(repeat, dim=-3)
+    if not (query.shape[:-2] == key.shape[:-2] == value.shape[:-2]):  # broadcast batch dims
+        return sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    return _AttentionRecomputed.apply(query, key, value, attn_mask, scale, is_causal)
 
 
 _GRID_MODES = {"bilinear": 0, "nearest": 1, "bicubic": 2}
@@ -196,11 +274,12 @@ for _name, _math in (("_linear_cross_entropy_batch_chunked", linear_cross_entrop
         pass
 
 
-def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True) -> int:
+def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True, recompute_attention: bool = False) -> int:
     """Replace torch-level calls that would leave ORT-less backward kernels, and (``fuse``)
     tanh-GELU written out in Python by one ``F.gelu`` call, a LayerNorm over channels between
-    two permutes by one in place, and an STFT's magnitude by real arithmetic. Returns the
-    count."""
+    two permutes by one in place, and an STFT's magnitude by real arithmetic. With
+    ``recompute_attention`` (``memory_opt_level=1``), attention's backward recomputes its
+    probabilities instead of keeping them. Returns the count."""
     replaced = 0
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
@@ -210,6 +289,8 @@ def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True) -> int:
         for node in module.graph.nodes:
             if node.op == "call_function" and node.target in _DYNAMO_REWRITES:
                 node.target = _DYNAMO_REWRITES[node.target]
+                if node.target is sdpa_math and recompute_attention:
+                    node.target = sdpa_recomputed
                 changed += 1
         if changed:
             module.recompile()

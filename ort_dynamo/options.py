@@ -123,7 +123,8 @@ class OrtOptions:
                                       "ORTMODULE_PRINT_MEMORY_STATS")
     memory_opt_level: int = _field(
         1, "1: recompute cheap ops in backward (min-cut rematerialization), those a backward GEMM "
-        "reads included; 0: keep every activation autograd saves (ORTModule's level 0, its default).",
+        "reads included, and attention's probabilities from each row's logsumexp, as flash attention "
+        "does; 0: keep every activation autograd saves (ORTModule's level 0, its default).",
         "ORTMODULE_MEMORY_OPT_LEVEL")
     backward_segments: int = _field(
         8, "Split each backward partition into up to this many ORT runs, so each saved activation "

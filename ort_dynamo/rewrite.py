@@ -155,10 +155,12 @@ def _propagate_nan_through_min_max(graph: ir.Graph) -> None:
     """ORT's ReduceMax/ReduceMin and ArgMax/ArgMin pass over NaN (onnxruntime 1.31: the amax
     of a row holding a NaN is finite); torch's max/min/amax/amin return NaN there, and
     argmax/argmin the index of the first NaN. Where a float reduction saw a NaN, its result
-    becomes that: one more reduction, of IsNaN, over the same axes."""
+    becomes that: one more reduction, of IsNaN, over the same axes. Not a softmax's max, which
+    needs none (``_fusions.softmax_written_out``)."""
     for node in list(graph):
         arg = node.op_type in ("ArgMax", "ArgMin")
-        if node.op_type not in ("ReduceMax", "ReduceMin", "ArgMax", "ArgMin") or node.domain not in ("", "ai.onnx"):
+        if node.op_type not in ("ReduceMax", "ReduceMin", "ArgMax", "ArgMin") or node.domain not in ("", "ai.onnx") \
+                or _fusions.softmax_written_out(node):
             continue
         x, result = node.inputs[0], node.outputs[0]
         if x is None or x.dtype not in _FLOAT_TYPES:

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import ort_dynamo
 from parity import assert_all_on_ort
@@ -68,6 +69,77 @@ def test_recompute_does_not_save_an_activation_the_next_linear_reads():
     for got_keep, got_recompute, (name, want) in zip(grads_keep, grads_recompute, model.named_parameters()):
         torch.testing.assert_close(got_keep, want.grad, rtol=1e-5, atol=1e-6, msg=name)
         torch.testing.assert_close(got_recompute, want.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _Attention(nn.Module):
+    """Self-attention through F.scaled_dot_product_attention, with one kind of mask."""
+
+    def __init__(self, variant, dim=32, heads=4, seq=24):
+        super().__init__()
+        self.variant, self.heads = variant, heads
+        self.kv_heads = heads // 2 if variant == "gqa" else heads
+        self.q, self.o = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim * self.kv_heads // heads)
+        keep = torch.rand(2, 1, seq, seq, generator=torch.Generator().manual_seed(1)) > 0.3
+        keep[..., 0] = True
+        if variant == "rows_masked_whole":  # padded queries: eager gives their rows zeros
+            keep[0, :, 5:9] = False
+        self.register_buffer("keep", keep)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q = self.q(x).view(b, s, self.heads, -1).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2 * self.kv_heads, -1).transpose(1, 2).chunk(2, dim=1)
+        mask = {"bool_mask": self.keep, "rows_masked_whole": self.keep,
+                "float_mask": torch.zeros(self.keep.shape).masked_fill(~self.keep, float("-inf"))}.get(self.variant)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.variant == "causal",
+                                             enable_gqa=self.variant == "gqa")
+        return self.o(out.transpose(1, 2).reshape(b, s, d))
+
+
+@pytest.mark.parametrize("variant", ["plain", "causal", "bool_mask", "float_mask", "gqa", "rows_masked_whole"])
+def test_recompute_keeps_no_attention_probabilities_and_gives_eagers_gradients(variant):
+    """Level 0 keeps attention's [batch, heads, q, kv] probabilities for backward; level 1 keeps
+    each row's logsumexp and recomputes them there, as flash attention does (BERT: 8 MB less
+    per step). Both give eager's gradients, with a row its mask hides whole too (zeros)."""
+    torch.manual_seed(0)
+    model = _Attention(variant)
+    x = torch.randn(2, 24, 32)
+    model(x).sum().backward()
+    probabilities = {(2, 4, 24, 24), (8, 24, 24)}
+    saved_keep, grads_keep = _saved_shapes(0, model, x)
+    saved_recompute, grads_recompute = _saved_shapes(1, model, x)
+    assert probabilities & set(saved_keep), saved_keep
+    assert not probabilities & set(saved_recompute), saved_recompute
+    for got_keep, got_recompute, (name, want) in zip(grads_keep, grads_recompute, model.named_parameters()):
+        torch.testing.assert_close(got_keep, want.grad, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(got_recompute, want.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_attention_under_autocast_or_with_dropout_keeps_its_probabilities_and_trains():
+    """Where backward would have to replay autocast's casts or the dropout mask, level 1's
+    attention keeps its probabilities, as level 0 does, and trains as eager does."""
+    torch.manual_seed(0)
+    model, x = _Attention("bool_mask"), torch.randn(2, 24, 32)
+    eager, compiled = copy.deepcopy(model), torch.compile(copy.deepcopy(model), backend="ort")
+    for net in (eager, compiled):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = net(x)
+        out.float().square().sum().backward()
+    for (name, want), got in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0.02, atol=0.02 * want.grad.abs().max().item(), msg=name)
+    assert_all_on_ort()
+
+    def dropped(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+
+    q, k, v = (torch.randn(2, 4, 24, 8, requires_grad=True) for _ in range(3))
+    compiled = torch.compile(dropped, backend="ort")
+    first = compiled(q, k, v)
+    first.square().sum().backward()
+    assert not torch.equal(first, compiled(q, k, v)), "dropout must draw a new mask each call"
+    assert all(t.grad.isfinite().all() and t.grad.abs().sum() > 0 for t in (q, k, v))
+    assert_all_on_ort()
 
 
 def test_the_recompute_partition_merges_repeated_calls_but_not_random_ones_or_signed_zeros():

@@ -479,6 +479,36 @@ def test_a_max_over_rows_that_is_a_result_keeps_nan_as_torch_does():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
+def test_a_softmax_written_out_with_its_logsumexp_is_one_kernel_with_torchs_nan(tmp_path):
+    """Attention that keeps each row's logsumexp for backward (memory_opt_level=1) writes its
+    softmax out: max, exp, sum, and max + log(sum). Its max fuses into the kernel with the rest,
+    without the NaN check a max that is a result needs: a row holding NaN, a row of -inf and
+    a +inf give torch's values. (Here no gradient is asked for: autograd would save the max.)"""
+    def fn(x, w):
+        scores = (x * w).masked_fill(x > 2.5, float("-inf"))
+        peak = scores.amax(-1, keepdim=True)
+        exp = torch.exp(scores - peak)
+        total = exp.sum(-1, keepdim=True)
+        return exp / total, peak + torch.log(total)
+
+    x = torch.randn(4, 8, 24, 40)
+    x[0, 1, 2] = 3.0
+    x[1, 2, 3, 4] = float("nan")
+    x[2, 3, 4, 5] = float("-inf")
+    w = torch.rand(8, 1, 1) + 0.5
+    w[3] = -1.0  # that -inf scores +inf
+    ort_dynamo.reset()
+    compiled = torch.compile(fn, backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
+    compiled(x, w)
+    ort_dynamo.wait_for_kernels()
+    for got, want in zip(compiled(x, w), fn(x, w)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert got[0, 1, 2].isnan().all() and got[1, 2, 3].isnan().all() and got[2, 3, 4].isnan().all()
+    model = glob.glob(str(tmp_path / "*.onnx"))[0]
+    ops = [n.op_type for n in onnx.load(model).graph.node]
+    assert "ReduceMax" not in ops and "IsNaN" not in ops and _pointwise_nodes(model), ops
+
+
 def _rotate_half(x):
     """Rotary embeddings' rotation (Llama, Mistral, Qwen, GPT-NeoX)."""
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
