@@ -93,7 +93,8 @@ def softmax_written_out(peak: ir.Node) -> bool:
     Div, and Log of the sum added to the max, nothing else reading the max, the differences
     or the exponentials. There a max that passes over NaN (ORT's, the pointwise kernels')
     gives torch's results: a row holding NaN has a NaN sum, which every result reads."""
-    if not _op(peak, "ReduceMax") or len(peak.inputs) != 2:
+    axes = _ints(peak.inputs[1]) if _op(peak, "ReduceMax") and len(peak.inputs) == 2 else None
+    if axes is None:
         return False
     x, top = peak.inputs[0], peak.outputs[0]
     shifts = [u.node for u in top.uses() if _op(u.node, "Sub") and u.idx == 1 and u.node.inputs[0] is x]
@@ -104,8 +105,8 @@ def softmax_written_out(peak: ir.Node) -> bool:
     if len(exps) != 1 or not _op(exps[0], "Exp") or shifted.is_graph_output():
         return False
     exp = exps[0].outputs[0]
-    sums = [u.node for u in exp.uses() if _op(u.node, "ReduceSum") and u.idx == 0
-            and _ints(u.node.inputs[1]) == _ints(peak.inputs[1]) is not None]
+    sums = [u.node for u in exp.uses() if _op(u.node, "ReduceSum") and u.idx == 0 and len(u.node.inputs) == 2
+            and _ints(u.node.inputs[1]) == axes]
     if len(sums) != 1 or exp.is_graph_output():
         return False
     total = sums[0].outputs[0]
