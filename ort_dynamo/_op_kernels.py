@@ -26,9 +26,10 @@ import onnx_ir as ir
 
 from ._fusions import _int64_constant, _op, _scalar, _take_over
 
-__all__ = ["max_pools_as_kernels", "scatter_adds_along_last_axis", "slow_transposes_as_kernels"]
+__all__ = ["DOMAIN", "max_pools_as_kernels", "scatter_adds_along_last_axis", "slow_transposes_as_kernels"]
 
-_DOMAIN = "ort_dynamo.pointwise"
+#: The domain of the custom-op library (csrc/pointwise_runtime.c): these ops' and ``_pointwise``'s.
+DOMAIN = "ort_dynamo.pointwise"
 
 #: The gradient's kernel (csrc/pointwise_runtime.c), the same for every use.
 SCATTER_ADD_LAST_AXIS = "\n".join([
@@ -168,7 +169,7 @@ def max_pools_as_kernels(graph: ir.Graph) -> list[str]:
         source = _max_pool_source("@", pooling)
         name = "TorchMaxPool_" + hashlib.sha256(source.encode()).hexdigest()[:16]
         kernels[name] = source.replace("@", name)
-        pool = ir.node(name, [node.inputs[0]], domain=_DOMAIN, num_outputs=2)
+        pool = ir.node(name, [node.inputs[0]], domain=DOMAIN, num_outputs=2)
         graph.insert_before(node, pool)
         _take_over(values, pool.outputs[0])
         _take_over(indices, pool.outputs[1])
@@ -200,7 +201,7 @@ def scatter_adds_along_last_axis(graph: ir.Graph, constant_zeros, replace_node) 
         if zeros is None:
             continue
         dims = _int64_constant(graph, f"{node.outputs[0].name}_zeros_shape", shape)
-        replace_node(graph, node, [ir.node("ScatterAddLastAxis", [dims, index, updates], domain=_DOMAIN)], "elements")
+        replace_node(graph, node, [ir.node("ScatterAddLastAxis", [dims, index, updates], domain=DOMAIN)], "elements")
         count += 1
     return count
 
@@ -257,7 +258,7 @@ def slow_transposes_as_kernels(graph: ir.Graph) -> int:
                 or any(use.node.op_type in _READS_TRANSPOSED for use in node.outputs[0].uses()):
             continue
         kernel = ir.node("TransposeRows", [x, _int64_constant(graph, f"{node.outputs[0].name}_perm", perm)],
-                         domain=_DOMAIN)
+                         domain=DOMAIN)
         graph.insert_before(node, kernel)
         _take_over(node.outputs[0], kernel.outputs[0])
         kernel.outputs[0].dtype = ir.DataType.FLOAT

@@ -28,10 +28,10 @@ from ._fusions import (_MS, _TANH_GELU_BETA, _TANH_GELU_KAPPA, _constant_tensor,
 from ._fusions import softmax_written_out as _softmax_written_out
 from ._fusions import _take_over as _take_over_value
 from . import _op_kernels
+from ._op_kernels import DOMAIN
 
 __all__ = ["DOMAIN", "fuse_pointwise", "kernel_name", "table_source"]
 
-DOMAIN = "ort_dynamo.pointwise"
 _MAX_RANK = 8
 _MAX_ARGS = 32  # inputs or outputs per kernel; the C side has arrays of this size
 #: Groups iterating over fewer elements (static shapes) stay ORT ops: a few ORT kernel launches
