@@ -671,6 +671,82 @@ def _linear_phases_backward(grad, axis, size, deltas):
     return own + from_previous + from_next
 
 
+# -- attention: what flash attention keeps (each row's logsumexp), in ops ONNX has -------------
+
+def masked_scores(scores, mask, is_causal: bool):
+    """``scores`` with the causal mask and ``mask`` (bool: keep; float: added) applied, and the
+    rows ``mask`` hides whole (None without a mask). Torch's attention gives such a row zeros,
+    not softmax's NaN (its ``_safe_softmax``): here the row is scored 0, so its probabilities
+    and gradients stay finite, and ``zero_rows`` zeroes them. Torch decides on the masked
+    scores, this on the mask; they differ only where q·k itself is infinite."""
+    q_len, kv_len = scores.size(-2), scores.size(-1)
+    if is_causal:  # top-left aligned: every row keeps its first column
+        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is None:
+        return scores, None
+    if mask.dtype == torch.bool:
+        scores, empty = scores.masked_fill(~mask, float("-inf")), ~mask.any(dim=-1, keepdim=True)
+    else:
+        scores, empty = scores + mask, (mask == float("-inf")).all(dim=-1, keepdim=True)
+    return scores.masked_fill(empty, 0.0), empty
+
+
+def zero_rows(values, empty):
+    return values if empty is None else values.masked_fill(empty, 0.0)
+
+
+def attention_operands(query, key, value):
+    """q, kᵀ and v as [batch·heads, rows, dim], as matmul's decomposition makes them (so that
+    backward reads the forward's copies, and its transposes fold into ORT's FusedMatMul), and
+    the batch dims."""
+    q_len, kv_len = query.size(-2), key.size(-2)
+    return (query.reshape(-1, q_len, query.size(-1)), key.transpose(-2, -1).reshape(-1, key.size(-1), kv_len),
+            value.reshape(-1, kv_len, value.size(-1)), query.shape[:-2])
+
+
+def attention_forward(q, k_t, v, mask, scale, is_causal: bool, batch):
+    """softmax(q kᵀ·scale + mask) v from ``attention_operands``, and each row's logsumexp
+    ([*batch, rows, 1]). The softmax is written out so that its max and sum give the logsumexp
+    in the same kernel on ORT (``_fusions.softmax_written_out``). A row the mask hides whole
+    gives zeros and a logsumexp of 0, as torch's flash attention does."""
+    q_len, kv_len = q.size(-2), k_t.size(-1)
+    scores, empty = masked_scores((torch.bmm(q, k_t) * scale).view(*batch, q_len, kv_len), mask, is_causal)
+    peak = scores.amax(dim=-1, keepdim=True)
+    exp = torch.exp(scores - peak)
+    total = exp.sum(dim=-1, keepdim=True)
+    probs = zero_rows(exp / total, empty)
+    out = torch.bmm(probs.reshape(-1, q_len, kv_len), v)
+    return out.view(*batch, q_len, v.size(-1)), zero_rows(peak + torch.log(total), empty)
+
+
+def attention_backward(grad_out, q, k_t, v, mask, logsumexp, scale, is_causal: bool, batch):
+    """The gradients of ``attention_forward`` for query, key and value (their shapes), the
+    probabilities recomputed from the logsumexp. The scores are q·scale against kᵀ where
+    forward has (q kᵀ)·scale: the same values (exactly, for a power-of-two scale), but not the
+    same expression, so no CSE joins them with the forward's product, which would then be
+    saved and undo the point."""
+    q_len, kv_len = q.size(-2), k_t.size(-1)
+    scores, empty = masked_scores(torch.bmm(q * scale, k_t).view(*batch, q_len, kv_len), mask, is_causal)
+    probs = zero_rows(torch.exp(scores - logsumexp), empty).reshape(-1, q_len, kv_len)
+    grad = grad_out.reshape(-1, q_len, v.size(-1))
+    grad_probs = torch.bmm(grad, v.transpose(1, 2))
+    grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True)) * scale
+    return (torch.bmm(grad_scores, k_t.transpose(1, 2)).view(*batch, q_len, q.size(-1)),
+            torch.bmm(grad_scores.transpose(1, 2), q).view(*batch, kv_len, q.size(-1)),
+            torch.bmm(probs.transpose(1, 2), grad).view(*batch, kv_len, v.size(-1)))
+
+
+def _flash_for_cpu_operands(query, key, value, scale):
+    """The CPU flash op's operands for ``attention_forward``/``backward``: float32 compute for
+    half types (the kernel's), key and value heads repeated for grouped queries."""
+    compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    repeat = query.size(1) // key.size(1)
+    key, value = (t.to(compute).repeat_interleave(repeat, dim=1) if repeat > 1 else t.to(compute) for t in (key, value))
+    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    return (*attention_operands(query.to(compute), key, value), scale, repeat)
+
+
 @functools.lru_cache(None)
 def own_decompositions() -> dict:
     table = {}
@@ -680,6 +756,28 @@ def own_decompositions() -> dict:
             table[op] = fn
             return fn
         return wrap
+
+    @register(aten._scaled_dot_product_flash_attention_for_cpu.default)
+    def flash_attention_for_cpu(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        # What SDPA runs on CPU where Dynamo keeps the caller whole (nn.MultiheadAttention).
+        # torchlib lowers it with a logsumexp of zeros, which its backward reads.
+        if dropout_p != 0.0 or query.dim() != 4:
+            return NotImplemented  # TORCHLIB_WRONG: the op runs in PyTorch
+        q, k_t, v, batch, scale, _ = _flash_for_cpu_operands(query, key, value, scale)
+        out, logsumexp = attention_forward(q, k_t, v, attn_mask, scale, is_causal, batch)
+        return out.to(query.dtype), logsumexp.squeeze(-1)
+
+    @register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+    def flash_attention_for_cpu_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
+                                         attn_mask=None, scale=None):
+        if dropout_p != 0.0 or query.dim() != 4:
+            return NotImplemented
+        q, k_t, v, batch, scale, repeat = _flash_for_cpu_operands(query, key, value, scale)
+        grads = attention_backward(grad_out.to(q.dtype), q, k_t, v, attn_mask, logsumexp.unsqueeze(-1), scale,
+                                   is_causal, batch)
+        grad_q, grad_k, grad_v = (g if repeat == 1 or i == 0 else g.unflatten(1, (-1, repeat)).sum(2)
+                                  for i, g in enumerate(grads))
+        return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
 
     @register(aten.im2col.default)
     def im2col(x, kernel_size, dilation, padding, stride):

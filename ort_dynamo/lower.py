@@ -25,34 +25,12 @@ import torch
 import torch.fx
 from torch._decomp import decomposition_table as _torch_decompositions
 
-from .decompositions import own_decompositions, pointwise_decompositions
+from .decompositions import (attention_backward, attention_forward, attention_operands, masked_scores,
+                             own_decompositions, pointwise_decompositions, zero_rows)
 
 __all__ = ["lower_graph", "decomposition_table", "whole_upsampling"]
 
 aten = torch.ops.aten
-
-
-def _masked(scores, mask, is_causal: bool):
-    """``scores`` with the causal mask and ``mask`` applied, and the rows ``mask`` masks whole
-    (None without a mask). Torch's attention gives such a row zeros, not softmax's NaN (its
-    ``_safe_softmax``): here the row is scored 0, so its probabilities and gradients stay
-    finite, and the caller zeroes its probabilities. Torch decides on the masked scores, this
-    on the mask; they differ only where q·k itself is infinite."""
-    q_len, kv_len = scores.size(-2), scores.size(-1)
-    if is_causal:  # top-left aligned: every row keeps its first column
-        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if mask is None:
-        return scores, None
-    if mask.dtype == torch.bool:
-        scores, empty = scores.masked_fill(~mask, float("-inf")), ~mask.any(dim=-1, keepdim=True)
-    else:
-        scores, empty = scores + mask, (mask == float("-inf")).all(dim=-1, keepdim=True)
-    return scores.masked_fill(empty, 0.0), empty
-
-
-def _zero_rows(probs, empty):
-    return probs if empty is None else probs.masked_fill(empty, 0.0)
 
 
 def sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -63,8 +41,8 @@ def sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         repeat = query.size(-3) // key.size(-3)
         key = key.repeat_interleave(repeat, dim=-3)
         value = value.repeat_interleave(repeat, dim=-3)
-    scores, empty = _masked(torch.matmul(query, key.transpose(-2, -1)) * scale, attn_mask, is_causal)
-    probs = _zero_rows(torch.softmax(scores, dim=-1), empty)
+    scores, empty = masked_scores(torch.matmul(query, key.transpose(-2, -1)) * scale, attn_mask, is_causal)
+    probs = zero_rows(torch.softmax(scores, dim=-1), empty)
     if dropout_p > 0.0:
         probs = torch.nn.functional.dropout(probs, p=dropout_p, training=True)
     return torch.matmul(probs, value)
@@ -72,46 +50,23 @@ def sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
 
 class _AttentionRecomputed(torch.autograd.Function):
     """softmax(q kᵀ·scale + mask) v that saves each row's logsumexp instead of the
-    probabilities; backward recomputes them, as flash attention's does. Per layer that is
-    [batch, heads, q, kv] floats less to keep, for one more batched product in backward.
-
-    Products are on [batch·heads, rows, dim] operands, as matmul's decomposition makes them,
-    so that the forward's copies of q and kᵀ are what backward reads, and each transpose
-    backward needs folds into ORT's FusedMatMul. Backward scales q rather than the product:
-    the same scores, written so that no CSE can join them with the forward's (which would
-    save them, undoing the point)."""
+    probabilities; backward recomputes them, as flash attention's does
+    (``decompositions.attention_forward``/``attention_backward``). Per layer that is [batch,
+    heads, q, kv] floats less to keep, for one more batched product in backward."""
 
     @staticmethod
     def forward(ctx, query, key, value, mask, scale, is_causal):
-        batch, q_len, kv_len = query.shape[:-2], query.size(-2), key.size(-2)
-        q = query.reshape(-1, q_len, query.size(-1))
-        k_t = key.transpose(-2, -1).reshape(-1, key.size(-1), kv_len)
-        v = value.reshape(-1, kv_len, value.size(-1))
-        scores, empty = _masked((torch.bmm(q, k_t) * scale).view(*batch, q_len, kv_len), mask, is_causal)
-        # softmax written out, so that its max and sum give the logsumexp (one kernel on ORT)
-        peak = scores.amax(dim=-1, keepdim=True)
-        exp = torch.exp(scores - peak)
-        total = exp.sum(dim=-1, keepdim=True)
-        probs = _zero_rows(exp / total, empty)
-        logsumexp = peak + torch.log(total)
+        q, k_t, v, batch = attention_operands(query, key, value)
+        out, logsumexp = attention_forward(q, k_t, v, mask, scale, is_causal, batch)
         ctx.save_for_backward(q, k_t, v, mask, logsumexp)
         ctx.scale, ctx.is_causal, ctx.batch = scale, is_causal, batch
-        out = torch.bmm(probs.reshape(-1, q_len, kv_len), v)
-        return out.view(*batch, q_len, value.size(-1))
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k_t, v, mask, logsumexp = ctx.saved_tensors
-        batch, q_len, kv_len = ctx.batch, q.size(-2), k_t.size(-1)
-        scores, empty = _masked(torch.bmm(q * ctx.scale, k_t).view(*batch, q_len, kv_len), mask, ctx.is_causal)
-        probs = _zero_rows(torch.exp(scores - logsumexp), empty).reshape(-1, q_len, kv_len)
-        grad = grad_out.reshape(-1, q_len, v.size(-1))
-        grad_probs = torch.bmm(grad, v.transpose(1, 2))
-        grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True)) * ctx.scale
-        grad_query = torch.bmm(grad_scores, k_t.transpose(1, 2)).view(*batch, q_len, q.size(-1))
-        grad_key = torch.bmm(grad_scores.transpose(1, 2), q).view(*batch, kv_len, q.size(-1))
-        grad_value = torch.bmm(probs.transpose(1, 2), grad).view(*batch, kv_len, v.size(-1))
-        return grad_query, grad_key, grad_value, None, None, None
+        grads = attention_backward(grad_out, q, k_t, v, mask, logsumexp, ctx.scale, ctx.is_causal, ctx.batch)
+        return (*grads, None, None, None)
 
 
 def sdpa_recomputed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -416,8 +371,10 @@ def _overload(qualified: str):
 
 #: Ops whose torchlib lowering gives wrong results in training; always decomposed instead.
 #: torchlib's batch norm forces ``training=False`` (inference statistics); its nll_loss
-#: returns a fake ``total_weight`` (element count), which the backward divides by.
+#: returns a fake ``total_weight`` (element count), which the backward divides by; its CPU
+#: flash attention a logsumexp of zeros, which the backward reads.
 TORCHLIB_WRONG = frozenset({
+    aten._scaled_dot_product_flash_attention_for_cpu.default,  # a logsumexp of zeros
     aten.nll_loss_forward.default,
     aten.nll_loss2d_forward.default,
     aten._native_batch_norm_legit_functional.default,
@@ -425,6 +382,14 @@ TORCHLIB_WRONG = frozenset({
     aten._native_batch_norm_legit.no_stats,
     aten.native_batch_norm.default,
 })
+
+
+#: The same for CUDA's attention kernels (their logsumexp, zeros in torchlib's lowering, is what
+#: their backward reads), which have no decomposition here (none could be tested without a
+#: GPU): they run in PyTorch, reported. ``F.scaled_dot_product_attention`` itself never
+#: reaches them (``lower_graph`` writes it out); callers Dynamo keeps whole can.
+TORCHLIB_FAKE_LOGSUMEXP = frozenset(getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention") if hasattr(aten, name))
 
 
 _NEVER_DECOMPOSE = {aten.lift, aten.lift_fresh, aten.sym_numel, aten.is_same_size}

@@ -14,7 +14,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partit
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from .errors import UnsupportedOpError
-from .lower import TORCHLIB_WRONG
+from .lower import TORCHLIB_FAKE_LOGSUMEXP, TORCHLIB_WRONG
 from .lowerings import dtype_refusal
 from .options import FallbackPolicy
 from .report import FallbackNode, GraphReport
@@ -151,6 +151,8 @@ class _OnnxSupport(OperatorSupportBase):
             verdict = f"{node.target} is not an ATen op"
         elif node.target in TORCHLIB_WRONG:
             verdict = "torchlib's lowering of this op is wrong for training"
+        elif node.target in TORCHLIB_FAKE_LOGSUMEXP:
+            verdict = "torchlib's lowering returns a logsumexp of zeros, which this op's backward reads"
         elif node.target in _ACCUMULATING_INDEX_PUT and _accumulates(node):
             # Those through adjacent index tensors became scatter_add (decompositions.py).
             verdict = ("ORT's ScatterND(reduction=add) sums repeated indices from racing threads "

@@ -1,5 +1,7 @@
 """Ops without an ONNX lowering: reported fallback by default, a named error with DISABLE."""
 
+import operator
+
 import pytest
 import torch
 import torch.nn as nn
@@ -185,3 +187,27 @@ def test_only_a_graph_with_a_fallback_needs_the_partitioners_search(monkeypatch)
     assert searched
     forward = next(g for g in ort_dynamo.report().graphs if g.kind == "forward")
     assert forward.partitions == 2 and forward.torch_nodes == 1
+
+
+@pytest.mark.parametrize("op", ["_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"])
+def test_cuda_attention_kernels_run_in_pytorch_because_torchlib_fakes_their_logsumexp(op):
+    """CUDA's attention kernels reach a graph where Dynamo keeps their caller whole
+    (nn.MultiheadAttention). torchlib lowers them with a logsumexp of zeros, which their backward
+    reads; with no decomposition tested on a GPU, they stay in PyTorch, saying why."""
+    from ort_dynamo.partition import partition
+    from ort_dynamo.report import GraphReport
+
+    graph = torch.fx.Graph()
+    q, k, v = (graph.placeholder(name) for name in "qkv")
+    for node in (q, k, v):
+        node.meta["val"] = torch.empty(2, 4, 8, 16)
+    target = getattr(torch.ops.aten, op).default
+    attention = graph.call_function(target, (q, k, v) if "flash" in op else (q, k, v, None, True))
+    attention.meta["val"] = (torch.empty(2, 4, 8, 16), torch.empty(2, 4, 8), torch.empty(()), torch.empty(()))
+    out = graph.call_function(operator.getitem, (attention, 0))
+    out.meta["val"] = torch.empty(2, 4, 8, 16)
+    graph.output((out,))
+    report = GraphReport(name="forward_0", kind="forward")
+    partition(torch.fx.GraphModule(torch.nn.Module(), graph), lambda: None, FallbackPolicy.DEFAULT, report)
+    assert [(f.op, f.reason) for f in report.fallbacks] == [
+        (str(target), "torchlib's lowering returns a logsumexp of zeros, which this op's backward reads")]

@@ -105,6 +105,65 @@ def test_sdpa_variants_match_eager_forward_and_backward():
         assert_all_on_ort()
 
 
+@pytest.mark.parametrize("level", [0, 1])
+def test_transformer_layers_with_padding_train_like_eager_on_ort(level):
+    """nn.MultiheadAttention reaches SDPA inside a function Dynamo keeps whole, so CPU's
+    flash-attention op reaches AOTAutograd. torchlib lowers it with a logsumexp of zeros, which
+    its backward (then in PyTorch) read: every attention gradient was wrong. Now both directions
+    are written out (decompositions.attention_forward/backward) and run on ORT, and a sequence
+    padded whole gives eager's zeros, not NaN."""
+    import copy
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    x, weights = torch.randn(3, 10, 32), torch.randn(3, 10, 32)
+    pad = torch.zeros(3, 10, dtype=torch.bool)
+    pad[1, 6:] = True
+    pad[2] = True
+    ort_dynamo.reset()
+    eager = copy.deepcopy(layer)
+    compiled = torch.compile(copy.deepcopy(layer), backend="ort", options={"memory_opt_level": level})
+    outs = []
+    for net in (eager, compiled):
+        out = net(x, src_key_padding_mask=pad)
+        (out * weights).sum().backward()
+        outs.append(out.detach())
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    for (name, want), got in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5 * want.grad.abs().max().item(), msg=name)
+    assert_all_on_ort()
+
+
+@pytest.mark.parametrize("case", ["plain", "causal", "gqa", "float_mask", "bfloat16"])
+def test_cpu_flash_attention_op_trains_like_eager(case):
+    """The op itself, as code that calls it (or keeps its caller whole) gives it: its outputs,
+    the logsumexp included, and its gradients are eager's, on ORT."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    dtype = torch.bfloat16 if case == "bfloat16" else torch.float32
+    q = torch.randn(2, 4, 12, 8, dtype=dtype)
+    kv = torch.randn(2, 2 if case == "gqa" else 4, 16 if case == "causal" else 12, 8, dtype=dtype)
+    mask = None
+    if case == "float_mask":
+        mask = torch.randn(2, 1, 12, 12).masked_fill(torch.rand(2, 1, 12, 12) > 0.7, float("-inf"))
+        mask[0, 0, 3] = float("-inf")  # a row masked whole: zeros and a logsumexp of 0
+
+    def attend(q, k, v):
+        out, logsumexp = flash(q, k, v, 0.0, case == "causal", attn_mask=mask, scale=0.3)
+        return out, logsumexp
+
+    ort_dynamo.reset()
+    results = []
+    for fn in (attend, torch.compile(attend, backend="ort")):
+        args = [t.clone().requires_grad_() for t in (q, kv, kv * 0.5)]
+        out, logsumexp = fn(*args)
+        (out.float().sin().sum() + logsumexp.detach().sum() * 0).backward()
+        results.append([out.detach(), logsumexp.detach(), *(a.grad for a in args)])
+    tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    for name, got, want in zip(["out", "logsumexp", "grad q", "grad k", "grad v"], results[1], results[0]):
+        torch.testing.assert_close(got, want, **tolerance, msg=name)
+    assert_all_on_ort()
+
+
 @pytest.mark.parametrize("opset", [20, 23])
 def test_newer_opsets_train_like_eager_with_nothing_in_pytorch(opset):
     """torchlib's functions are written for opset 18; newer model opsets must still export."""
