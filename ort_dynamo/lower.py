@@ -89,6 +89,34 @@ def sdpa_recomputed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     return _AttentionRecomputed.apply(query, key, value, attn_mask, scale, is_causal)
 
 
+class _AttentionAs(torch.overrides.TorchFunctionMode):
+    """Inside a function Dynamo keeps whole: its ``scaled_dot_product_attention`` calls as
+    ``sdpa``. A mode, not a patched module global: it holds for this thread's call only."""
+
+    def __init__(self, sdpa):
+        super().__init__()
+        self.sdpa = sdpa
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention):
+            return self.sdpa(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def multi_head_attention_math(*args, **kwargs):
+    """``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, ``nn.Transformer*``),
+    which Dynamo keeps whole, with its attention as ``sdpa_math``: otherwise SDPA dispatches
+    to the device's flash kernel inside it (CUDA's runs in PyTorch, ``TORCHLIB_FAKE_LOGSUMEXP``)."""
+    with _AttentionAs(sdpa_math):
+        return torch.nn.functional.multi_head_attention_forward(*args, **kwargs)
+
+
+def multi_head_attention_recomputed(*args, **kwargs):
+    """``multi_head_attention_math`` with ``sdpa_recomputed`` (``memory_opt_level=1``)."""
+    with _AttentionAs(sdpa_recomputed):
+        return torch.nn.functional.multi_head_attention_forward(*args, **kwargs)
+
+
 _GRID_MODES = {"bilinear": 0, "nearest": 1, "bicubic": 2}
 _GRID_PADDINGS = {"zeros": 0, "border": 1, "reflection": 2}
 
@@ -210,11 +238,14 @@ def linear_cross_entropy_chunked_none_math(input, linear_weight, target, linear_
 _DYNAMO_REWRITES = {
     torch._C._nn.scaled_dot_product_attention: sdpa_math,
     torch.nn.functional.scaled_dot_product_attention: sdpa_math,
+    torch.nn.functional.multi_head_attention_forward: multi_head_attention_math,
     torch.nn.functional.grid_sample: grid_sample_math,
     torch.grid_sampler: grid_sampler_math,
     torch.grid_sampler_2d: grid_sampler_2d_math,
     torch.grid_sampler_3d: grid_sampler_3d_math,
 }
+#: What ``memory_opt_level=1`` writes attention as instead.
+_RECOMPUTING = {sdpa_math: sdpa_recomputed, multi_head_attention_math: multi_head_attention_recomputed}
 try:  # defines the torch_nn custom ops (torch versions with F.linear_cross_entropy)
     import torch.nn.modules.linear_cross_entropy  # noqa: F401
 except ImportError:
@@ -244,8 +275,8 @@ def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True, recompute_attention
         for node in module.graph.nodes:
             if node.op == "call_function" and node.target in _DYNAMO_REWRITES:
                 node.target = _DYNAMO_REWRITES[node.target]
-                if node.target is sdpa_math and recompute_attention:
-                    node.target = sdpa_recomputed
+                if recompute_attention:
+                    node.target = _RECOMPUTING.get(node.target, node.target)
                 changed += 1
         if changed:
             module.recompile()

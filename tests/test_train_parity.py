@@ -108,10 +108,10 @@ def test_sdpa_variants_match_eager_forward_and_backward():
 @pytest.mark.parametrize("level", [0, 1])
 def test_transformer_layers_with_padding_train_like_eager_on_ort(level):
     """nn.MultiheadAttention reaches SDPA inside a function Dynamo keeps whole, so CPU's
-    flash-attention op reaches AOTAutograd. torchlib lowers it with a logsumexp of zeros, which
-    its backward (then in PyTorch) read: every attention gradient was wrong. Now both directions
-    are written out (decompositions.attention_forward/backward) and run on ORT, and a sequence
-    padded whole gives eager's zeros, not NaN."""
+    flash-attention op reached AOTAutograd. torchlib lowers it with a logsumexp of zeros, which
+    its backward (then in PyTorch) read: every attention gradient was wrong. Now the attention
+    is written out as F.scaled_dot_product_attention's is, on ORT, and a sequence padded whole
+    gives eager's zeros, not NaN."""
     import copy
 
     torch.manual_seed(0)
@@ -132,6 +132,26 @@ def test_transformer_layers_with_padding_train_like_eager_on_ort(level):
     for (name, want), got in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5 * want.grad.abs().max().item(), msg=name)
     assert_all_on_ort()
+
+
+def test_multihead_attention_is_written_out_before_tracing_whatever_the_device():
+    """Dynamo keeps F.multi_head_attention_forward whole; lower_graph swaps it for a version
+    whose SDPA is ours, so no device's flash kernel reaches the graph (CUDA's would run in
+    PyTorch: torchlib fakes their logsumexp)."""
+    from ort_dynamo import lower
+
+    targets = []
+
+    def inspect(gm, example_inputs):
+        lower.lower_graph(gm, recompute_attention=True)
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    mha = nn.MultiheadAttention(16, 2)
+    x = torch.randn(5, 2, 16)
+    torch.compile(mha, backend=inspect)(x, x, x, need_weights=False)
+    assert lower.multi_head_attention_recomputed in targets, targets
+    assert F.multi_head_attention_forward not in targets
 
 
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa", "float_mask", "bfloat16"])
