@@ -696,6 +696,16 @@ def zero_rows(values, empty):
     return values if empty is None else values.masked_fill(empty, 0.0)
 
 
+def attention_inputs(query, key, value, scale, grouped: bool):
+    """Key and value with their heads repeated to the query's (``grouped``: grouped-query
+    attention), the scale (1/√dim unless given), and the repeat count."""
+    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    repeat = query.size(-3) // key.size(-3) if grouped and key.size(-3) != query.size(-3) else 1
+    if repeat > 1:
+        key, value = (t.repeat_interleave(repeat, dim=-3) for t in (key, value))
+    return key, value, scale, repeat
+
+
 def attention_operands(query, key, value):
     """q, kᵀ and v as [batch·heads, rows, dim], as matmul's decomposition makes them (so that
     backward reads the forward's copies, and its transposes fold into ORT's FusedMatMul), and
@@ -741,9 +751,7 @@ def _flash_for_cpu_operands(query, key, value, scale):
     """The CPU flash op's operands for ``attention_forward``/``backward``: float32 compute for
     half types (the kernel's), key and value heads repeated for grouped queries."""
     compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-    repeat = query.size(1) // key.size(1)
-    key, value = (t.to(compute).repeat_interleave(repeat, dim=1) if repeat > 1 else t.to(compute) for t in (key, value))
-    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    key, value, scale, repeat = attention_inputs(query, key.to(compute), value.to(compute), scale, grouped=True)
     return (*attention_operands(query.to(compute), key, value), scale, repeat)
 
 
@@ -773,10 +781,10 @@ def own_decompositions() -> dict:
         if dropout_p != 0.0 or query.dim() != 4:
             return NotImplemented
         q, k_t, v, batch, scale, repeat = _flash_for_cpu_operands(query, key, value, scale)
-        grads = attention_backward(grad_out.to(q.dtype), q, k_t, v, attn_mask, logsumexp.unsqueeze(-1), scale,
-                                   is_causal, batch)
-        grad_q, grad_k, grad_v = (g if repeat == 1 or i == 0 else g.unflatten(1, (-1, repeat)).sum(2)
-                                  for i, g in enumerate(grads))
+        grad_q, grad_k, grad_v = attention_backward(grad_out.to(q.dtype), q, k_t, v, attn_mask,
+                                                    logsumexp.unsqueeze(-1), scale, is_causal, batch)
+        if repeat > 1:  # each key/value head served ``repeat`` query heads
+            grad_k, grad_v = (g.unflatten(1, (-1, repeat)).sum(2) for g in (grad_k, grad_v))
         return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype)
 
     @register(aten.im2col.default)

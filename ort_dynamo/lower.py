@@ -25,8 +25,8 @@ import torch
 import torch.fx
 from torch._decomp import decomposition_table as _torch_decompositions
 
-from .decompositions import (attention_backward, attention_forward, attention_operands, masked_scores,
-                             own_decompositions, pointwise_decompositions, zero_rows)
+from .decompositions import (attention_backward, attention_forward, attention_inputs, attention_operands,
+                             masked_scores, own_decompositions, pointwise_decompositions, zero_rows)
 
 __all__ = ["lower_graph", "decomposition_table", "whole_upsampling"]
 
@@ -36,11 +36,7 @@ aten = torch.ops.aten
 def sdpa_math(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
     """``F.scaled_dot_product_attention`` in ops ONNX has, differentiable by autograd."""
-    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
-    if enable_gqa and key.size(-3) != query.size(-3):
-        repeat = query.size(-3) // key.size(-3)
-        key = key.repeat_interleave(repeat, dim=-3)
-        value = value.repeat_interleave(repeat, dim=-3)
+    key, value, scale, _ = attention_inputs(query, key, value, scale, enable_gqa)
     scores, empty = masked_scores(torch.matmul(query, key.transpose(-2, -1)) * scale, attn_mask, is_causal)
     probs = zero_rows(torch.softmax(scores, dim=-1), empty)
     if dropout_p > 0.0:
@@ -79,11 +75,7 @@ def sdpa_recomputed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
             or torch.is_autocast_enabled(query.device.type) or query.dim() < 3
             or (attn_mask is not None and attn_mask.requires_grad)):
         return sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
-    if enable_gqa and key.size(-3) != query.size(-3):
-        repeat = query.size(-3) // key.size(-3)
-        key = key.repeat_interleave(repeat, dim=-3)
-        value = value.repeat_interleave(repeat, dim=-3)
+    key, value, scale, _ = attention_inputs(query, key, value, scale, enable_gqa)
     if not (query.shape[:-2] == key.shape[:-2] == value.shape[:-2]):  # broadcast batch dims
         return sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale)
     return _AttentionRecomputed.apply(query, key, value, attn_mask, scale, is_causal)
