@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/compare_revision.py --rev HEAD --options memory_opt_level=1
     # the working tree with recompute against the revision without
     .venv/bin/python benchmarks/compare_revision.py --rev HEAD --options memory_opt_level=1 --rev-options ""
+    # with attention dropout, as the models' own configs have it
+    .venv/bin/python benchmarks/compare_revision.py --rev HEAD --attention-dropout 0.1
 
 On a shared VM, step times move by several percent between runs of the same code, more than
 most single changes gain; separate runs cannot tell them apart. Here the revision's package is
@@ -50,7 +52,7 @@ def import_revision(rev: str, folder: str):
 
 
 def compare(name: str, rev_package, args) -> dict:
-    model, batch = build(name, "cpu")
+    model, batch = build(name, "cpu", args.attention_dropout)
     runners = {}
     for label, package in (("rev", rev_package), ("new", ort_dynamo), ("eager", None)):
         clone = copy.deepcopy(model)
@@ -77,11 +79,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--optimizer", choices=["adamw", "fastest"], default="fastest")
+    parser.add_argument("--attention-dropout", type=float, default=0.0,
+                        help="each attention probability's chance of being dropped (the models' configs: 0.1)")
     parser.add_argument("--options", default="",
                         help="comma-separated KEY=VALUE ort_dynamo options for both, e.g. memory_opt_level=1")
     parser.add_argument("--rev-options", default=None,
                         help="the revision's options instead of --options' (\"\": its defaults)")
     args = parser.parse_args()
+    if not 0.0 <= args.attention_dropout < 1.0:
+        parser.error("--attention-dropout must be in [0, 1)")
     try:
         args.options = key_values(args.options)
         args.rev_options = args.options if args.rev_options is None else key_values(args.rev_options)

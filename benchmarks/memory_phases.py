@@ -17,6 +17,10 @@ tiny warm-up model so one-time start-up is not counted.
     # ORT's sessions allocating from malloc, as PyTorch does, instead of the shared arena
     .venv/bin/python benchmarks/memory_phases.py --model bert --no-arena
 
+    # attention as the models' own configs have it (dropout 0.1), or under bf16 autocast
+    .venv/bin/python benchmarks/memory_phases.py --model bert --attention-dropout 0.1
+    .venv/bin/python benchmarks/memory_phases.py --model bert --autocast
+
     # live bytes instead of RSS: what is allocated and not yet freed, whatever the allocators
     # keep (glibc only; ORT's arena is turned off so that its tensors are counted one by one)
     .venv/bin/python benchmarks/memory_phases.py --model bert --backend ort --live
@@ -57,6 +61,9 @@ def main() -> None:
                         help="live bytes (malloc'ed, not freed) instead of RSS; ORT's arena off")
     parser.add_argument("--no-arena", action="store_true",
                         help="ORT's sessions allocate from malloc, as PyTorch does (RSS; --live always does)")
+    parser.add_argument("--attention-dropout", type=float, default=0.0,
+                        help="each attention probability's chance of being dropped (the models' configs: 0.1)")
+    parser.add_argument("--autocast", action="store_true", help="forward under torch.autocast('cpu', bfloat16)")
     parser.add_argument("--runs", action="store_true",
                         help="with --live: each ORT run of the last step, live before, its peak, after")
     args = parser.parse_args()
@@ -64,6 +71,8 @@ def main() -> None:
         parser.error("--live turns ORT's arena off: --arena does not apply")
     if args.runs and not args.live:
         parser.error("--runs needs --live")
+    if not 0.0 <= args.attention_dropout < 1.0:
+        parser.error("--attention-dropout must be in [0, 1)")
     if args.no_arena and args.arena:
         parser.error("--no-arena and --arena exclude each other")
     measure = _live_bytes_counters() if args.live else None
@@ -85,7 +94,7 @@ def main() -> None:
         run_stage._SHARED_ARENA_CONFIG.update(settings)
 
     warm_backend(args.backend, "cpu")
-    model, batch = build(args.model, "cpu")
+    model, batch = build(args.model, "cpu", args.attention_dropout)
     # --no-copy: the model itself trains, as in a user's script; else a copy (eager too), as in
     # train_step.py --memory, and the original is freed.
     _, fn = compiled_copy(model, args.backend, copy_model=not args.no_copy)
@@ -94,9 +103,11 @@ def main() -> None:
     now, peak, reset_peak = (measure.now, measure.peak, measure.reset_peak) if measure else \
         (_rss_mb, _peak_rss_mb, _reset_peak_rss)
     start = now()
-    arena = f", arena {args.arena}" if args.arena else ""
+    setting = f", arena {args.arena}" if args.arena else ""
     what = "live MB (ORT's arena off)" if args.live else "RSS MB"
-    print(f"{args.model} {args.backend}, {args.optimizer}{arena}: {what} over the first step's start (current / peak of the phase)")
+    setting += f", attention dropout {args.attention_dropout}" if args.attention_dropout else ""
+    setting += ", bf16 autocast" if args.autocast else ""
+    print(f"{args.model} {args.backend}, {args.optimizer}{setting}: {what} over the first step's start (current / peak of the phase)")
     runs = _watch_ort_runs(measure, start) if args.runs else None
     for step in range(args.steps):
         if runs is not None:
@@ -105,7 +116,8 @@ def main() -> None:
         for phase in ("forward", "backward", "optimizer"):
             reset_peak()
             if phase == "forward":
-                loss = fn(**batch).loss
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
+                    loss = fn(**batch).loss
             elif phase == "backward":
                 loss.backward()
             else:

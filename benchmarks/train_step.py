@@ -58,27 +58,31 @@ def key_values(text: str) -> dict:
     return result
 
 
-def build(name: str, device: str):
+def build(name: str, device: str, attention_dropout: float = 0.0):
+    """``attention_dropout``: the probability of dropping each attention probability (the
+    models' configs default to 0.1; these benchmarks to 0, so that parity is measurable)."""
     import transformers as tf
 
     s = CPU_SIZE
     if name == "gpt2":
         cfg = tf.GPT2Config(n_layer=s["layers"], n_embd=s["hidden"], n_head=s["heads"], vocab_size=s["vocab"],
-                            n_positions=s["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                            n_positions=s["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=attention_dropout)
         model = tf.GPT2LMHeadModel(cfg)
     elif name == "gpt2-124m":
-        model = tf.GPT2LMHeadModel(tf.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=attention_dropout))
     elif name == "bert":
         cfg = tf.BertConfig(num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
                             intermediate_size=4 * s["hidden"], vocab_size=s["vocab"], max_position_embeddings=s["seq"],
-                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=attention_dropout)
         model = tf.BertForMaskedLM(cfg)
     elif name == "nanogpt":
+        if attention_dropout:
+            raise SystemExit("nanogpt has no attention dropout")
         model = _NanoGPT(s["layers"], s["hidden"], s["heads"], s["seq"])
     elif name == "llama":
         cfg = tf.LlamaConfig(num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
                              num_key_value_heads=s["heads"], intermediate_size=4 * s["hidden"],
-                             vocab_size=s["vocab"], max_position_embeddings=s["seq"])
+                             vocab_size=s["vocab"], max_position_embeddings=s["seq"], attention_dropout=attention_dropout)
         model = tf.LlamaForCausalLM(cfg)
     else:
         raise SystemExit(f"unknown model {name!r}")

@@ -687,7 +687,8 @@ def masked_scores(scores, mask, is_causal: bool):
         return scores, None
     if mask.dtype == torch.bool:
         scores, empty = scores.masked_fill(~mask, float("-inf")), ~mask.any(dim=-1, keepdim=True)
-    else:
+    else:  # in the scores' dtype, as torch's math attention adds it (half queries take a float mask)
+        mask = mask.to(scores.dtype)
         scores, empty = scores + mask, (mask == float("-inf")).all(dim=-1, keepdim=True)
     return scores.masked_fill(empty, 0.0), empty
 
@@ -715,36 +716,58 @@ def attention_operands(query, key, value):
             value.reshape(-1, kv_len, value.size(-1)), query.shape[:-2])
 
 
-def attention_forward(q, k_t, v, mask, scale, is_causal: bool, batch):
-    """softmax(q kᵀ·scale + mask) v from ``attention_operands``, and each row's logsumexp
-    ([*batch, rows, 1]). The softmax is written out so that its max and sum give the logsumexp
+def _softmax_dtype(dtype):
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _dropped(probs, keep, dropout_p: float):
+    return probs if keep is None else torch.where(keep, probs * (1.0 / (1.0 - dropout_p)), 0.0)
+
+
+def attention_forward(q, k_t, v, mask, scale, is_causal: bool, batch, dropout_p: float = 0.0):
+    """softmax(q kᵀ·scale + mask) v from ``attention_operands``, each row's logsumexp ([*batch,
+    rows, 1]), and with dropout the bool mask of the probabilities kept. The softmax is written out so that its max and sum give the logsumexp
     in the same kernel on ORT (``_fusions.softmax_written_out``). A row the mask hides whole
-    gives zeros and a logsumexp of 0, as torch's flash attention does."""
+    gives zeros and a logsumexp of 0, as torch's flash attention does. Half types multiply in
+    their own dtype and take the softmax and logsumexp in float32, as flash attention does.
+    Dropout draws ORT's random numbers, as ``F.dropout`` on ORT does."""
     q_len, kv_len = q.size(-2), k_t.size(-1)
-    scores, empty = masked_scores((torch.bmm(q, k_t) * scale).view(*batch, q_len, kv_len), mask, is_causal)
+    wide = _softmax_dtype(q.dtype)
+    scores, empty = masked_scores((torch.bmm(q, k_t).to(wide) * scale).view(*batch, q_len, kv_len), mask, is_causal)
     peak = scores.amax(dim=-1, keepdim=True)
     exp = torch.exp(scores - peak)
     total = exp.sum(dim=-1, keepdim=True)
     probs = zero_rows(exp / total, empty)
-    out = torch.bmm(probs.reshape(-1, q_len, kv_len), v)
-    return out.view(*batch, q_len, v.size(-1)), zero_rows(peak + torch.log(total), empty)
+    keep = torch.rand_like(probs) >= dropout_p if dropout_p > 0.0 else None
+    out = torch.bmm(_dropped(probs, keep, dropout_p).to(q.dtype).reshape(-1, q_len, kv_len), v)
+    return out.view(*batch, q_len, v.size(-1)), zero_rows(peak + torch.log(total), empty), keep
 
 
-def attention_backward(grad_out, q, k_t, v, mask, logsumexp, scale, is_causal: bool, batch):
+def attention_backward(grad_out, q, k_t, v, mask, logsumexp, scale, is_causal: bool, batch, keep=None,
+                       dropout_p: float = 0.0):
     """The gradients of ``attention_forward`` for query, key and value (their shapes), the
-    probabilities recomputed from the logsumexp. The scores are q·scale against kᵀ where
+    probabilities recomputed from the logsumexp (and dropped where ``keep`` is False). The scores are q·scale against kᵀ where
     forward has (q kᵀ)·scale: the same values (exactly, for a power-of-two scale), but not the
     same expression, so no CSE joins them with the forward's product, which would then be
     saved and undo the point."""
     q_len, kv_len = q.size(-2), k_t.size(-1)
-    scores, empty = masked_scores(torch.bmm(q * scale, k_t).view(*batch, q_len, kv_len), mask, is_causal)
-    probs = zero_rows(torch.exp(scores - logsumexp), empty).reshape(-1, q_len, kv_len)
+    wide = _softmax_dtype(q.dtype)
+    if wide == q.dtype:
+        product = torch.bmm(q * scale, k_t)
+    else:  # a half q·scale rounds; -q does not, so these are exactly the forward's scores
+        product = torch.bmm(-q, k_t).to(wide) * -scale
+    scores, empty = masked_scores(product.view(*batch, q_len, kv_len), mask, is_causal)
+    probs = zero_rows(torch.exp(scores - logsumexp), empty)
+    dropped = _dropped(probs, keep, dropout_p).reshape(-1, q_len, kv_len)
+    probs = probs.reshape(-1, q_len, kv_len)
     grad = grad_out.reshape(-1, q_len, v.size(-1))
-    grad_probs = torch.bmm(grad, v.transpose(1, 2))
-    grad_scores = probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True)) * scale
+    grad_probs = torch.bmm(grad, v.transpose(1, 2)).to(wide)
+    if keep is not None:
+        grad_probs = _dropped(grad_probs, keep.reshape(-1, q_len, kv_len), dropout_p)
+    grad_scores = (probs * (grad_probs - (grad_probs * probs).sum(dim=-1, keepdim=True)) * scale).to(q.dtype)
     return (torch.bmm(grad_scores, k_t.transpose(1, 2)).view(*batch, q_len, q.size(-1)),
             torch.bmm(grad_scores.transpose(1, 2), q).view(*batch, kv_len, q.size(-1)),
-            torch.bmm(probs.transpose(1, 2), grad).view(*batch, kv_len, v.size(-1)))
+            torch.bmm(dropped.to(q.dtype).transpose(1, 2), grad).view(*batch, kv_len, v.size(-1)))
 
 
 def _flash_for_cpu_operands(query, key, value, scale):
@@ -772,7 +795,7 @@ def own_decompositions() -> dict:
         if dropout_p != 0.0 or query.dim() != 4:
             return NotImplemented  # TORCHLIB_WRONG: the op runs in PyTorch
         q, k_t, v, batch, scale, _ = _flash_for_cpu_operands(query, key, value, scale)
-        out, logsumexp = attention_forward(q, k_t, v, attn_mask, scale, is_causal, batch)
+        out, logsumexp, _ = attention_forward(q, k_t, v, attn_mask, scale, is_causal, batch)
         return out.to(query.dtype), logsumexp.squeeze(-1)
 
     @register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)

@@ -51,34 +51,55 @@ class _AttentionRecomputed(torch.autograd.Function):
     heads, q, kv] floats less to keep, for one more batched product in backward."""
 
     @staticmethod
-    def forward(ctx, query, key, value, mask, scale, is_causal):
+    def forward(ctx, query, key, value, mask, scale, is_causal, dropout_p):
         q, k_t, v, batch = attention_operands(query, key, value)
-        out, logsumexp = attention_forward(q, k_t, v, mask, scale, is_causal, batch)
-        ctx.save_for_backward(q, k_t, v, mask, logsumexp)
-        ctx.scale, ctx.is_causal, ctx.batch = scale, is_causal, batch
+        out, logsumexp, keep = attention_forward(q, k_t, v, mask, scale, is_causal, batch, dropout_p)
+        ctx.save_for_backward(q, k_t, v, mask, logsumexp, keep)
+        ctx.scale, ctx.is_causal, ctx.batch, ctx.dropout_p = scale, is_causal, batch, dropout_p
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k_t, v, mask, logsumexp = ctx.saved_tensors
-        grads = attention_backward(grad_out, q, k_t, v, mask, logsumexp, ctx.scale, ctx.is_causal, ctx.batch)
-        return (*grads, None, None, None)
+        q, k_t, v, mask, logsumexp, keep = ctx.saved_tensors
+        with _without_autocast(q.device.type):  # the dtypes forward chose, whatever the caller's
+            grads = attention_backward(grad_out, q, k_t, v, mask, logsumexp, ctx.scale, ctx.is_causal, ctx.batch,
+                                       keep, ctx.dropout_p)
+        return (*grads, None, None, None, None)
+
+
+def _without_autocast(device_type: str):
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _autocast_operand(tensor, dtype):
+    """What autocast hands a lower-precision op (SDPA is one): floating tensors but float64 cast."""
+    if tensor is None or not tensor.is_floating_point() or tensor.dtype == torch.float64:
+        return tensor
+    return tensor.to(dtype)
 
 
 def sdpa_recomputed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                     enable_gqa=False):
-    """``sdpa_math`` that keeps no probabilities for backward (``memory_opt_level=1``). Dropout,
-    half types and autocast take ``sdpa_math``: their backward would need the dropout mask or
-    autocast's casts replayed."""
+    """``sdpa_math`` that keeps no probabilities for backward (``memory_opt_level=1``). Under
+    autocast it takes the operands in autocast's dtype, as torch's SDPA does, and runs without
+    autocast, so that backward recomputes in the dtypes forward used. With dropout it keeps the
+    mask of what it kept, one byte per probability."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value, attn_mask = (_autocast_operand(t, dtype) for t in (query, key, value, attn_mask))
+        with torch.autocast(device, enabled=False):
+            return sdpa_recomputed(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     dtypes = {query.dtype, key.dtype, value.dtype}
-    if (dropout_p > 0.0 or len(dtypes) != 1 or dtypes - {torch.float32, torch.float64}
-            or torch.is_autocast_enabled(query.device.type) or query.dim() < 3
+    if (not 0.0 <= dropout_p < 1.0 or len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point or query.dim() < 3
             or (attn_mask is not None and attn_mask.requires_grad)):
         return sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     key, value, scale, _ = attention_inputs(query, key, value, scale, enable_gqa)
     if not (query.shape[:-2] == key.shape[:-2] == value.shape[:-2]):  # broadcast batch dims
         return sdpa_math(query, key, value, attn_mask, dropout_p, is_causal, scale)
-    return _AttentionRecomputed.apply(query, key, value, attn_mask, scale, is_causal)
+    return _AttentionRecomputed.apply(query, key, value, attn_mask, scale, is_causal, dropout_p)
 
 
 class _AttentionAs(torch.overrides.TorchFunctionMode):

@@ -116,30 +116,65 @@ def test_recompute_keeps_no_attention_probabilities_and_gives_eagers_gradients(v
         torch.testing.assert_close(got_recompute, want.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_attention_under_autocast_or_with_dropout_keeps_its_probabilities_and_trains():
-    """Where backward would have to replay autocast's casts or the dropout mask, level 1's
-    attention keeps its probabilities, as level 0 does, and trains as eager does."""
+@pytest.mark.parametrize("precision", ["autocast_bf16", "bf16", "fp16"])
+def test_recompute_under_autocast_and_in_half_types_keeps_no_attention_probabilities(precision):
+    """Under autocast, level 1 takes attention's operands in autocast's dtype, as torch's SDPA
+    does, and runs without it: half products, softmax and logsumexp in float32. Its gradients
+    are as close to eager's as level 0's are."""
     torch.manual_seed(0)
-    model, x = _Attention("bool_mask"), torch.randn(2, 24, 32)
-    eager, compiled = copy.deepcopy(model), torch.compile(copy.deepcopy(model), backend="ort")
-    for net in (eager, compiled):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = net(x)
-        out.float().square().sum().backward()
-    for (name, want), got in zip(eager.named_parameters(), compiled.parameters()):
-        torch.testing.assert_close(got.grad, want.grad, rtol=0.02, atol=0.02 * want.grad.abs().max().item(), msg=name)
-    assert_all_on_ort()
+    model, x = _Attention("float_mask"), torch.randn(2, 24, 32)
+    if precision != "autocast_bf16":
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        model, x = model.to(dtype), x.to(dtype)  # the float mask stays float32, as torch allows
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast_bf16"):
+        model(x).sum().backward()
+        saved_keep, grads_keep = _saved_shapes(0, model, x)
+        saved_recompute, grads_recompute = _saved_shapes(1, model, x)
+    probabilities = {(2, 4, 24, 24), (8, 24, 24)}
+    assert probabilities & set(saved_keep), saved_keep
+    assert not probabilities & set(saved_recompute), saved_recompute
+    for got_keep, got_recompute, (name, want) in zip(grads_keep, grads_recompute, model.named_parameters()):
+        tolerance = {"rtol": 0.02, "atol": 0.02 * want.grad.abs().max().item()}
+        torch.testing.assert_close(got_keep, want.grad, **tolerance, msg=name)
+        torch.testing.assert_close(got_recompute, want.grad, **tolerance, msg=name)
 
-    def dropped(q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
 
-    q, k, v = (torch.randn(2, 4, 24, 8, requires_grad=True) for _ in range(3))
-    compiled = torch.compile(dropped, backend="ort")
+@pytest.mark.parametrize("level", [0, 1])
+def test_attention_dropout_at_either_level_gives_the_gradients_of_the_mask_it_drew(level):
+    """ORT draws its own dropout mask, so eager cannot be the reference. With an identity value
+    the output is the dropped probabilities themselves, which shows the mask; the gradients
+    must be those of exact attention with that mask. Level 1 keeps the mask (one byte per
+    probability) and no probabilities."""
+    torch.manual_seed(0)
+    seq, p = 16, 0.3
+    q, k = (torch.randn(2, 4, seq, 8, requires_grad=True) for _ in range(2))
+    v = torch.eye(seq).expand(2, 4, seq, seq).clone().requires_grad_()
+    compiled = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True),
+                             backend="ort", options={"memory_opt_level": level})
     first = compiled(q, k, v)
-    first.square().sum().backward()
-    assert not torch.equal(first, compiled(q, k, v)), "dropout must draw a new mask each call"
-    assert all(t.grad.isfinite().all() and t.grad.abs().sum() > 0 for t in (q, k, v))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t, lambda t: t):
+        out = compiled(q, k, v)
+    assert not torch.equal(first, out), "dropout must draw a new mask each call"
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
     assert_all_on_ort()
+
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+    kept = out.detach() != 0
+    assert 0.6 < kept.sum() / (causal.sum() * 8) < 0.8  # 1 - p of what the causal mask lets through
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    scores = (wide[0] @ wide[1].transpose(-1, -2) / 8 ** 0.5).masked_fill(~causal, float("-inf"))
+    want = (torch.softmax(scores, -1) * kept / (1 - p)) @ wide[2]
+    (want * weights.double()).sum().backward()
+    torch.testing.assert_close(out.double(), want.detach(), rtol=1e-5, atol=1e-6)
+    for got, reference in zip((q, k, v), wide):
+        torch.testing.assert_close(got.grad.double(), reference.grad, rtol=1e-5, atol=1e-6)
+    probabilities = ((2, 4, seq, seq), torch.float32)  # (v, [8, seq, seq], is saved at both levels)
+    if level == 1:
+        assert ((2, 4, seq, seq), torch.bool) in saved and probabilities not in saved, saved
+    else:
+        assert probabilities in saved, saved
 
 
 def test_the_recompute_partition_merges_repeated_calls_but_not_random_ones_or_signed_zeros():
