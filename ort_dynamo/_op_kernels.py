@@ -13,6 +13,11 @@ CPU provider runs slowly (csrc/max_pool.h, csrc/pointwise_runtime.c):
   rearrangements): ``TransposeRows``. (``decompositions`` writes pixel shuffle as such a
   transpose of static shapes.)
 
+- 2-D convolutions with one output channel per group, which ORT runs as an im2col and a GEMM
+  per (image, group): depthwise convolutions (ConvNeXt's, MobileNet's, SegFormer's), their
+  input gradients (a grouped ConvTranspose) and their weight gradients (the batch-1 grouped
+  Conv ``decompositions._conv_weight_grad`` writes): ``TorchGroupConv_*`` (csrc/group_conv.h).
+
 The portable ops stay in the model the session runs while the kernels compile, and wherever
 a pattern is not exactly the one described.
 """
@@ -26,7 +31,8 @@ import onnx_ir as ir
 
 from ._fusions import _int64_constant, _op, _scalar, _take_over
 
-__all__ = ["DOMAIN", "max_pools_as_kernels", "scatter_adds_along_last_axis", "slow_transposes_as_kernels"]
+__all__ = ["DOMAIN", "group_convs_as_kernels", "max_pools_as_kernels", "scatter_adds_along_last_axis",
+           "slow_transposes_as_kernels"]
 
 #: The domain of the custom-op library (csrc/pointwise_runtime.c): these ops' and ``_pointwise``'s.
 DOMAIN = "ort_dynamo.pointwise"
@@ -174,6 +180,77 @@ def max_pools_as_kernels(graph: ir.Graph) -> list[str]:
         _take_over(values, pool.outputs[0])
         _take_over(indices, pool.outputs[1])
         pool.outputs[0].dtype, pool.outputs[1].dtype = ir.DataType.FLOAT, ir.DataType.INT64
+    return list(kernels.values())
+
+
+def _group_convolution(node: ir.Node) -> tuple | None:
+    """(transposed, bias, kernel, strides, pads before, pads after, dilations, output padding,
+    planes) of a float32 2-D Conv of static shapes with groups of one output channel, or such
+    a ConvTranspose with groups of one input channel, else None. Planes: H, W, OH, OW as
+    csrc/group_conv.h names them."""
+    if node.op_type not in ("Conv", "ConvTranspose") or node.domain not in ("", "ai.onnx") \
+            or not 2 <= len(node.inputs) <= 3:
+        return None
+    transposed = node.op_type == "ConvTranspose"
+    x, w = node.inputs[0], node.inputs[1]
+    bias = node.inputs[2] if len(node.inputs) == 3 else None
+    dims, wdims = _static_dims(x), _static_dims(w)
+    attributes = node.attributes
+    group = attributes.get_int("group", 1)
+    if dims is None or wdims is None or len(dims) != 4 or len(wdims) != 4 or group < 2 or min(dims) < 1 \
+            or not _is_float32(x) or not _is_float32(w) or (bias is not None and not _is_float32(bias)) \
+            or attributes.get_string("auto_pad", "NOTSET") != "NOTSET" or "output_shape" in attributes:
+        return None
+    if transposed and (wdims[0] != group or dims[1] != group):
+        return None
+    if not transposed and (wdims[0] != group or dims[1] != group * wdims[1]):
+        return None
+    kernel = wdims[2:]
+    if list(attributes.get_ints("kernel_shape", kernel)) != kernel:
+        return None
+    strides = list(attributes.get_ints("strides", [1, 1]))
+    pads = list(attributes.get_ints("pads", [0, 0, 0, 0]))
+    dilations = list(attributes.get_ints("dilations", [1, 1]))
+    extra = list(attributes.get_ints("output_padding", [0, 0])) if transposed else [0, 0]
+    if len(strides) != 2 or len(pads) != 4 or len(dilations) != 2 or len(extra) != 2 \
+            or min(strides + dilations + kernel) < 1 or min(pads + extra) < 0:
+        return None
+    sizes = [_convolution_size(n, k, s, p, e, d, x, transposed)
+             for n, k, s, p, e, d, x in zip(dims[2:], kernel, strides, pads[:2], pads[2:], dilations, extra)]
+    if min(sizes) < 1:
+        return None
+    planes = [*sizes, *dims[2:]] if transposed else [*dims[2:], *sizes]
+    return int(transposed), int(bias is not None), kernel, strides, pads[:2], pads[2:], dilations, extra, planes
+
+
+def _convolution_size(n: int, k: int, s: int, before: int, after: int, d: int, extra: int, transposed: bool) -> int:
+    """ONNX's output length of a Conv (or ConvTranspose) along one axis, < 1 if none."""
+    span = d * (k - 1) + 1
+    if transposed:
+        return s * (n - 1) + extra + span - before - after
+    return (n + before + after - span) // s + 1 if n + before + after >= span else 0
+
+
+def group_convs_as_kernels(graph: ir.Graph) -> list[str]:
+    """Each Conv/ConvTranspose ``_group_convolution`` describes -> one ``TorchGroupConv_*`` node
+    with its inputs. Returns the kernels' C units (one per distinct convolution)."""
+    kernels = {}
+    for node in list(graph):
+        found = _group_convolution(node)
+        if found is None:
+            continue
+        transposed, bias, *axes = found
+        numbers = [transposed, bias, *(n for values in axes for n in values)]
+        source = "\n".join(['#include "group_conv.h"',
+                            f"PW_GROUP_CONV(@, {', '.join(str(int(n)) for n in numbers)});",
+                            f"PW_KERNEL(@, {2 + bias}, @_types, @_none, 1, @_none, 0, 0, 0, 0, @_compute, 0, 0);"]) + "\n"
+        name = "TorchGroupConv_" + hashlib.sha256(source.encode()).hexdigest()[:16]
+        kernels[name] = source.replace("@", name)
+        conv = ir.node(name, list(node.inputs), domain=DOMAIN)
+        graph.insert_before(node, conv)
+        _take_over(node.outputs[0], conv.outputs[0])
+        conv.outputs[0].dtype = ir.DataType.FLOAT
+        graph.remove(node, safe=True)
     return list(kernels.values())
 
 

@@ -1188,6 +1188,7 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
     if pools:  # the portable chains, dead now, must not become kernels below
         ir.passes.common.RemoveUnusedNodesPass()(model)
     kernels += pools
+    kernels += _op_kernels.group_convs_as_kernels(graph)
     if _op_kernels.scatter_adds_along_last_axis(graph, _constant_zeros, _replace_node):
         kernels.append(_op_kernels.SCATTER_ADD_LAST_AXIS)
     groups, info = _groups(graph)

@@ -1001,6 +1001,50 @@ def test_max_pooling_is_one_kernel_with_torchs_values_indices_and_gradient(tmp_p
         assert "ScatterAddLastAxis" in backward and "ScatterElements" not in backward, backward
 
 
+@pytest.mark.parametrize("layer", [
+    dict(channels=6, kernel_size=7, padding=3),                              # ConvNeXt's
+    dict(channels=6, kernel_size=3, padding=1, bias=False),                  # SegFormer's, MobileNet's
+    dict(channels=6, kernel_size=(3, 5), stride=2, padding=(1, 2)),          # MobileNet's downsampling
+    dict(channels=6, kernel_size=3, stride=(2, 1), padding=2, dilation=2),
+    dict(channels=4, kernel_size=3, padding=0, groups=2, out=2),             # groups of two input channels
+    dict(channels=4, kernel_size=2, stride=3, padding=1, transposed=True),   # a depthwise ConvTranspose2d
+    dict(channels=4, kernel_size=3, stride=2, output_padding=1, out=8, transposed=True),  # two outputs per group
+])
+def test_depthwise_convolutions_and_their_gradients_are_kernels_with_eagers_results(tmp_path, layer):
+    """A convolution with one output channel per group (depthwise), its input gradient (a
+    grouped ConvTranspose) and its weight gradient (a batch-1 grouped Conv) are TorchGroupConv
+    kernels: ORT's Conv runs them as a GEMM per (image, group), 6-8 times oneDNN's time for
+    ConvNeXt's 7x7 layers. Strides, padding, dilation and input channels per group as eager."""
+    layer = dict(layer)
+    channels, transposed = layer.pop("channels"), layer.pop("transposed", False)
+    out, groups = layer.pop("out", channels), layer.pop("groups", channels)
+    torch.manual_seed(0)
+    kind = nn.ConvTranspose2d if transposed else nn.Conv2d
+    model = nn.Sequential(kind(channels, out, groups=groups, **{"bias": True, **layer}), nn.Tanh())
+    x = torch.randn(3, channels, 11, 12)
+
+    def results(fn):
+        x.grad = None
+        model.zero_grad()
+        y = fn(x.requires_grad_())
+        y.square().sum().backward()
+        return [y.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+
+    want = results(model)
+    compiled = torch.compile(model, backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
+    results(compiled)
+    ort_dynamo.wait_for_kernels()
+    got = results(compiled)
+    assert ort_dynamo.report().fallback_nodes == 0
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    forward = _ops(glob.glob(str(tmp_path / "*forward*.onnx")))
+    backward = _ops(glob.glob(str(tmp_path / "*backward*.onnx")))
+    kernels = [op for op in forward + backward if op.startswith("TorchGroupConv_")]
+    assert "Conv" not in forward and "ConvTranspose" not in forward and "ConvTranspose" not in backward, (forward, backward)
+    assert len(kernels) == 3, (forward, backward)  # forward, input gradient, weight gradient
+
+
 def test_scatter_add_along_the_last_axis_rejects_indices_out_of_range():
     """The pooling gradient's kernel: rows of zeros, each update added at its row's index
     (repeated and negative indices as ONNX allows), and a clear error for one out of range."""
