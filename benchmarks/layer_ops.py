@@ -75,6 +75,8 @@ CASES = {
     "channel_softmax": (lambda x: F.softmax(x, dim=1), (8, 64, 32, 32), "softmax over channels (attention maps)"),
     "depthwise_conv": (lambda x, w=torch.randn(96, 1, 7, 7, requires_grad=True): F.conv2d(x, w, padding=3, groups=96),
                        (8, 96, 56, 56), "ConvNeXt's 7x7 depthwise convolution, weight gradient included"),
+    "pointwise_conv": (lambda x, w=torch.randn(192, 64, 1, 1, requires_grad=True): F.conv2d(x, w),
+                       (8, 64, 28, 28), "MobileNet's and ResNet's 1x1 convolution, weight gradient included"),
 }
 
 

@@ -53,6 +53,11 @@ def _patch_weight_grad(inp, grad_out, weight_shape):
     spatial = len(weight_shape) - 2
     n, cin, cout = inp.shape[0], inp.shape[1], grad_out.shape[1]
     kernel, outs = list(weight_shape[2:]), list(grad_out.shape[2:])
+    if all(k == 1 for k in kernel):  # 1x1: the patches are the input itself, [cin, pixels] per image
+        x, gy = inp.reshape(n, cin, -1), grad_out.reshape(n, cout, -1)
+        if cout * cin <= x.shape[-1] * (cin + cout):  # each image's product, summed: nothing transposed
+            return torch.bmm(gy, x.transpose(1, 2)).sum(0).reshape(weight_shape)
+        return (gy.transpose(0, 1).reshape(cout, -1) @ x.transpose(0, 1).reshape(cin, -1).t()).reshape(weight_shape)
     x = inp
     for d in range(spatial):  # what no window reads (the input's remainder, output_padding)
         if x.shape[2 + d] != outs[d] * kernel[d]:
@@ -892,6 +897,12 @@ def own_decompositions() -> dict:
                 # output_padding rows of the forward get no window: crop to the input size.
                 for dim in range(spatial):
                     grad_input = grad_input.narrow(dim + 2, 0, inp.shape[dim + 2])
+            elif groups == 1 and all(k == 1 for k in weight.shape[2:]) and all(s == 1 for s in stride) \
+                    and not any(padding):
+                # A 1x1 convolution's: the 1x1 convolution by the transposed weight (a GEMM per
+                # image for ORT, where its ConvTranspose adds a col2im pass).
+                grad_input = aten.convolution(grad_out, weight.transpose(0, 1), None, [1] * spatial, [0] * spatial,
+                                              [1] * spatial, False, [0] * spatial, 1)
             else:
                 # output_padding makes the transposed conv land exactly on the input size.
                 extra = []

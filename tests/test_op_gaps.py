@@ -613,6 +613,35 @@ def test_weight_gradient_of_a_patch_convolution_is_one_product(tmp_path):
     assert "MatMul" in ops and "Conv" not in ops, ops  # the input's gradient is a ConvTranspose
 
 
+def test_a_1x1_convolutions_gradients_are_products_with_no_transposed_activation(tmp_path):
+    """A 1x1 convolution (MobileNet's, ResNet's bottlenecks) has as weight gradient each image's
+    output gradient times its input, summed; as patches that was a 6-axis Transpose of the input
+    and one of the gradient (layer_ops pointwise_conv: 1.01 times eager). Where the per-image
+    products would outgrow the operands, one product of the two with batch and channels swapped.
+    Its input gradient is the 1x1 convolution by the transposed weight, not ORT's ConvTranspose.
+    Eager's gradients, 1-, 2- and 3-D, with and without bias."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 6, 5, 7, requires_grad=True)
+    check(lambda t, w, b: F.conv2d(t, w, b), x, torch.randn(4, 6, 1, 1, requires_grad=True),
+          torch.randn(4, requires_grad=True))
+    check(lambda t, w: F.conv2d(t, w), x[:, :, :1, :2], torch.randn(40, 6, 1, 1, requires_grad=True))  # 2 pixels
+    check(lambda t, w: F.conv1d(t, w), x[:, :, 0], torch.randn(5, 6, 1, requires_grad=True))
+    check(lambda t, w: F.conv3d(t, w), x.unsqueeze(2), torch.randn(2, 6, 1, 1, 1, requires_grad=True))
+    ops = onnx_ops_of(lambda t, w: F.conv2d(t, w).square(), x, torch.randn(4, 6, 1, 1, requires_grad=True),
+                      folder=tmp_path, models="*backward*", pointwise_kernels=False)
+    assert "ConvTranspose" not in ops and "Conv" in ops and "MatMul" in ops, ops
+    import glob
+
+    import onnx
+
+    backward = onnx.load(glob.glob(str(tmp_path / "*backward*.onnx"))[0]).graph
+    read_by = {name: node.op_type for node in backward.node for name in node.input}
+    for node in backward.node:  # the weight's (for the input gradient) and one ORT folds into its MatMul
+        if node.op_type == "Transpose":
+            perm = list(node.attribute[0].ints)
+            assert perm == [1, 0, 2, 3] or (perm == [0, 2, 1] and read_by[node.output[0]] == "MatMul"), perm
+
+
 class _LayerNorm2d(torch.nn.LayerNorm):
     """timm's LayerNorm2d: a LayerNorm over the channels of an NCHW tensor."""
 
