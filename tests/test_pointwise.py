@@ -1045,6 +1045,33 @@ def test_depthwise_convolutions_and_their_gradients_are_kernels_with_eagers_resu
     assert len(kernels) == 3, (forward, backward)  # forward, input gradient, weight gradient
 
 
+def test_a_convolution_kernel_rejects_a_plane_of_another_size_with_a_clear_error():
+    """TorchGroupConv is compiled for one plane size (its loops unroll over it): an input of
+    another size, which a graph with symbolic sizes could hand it, is an error naming the
+    kernel, not a read past the plane."""
+    from ort_dynamo import _op_kernels
+
+    x = ir.Value(name="x", shape=ir.Shape([2, 4, 9, 9]), type=ir.TensorType(ir.DataType.FLOAT))
+    w = ir.Value(name="w", shape=ir.Shape([4, 1, 3, 3]), type=ir.TensorType(ir.DataType.FLOAT))
+    conv = ir.node("Conv", [x, w], attributes={"group": 4, "pads": [1, 1, 1, 1]})
+    conv.outputs[0].name, conv.outputs[0].dtype, conv.outputs[0].shape = "y", ir.DataType.FLOAT, ir.Shape([2, 4, 9, 9])
+    graph = ir.Graph([x, w], conv.outputs, nodes=[conv], opset_imports={"": 18})
+    kernels = _op_kernels.group_convs_as_kernels(graph)
+    assert [n.op_type for n in graph] == [_pointwise.kernel_name(kernels[0])]
+    graph.opset_imports[_pointwise.DOMAIN] = 1
+    x.shape = ir.Shape([2, 4, "h", "w"])  # as a graph with symbolic sizes would declare it
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library(kernels))
+    session = ort.InferenceSession(ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    weights = np.random.randn(4, 1, 3, 3).astype(np.float32)
+    data = np.random.randn(2, 4, 9, 9).astype(np.float32)
+    want = F.conv2d(torch.from_numpy(data), torch.from_numpy(weights), padding=1, groups=4).numpy()
+    np.testing.assert_allclose(session.run(None, {"x": data, "w": weights})[0], want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="TorchGroupConv_.*height and width must be those the kernel was built for"):
+        session.run(None, {"x": np.zeros((2, 4, 9, 10), np.float32), "w": weights})
+
+
 def test_scatter_add_along_the_last_axis_rejects_indices_out_of_range():
     """The pooling gradient's kernel: rows of zeros, each update added at its row's index
     (repeated and negative indices as ONNX allows), and a clear error for one out of range."""
