@@ -107,7 +107,8 @@ def main() -> None:
     what = "live MB (ORT's arena off)" if args.live else "RSS MB"
     setting += f", attention dropout {args.attention_dropout}" if args.attention_dropout else ""
     setting += ", bf16 autocast" if args.autocast else ""
-    print(f"{args.model} {args.backend}, {args.optimizer}{setting}: {what} over the first step's start (current / peak of the phase)")
+    print(f"{args.model} {args.backend}, {args.optimizer}{setting}: {what} over the first step's start "
+          "(current / peak of the phase)")
     runs = _watch_ort_runs(measure, start) if args.runs else None
     for step in range(args.steps):
         if runs is not None:

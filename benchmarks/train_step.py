@@ -82,7 +82,8 @@ def build(name: str, device: str, attention_dropout: float = 0.0):
     elif name == "llama":
         cfg = tf.LlamaConfig(num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
                              num_key_value_heads=s["heads"], intermediate_size=4 * s["hidden"],
-                             vocab_size=s["vocab"], max_position_embeddings=s["seq"], attention_dropout=attention_dropout)
+                             vocab_size=s["vocab"], max_position_embeddings=s["seq"],
+                             attention_dropout=attention_dropout)
         model = tf.LlamaForCausalLM(cfg)
     else:
         raise SystemExit(f"unknown model {name!r}")

@@ -731,11 +731,12 @@ def _dropped(probs, keep, dropout_p: float):
 
 def attention_forward(q, k_t, v, mask, scale, is_causal: bool, batch, dropout_p: float = 0.0):
     """softmax(q kᵀ·scale + mask) v from ``attention_operands``, each row's logsumexp ([*batch,
-    rows, 1]), and with dropout the bool mask of the probabilities kept. The softmax is written out so that its max and sum give the logsumexp
-    in the same kernel on ORT (``_fusions.softmax_written_out``). A row the mask hides whole
-    gives zeros and a logsumexp of 0, as torch's flash attention does. Half types multiply in
-    their own dtype and take the softmax and logsumexp in float32, as flash attention does.
-    Dropout draws ORT's random numbers, as ``F.dropout`` on ORT does."""
+    rows, 1]), and with dropout the bool mask of the probabilities kept. The softmax is written
+    out so that its max and sum give the logsumexp in the same kernel on ORT
+    (``_fusions.softmax_written_out``). A row the mask hides whole gives zeros and a logsumexp
+    of 0, as torch's flash attention does. Half types multiply in their own dtype and take the
+    softmax and logsumexp in float32, as flash attention does. Dropout draws ORT's random
+    numbers, as ``F.dropout`` on ORT does."""
     q_len, kv_len = q.size(-2), k_t.size(-1)
     wide = _softmax_dtype(q.dtype)
     scores, empty = masked_scores((torch.bmm(q, k_t).to(wide) * scale).view(*batch, q_len, kv_len), mask, is_causal)
@@ -751,10 +752,10 @@ def attention_forward(q, k_t, v, mask, scale, is_causal: bool, batch, dropout_p:
 def attention_backward(grad_out, q, k_t, v, mask, logsumexp, scale, is_causal: bool, batch, keep=None,
                        dropout_p: float = 0.0):
     """The gradients of ``attention_forward`` for query, key and value (their shapes), the
-    probabilities recomputed from the logsumexp (and dropped where ``keep`` is False). The scores are q·scale against kᵀ where
-    forward has (q kᵀ)·scale: the same values (exactly, for a power-of-two scale), but not the
-    same expression, so no CSE joins them with the forward's product, which would then be
-    saved and undo the point."""
+    probabilities recomputed from the logsumexp (and dropped where ``keep`` is False). The
+    scores are q·scale against kᵀ where forward has (q kᵀ)·scale: the same values (exactly, for
+    a power-of-two scale), but not the same expression, so no CSE joins them with the forward's
+    product, which would then be saved and undo the point."""
     q_len, kv_len = q.size(-2), k_t.size(-1)
     wide = _softmax_dtype(q.dtype)
     if wide == q.dtype:

@@ -619,7 +619,7 @@ def test_a_1x1_convolutions_gradients_are_products_with_no_transposed_activation
     and one of the gradient (layer_ops pointwise_conv: 1.01 times eager). Where the per-image
     products would outgrow the operands, one product of the two with batch and channels swapped.
     Its input gradient is the 1x1 convolution by the transposed weight, not ORT's ConvTranspose.
-    Eager's gradients, 1-, 2- and 3-D, with and without bias."""
+    Eager's gradients, 1-, 2- and 3-D, with and without bias, and a 1x1 ConvTranspose2d's."""
     torch.manual_seed(0)
     x = torch.randn(3, 6, 5, 7, requires_grad=True)
     check(lambda t, w, b: F.conv2d(t, w, b), x, torch.randn(4, 6, 1, 1, requires_grad=True),
@@ -627,6 +627,7 @@ def test_a_1x1_convolutions_gradients_are_products_with_no_transposed_activation
     check(lambda t, w: F.conv2d(t, w), x[:, :, :1, :2], torch.randn(40, 6, 1, 1, requires_grad=True))  # 2 pixels
     check(lambda t, w: F.conv1d(t, w), x[:, :, 0], torch.randn(5, 6, 1, requires_grad=True))
     check(lambda t, w: F.conv3d(t, w), x.unsqueeze(2), torch.randn(2, 6, 1, 1, 1, requires_grad=True))
+    check(lambda t, w: F.conv_transpose2d(t, w), x, torch.randn(6, 3, 1, 1, requires_grad=True))
     ops = onnx_ops_of(lambda t, w: F.conv2d(t, w).square(), x, torch.randn(4, 6, 1, 1, requires_grad=True),
                       folder=tmp_path, models="*backward*", pointwise_kernels=False)
     assert "ConvTranspose" not in ops and "Conv" in ops and "MatMul" in ops, ops
