@@ -77,6 +77,10 @@ CASES = {
                        (8, 96, 56, 56), "ConvNeXt's 7x7 depthwise convolution, weight gradient included"),
     "pointwise_conv": (lambda x, w=torch.randn(192, 64, 1, 1, requires_grad=True): F.conv2d(x, w),
                        (8, 64, 28, 28), "MobileNet's and ResNet's 1x1 convolution, weight gradient included"),
+    "shortcut_conv": (lambda x, w=torch.randn(128, 64, 1, 1, requires_grad=True): F.conv2d(x, w, stride=2),
+                      (8, 64, 56, 56), "ResNet's stride-2 1x1 shortcut, weight gradient included"),
+    "stem_conv": (lambda x, w=torch.randn(64, 3, 7, 7, requires_grad=True): F.conv2d(x, w, stride=2, padding=3),
+                  (8, 3, 112, 112), "ResNet's 7x7 stride-2 stem, weight gradient included"),
 }
 
 

@@ -24,6 +24,11 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
     if groups == 1 and list(stride) == kernel and not any(padding) and all(d == 1 for d in dilation) \
             and _static(*inp.shape, *grad_out.shape):
         return _patch_weight_grad(inp, grad_out, weight_shape)
+    if groups == 1 and all(k == 1 for k in kernel) and not any(padding) and _static(*inp.shape, *grad_out.shape):
+        # A strided 1x1 convolution (ResNet's shortcuts) reads every stride-th pixel: those, as
+        # a 1x1 convolution's. As a correlation it would compute stride² taps for its one.
+        every = [slice(0, (o - 1) * s + 1, s) for o, s in zip(grad_out.shape[2:], stride)]
+        return _patch_weight_grad(inp[(slice(None), slice(None), *every)], grad_out, weight_shape)
     n = inp.shape[0]
     spatial = len(weight_shape) - 2
     cin_g = inp.shape[1] // groups

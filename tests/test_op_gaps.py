@@ -643,6 +643,22 @@ def test_a_1x1_convolutions_gradients_are_products_with_no_transposed_activation
             assert perm == [1, 0, 2, 3] or (perm == [0, 2, 1] and read_by[node.output[0]] == "MatMul"), perm
 
 
+def test_a_strided_1x1_convolutions_weight_gradient_is_a_product_over_the_pixels_it_reads(tmp_path):
+    """A 1x1 convolution with stride (ResNet's shortcuts) reads every stride-th pixel. As the
+    correlation of the input with the output's gradient its weight gradient computed stride²
+    taps and kept one (layer_ops shortcut_conv: 2.0-2.3 times eager); now it is the 1x1
+    convolution's product over those pixels. Eager's gradients, strides per axis, 1-D."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 9, 8, requires_grad=True)
+    check(lambda t, w: F.conv2d(t, w, stride=2), x, torch.randn(4, 6, 1, 1, requires_grad=True))
+    check(lambda t, w, b: F.conv2d(t, w, b, stride=(3, 2)), x, torch.randn(40, 6, 1, 1, requires_grad=True),
+          torch.randn(40, requires_grad=True))
+    check(lambda t, w: F.conv1d(t, w, stride=4), x[:, :, 0], torch.randn(5, 6, 1, requires_grad=True))
+    ops = onnx_ops_of(lambda t, w: F.conv2d(t, w, stride=2), x, torch.randn(4, 6, 1, 1, requires_grad=True),
+                      folder=tmp_path, models="*backward*", pointwise_kernels=False)
+    assert "Conv" not in ops and "MatMul" in ops, ops  # the input's gradient is a ConvTranspose
+
+
 class _LayerNorm2d(torch.nn.LayerNorm):
     """timm's LayerNorm2d: a LayerNorm over the channels of an NCHW tensor."""
 
