@@ -6,6 +6,7 @@ graphs use.
     .venv/bin/python benchmarks/hf_models.py gptj t5      # some
     .venv/bin/python benchmarks/hf_models.py --backend inductor segformer   # another backend's ratio
     .venv/bin/python benchmarks/hf_models.py --float64 mobilenet_v2  # each side against float64
+    .venv/bin/python benchmarks/hf_models.py --profile 12 segformer  # and ORT's 12 heaviest nodes
 
 Each model (random weights from a config: nothing is downloaded; 2 layers, hidden 128, 4 heads,
 batch 4 x 64 tokens; the vision models 8 images of 3 x 64 x 64; no dropout) runs forward and
@@ -218,12 +219,29 @@ def measure(name: str, build, make_batch, steps: int, backend: str = "ort", floa
             f"indexed ops: {indexed}")
 
 
+def heaviest_model_nodes(build, make_batch, top: int) -> list[tuple[float, str]]:
+    """ORT's ``top`` heaviest nodes in a forward and backward of the model (profile_step.py's)."""
+    from profile_step import heaviest_ort_nodes
+
+    def step():
+        torch.manual_seed(0)
+        model = build().train()
+        batch = make_batch(model)
+        model(**batch)  # transformers installs its output-capturing hooks in the first call
+        compiled = torch.compile(model, backend="ort")
+        return lambda: compiled(**batch).loss.backward()
+
+    return heaviest_ort_nodes(step, top=top)
+
+
 def main() -> None:
     configs = _configs()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("models", nargs="*", metavar="MODEL", help=f"any of {', '.join(configs)} (default: all)")
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--backend", default="ort", help="the compiled side (default ort; e.g. inductor)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also print ORT's N heaviest nodes in a training step (ORT's profiler)")
     parser.add_argument("--float64", action="store_true",
                         help="also compare both sides' gradients with a float64 eager run's, and eager's "
                              "on inputs moved by 1e-6 (how sensitive the model's gradient is)")
@@ -237,6 +255,9 @@ def main() -> None:
     for name in args.models or configs:
         try:
             print(measure(name, *configs[name], args.steps, args.backend, args.float64), flush=True)
+            if args.profile:
+                for ms, node in heaviest_model_nodes(*configs[name], args.profile):
+                    print(f"      {ms:6.2f} ms  {node[:150]}", flush=True)
         except Exception as exc:  # noqa: BLE001 - one model's failure is a result, not the end
             print(f"{name:11s} FAILED {type(exc).__name__}: {' '.join(str(exc).split())[:200]}", flush=True)
 

@@ -86,32 +86,13 @@ CASES = {
 
 def heaviest_nodes(op, x, steps: int = 10, top: int = 6) -> list[tuple[float, str]]:
     """(median ms, "op output-shape") of ORT's heaviest nodes in a step of the case."""
-    import collections
-    import json
-    import statistics
-    import tempfile
+    from profile_step import heaviest_ort_nodes
 
-    from profile_step import profiled_sessions
-
-    with tempfile.TemporaryDirectory() as folder, profiled_sessions(folder) as runners:
-        ort_dynamo.reset()
-        torch._dynamo.reset()
+    def step():
         compiled = torch.compile(lambda t: (op(t) * 1.5).square().sum(), backend="ort")
-        compiled(x).backward()
-        ort_dynamo.wait_for_kernels()
-        for _ in range(steps):
-            compiled(x).backward()
-        durations = collections.defaultdict(list)
-        for runner in runners:
-            for session, *_ in runner._sessions.values():
-                with open(session.end_profiling()) as fh:
-                    for event in json.load(fh):
-                        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
-                            shape = json.dumps(event["args"].get("output_type_shape", ""))
-                            durations[(event["name"], f"{event['args'].get('op_name')} {shape}")].append(event["dur"])
-        ran = {key: times for key, times in durations.items() if len(times) >= steps}  # not replaced ones
-        nodes = sorted(((statistics.median(times) / 1e3, key[1]) for key, times in ran.items()), reverse=True)
-        return nodes[:top]
+        return lambda: compiled(x).backward()
+
+    return heaviest_ort_nodes(step, steps, top)
 
 
 def main(names: list[str]) -> None:

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import json
 import math
+import statistics
 import os
 import sys
 import tempfile
@@ -71,6 +72,30 @@ def profiled_sessions(folder: str):
         yield runners
     finally:
         run_stage.session_options, run_stage.OrtRunner.__init__ = make_options, make_runner
+
+
+def heaviest_ort_nodes(make_step, steps: int = 10, top: int = 6) -> list[tuple[float, str]]:
+    """(median ms, "op output-shape") of ORT's heaviest nodes over ``steps`` calls of the step
+    ``make_step()`` returns, compiled afresh into profiled sessions after a first call and the
+    kernels' build (the sessions the kernels replaced left out)."""
+    with tempfile.TemporaryDirectory() as folder, profiled_sessions(folder) as runners:
+        ort_dynamo.reset()
+        torch._dynamo.reset()
+        step = make_step()
+        step()
+        ort_dynamo.wait_for_kernels()
+        for _ in range(steps):
+            step()
+        durations = collections.defaultdict(list)
+        for runner in runners:
+            for session, *_ in runner._sessions.values():
+                with open(session.end_profiling()) as fh:
+                    for event in json.load(fh):
+                        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+                            shape = json.dumps(event["args"].get("output_type_shape", ""))
+                            durations[(event["name"], f"{event['args'].get('op_name')} {shape}")].append(event["dur"])
+    ran = {key: times for key, times in durations.items() if len(times) >= steps}  # not replaced ones
+    return sorted(((statistics.median(times) / 1e3, key[1]) for key, times in ran.items()), reverse=True)[:top]
 
 
 def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple:

@@ -42,3 +42,10 @@ def test_train_step_needs_at_least_one_round_of_first_steps():
                              "--first-step-rounds", "0"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "--first-step-rounds must be at least 1, got 0" in result.stderr, \
         result.stderr[-1000:]
+
+
+@pytest.mark.parametrize("script", ["memory_phases.py", "compare_revision.py"])
+def test_an_attention_dropout_outside_zero_to_one_is_refused_before_training(script):
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, script), "--attention-dropout", "1"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--attention-dropout must be in [0, 1)" in result.stderr, result.stderr[-1000:]
