@@ -484,6 +484,48 @@ def _adds_bias_cheaply(node: ir.Node) -> bool:
     return node.op_type in ("Add", "Mul", "Sub", "Div", "Identity")
 
 
+def _slice_parts(node: ir.Node) -> tuple[list[int], list[int], list[int], list[int]] | None:
+    """(starts, ends, axes, steps) of a Slice whose inputs are constants, axes made non-negative."""
+    inputs = list(node.inputs) + [None] * (5 - len(node.inputs))
+    starts, ends = _ints(inputs[1]), _ints(inputs[2])
+    if starts is None or ends is None or len(starts) != len(ends):
+        return None
+    axes = list(range(len(starts))) if inputs[3] is None else _ints(inputs[3])
+    steps = [1] * len(starts) if inputs[4] is None else _ints(inputs[4])
+    if axes is None or steps is None or len(axes) != len(starts) or len(steps) != len(starts):
+        return None
+    if any(axis < 0 for axis in axes):
+        shape = node.inputs[0].shape
+        if shape is None:
+            return None
+        axes = [axis % len(shape) for axis in axes]
+    return starts, ends, axes, steps
+
+
+def merge_slices(graph: ir.Graph) -> int:
+    """A Slice of a Slice along other axes -> one Slice: one pass over the data, not two (a
+    strided ``x[:, :, ::2, ::2]``, which torch writes as a slice per axis: the pixels a
+    stride-2 1x1 convolution's weight gradient reads)."""
+    count = 0
+    for outer in list(graph):
+        if not _op(outer, "Slice"):
+            continue
+        inner = outer.inputs[0].producer() if outer.inputs[0] is not None else None
+        if not _op(inner, "Slice") or _sole_user(inner.outputs[0]) is not outer:
+            continue
+        first, second = _slice_parts(inner), _slice_parts(outer)
+        if first is None or second is None or set(first[2]) & set(second[2]):
+            continue
+        starts, ends, axes, steps = (a + b for a, b in zip(first, second))
+        name = outer.outputs[0].name
+        merged = ir.node("Slice", [inner.inputs[0], *(_int64_constant(graph, f"{name}_{part}", values)
+                                                      for part, values in (("starts", starts), ("ends", ends),
+                                                                           ("axes", axes), ("steps", steps)))])
+        _replace(graph, [outer.outputs[0]], merged, before=outer)
+        count += 1
+    return count
+
+
 #: Name -> fusion, in the order applied. Each returns how many chains it replaced.
 def drop_unread_pool_indices(graph: ir.Graph) -> int:
     """A MaxPool whose Indices nothing reads, with that output dropped: ORT then pools in its
@@ -508,6 +550,7 @@ FUSIONS: dict[str, Callable[[ir.Graph], int]] = {
     "pow_one": drop_pow_one,
     "bias_after_reshape": bias_after_reshape,
     "pool_indices": drop_unread_pool_indices,
+    "slices": merge_slices,
 }
 
 

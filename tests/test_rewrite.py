@@ -244,6 +244,27 @@ def test_rms_norm_fuses_into_simplified_layer_norm_and_pow_one_is_dropped(tmp_pa
     assert 1.0 not in _pow_exponents(glob.glob(str(tmp_path / "fused" / "*backward*.onnx"))[0])
 
 
+class _StridedPixels(nn.Module):
+    """Every other pixel of every third row of the first image, four slices in torch (one per
+    axis), then a 1x1 convolution: ResNet's stride-2 shortcut reads its input so."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Conv2d(4, 6, 1)
+
+    def forward(self, x):
+        return self.mix(x[:, 1:, ::3, 1::2][:1] * 2)
+
+
+def test_slices_of_slices_along_other_axes_are_one_slice(tmp_path):
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 9, 10, requires_grad=True)
+    _, ops = _train_fused_and_plain(_StridedPixels(), x, tmp_path)
+    assert ops["forward"]["Slice"] == 1, ops["forward"]
+    plain = glob.glob(str(tmp_path / "plain" / "*forward*.onnx"))[0]
+    assert collections.Counter(n.op_type for n in onnx.load(plain).graph.node)["Slice"] > 1
+
+
 def test_reshaped_outputs_come_back_as_views_not_copies():
     """ORT copies a Reshape that is a graph output (inside a partition: e.g. a value handed from
     one backward segment to the next); the rewrite outputs its input and PyTorch takes a
