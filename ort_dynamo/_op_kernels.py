@@ -184,10 +184,10 @@ def max_pools_as_kernels(graph: ir.Graph) -> list[str]:
 
 
 def _group_convolution(node: ir.Node) -> tuple | None:
-    """(transposed, bias, kernel, strides, pads before, pads after, dilations, output padding,
-    planes) of a float32 2-D Conv of static shapes with groups of one output channel, or such
-    a ConvTranspose with groups of one input channel, else None. Planes: H, W, OH, OW as
-    csrc/group_conv.h names them."""
+    """(transposed, bias, kernel, strides, pads before, dilations, planes) of a float32 2-D Conv
+    of static shapes with groups of one output channel, or such a ConvTranspose with groups of
+    one input channel, else None. Planes: H, W, OH, OW as csrc/group_conv.h names them (the
+    pads after and the output padding are in them)."""
     if node.op_type not in ("Conv", "ConvTranspose") or node.domain not in ("", "ai.onnx") \
             or not 2 <= len(node.inputs) <= 3:
         return None
@@ -220,7 +220,7 @@ def _group_convolution(node: ir.Node) -> tuple | None:
     if min(sizes) < 1:
         return None
     planes = [*sizes, *dims[2:]] if transposed else [*dims[2:], *sizes]
-    return int(transposed), int(bias is not None), kernel, strides, pads[:2], pads[2:], dilations, extra, planes
+    return int(transposed), int(bias is not None), kernel, strides, pads[:2], dilations, planes
 
 
 def _convolution_size(n: int, k: int, s: int, before: int, after: int, d: int, extra: int, transposed: bool) -> int:

@@ -726,7 +726,8 @@ def attention_operands(query, key, value):
             value.reshape(-1, kv_len, value.size(-1)), query.shape[:-2])
 
 
-def _softmax_dtype(dtype):
+def _widened(dtype):
+    """float32 for half types (what attention's softmax, or the CPU flash kernel, computes in)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
@@ -743,7 +744,7 @@ def attention_forward(q, k_t, v, mask, scale, is_causal: bool, batch, dropout_p:
     softmax and logsumexp in float32, as flash attention does. Dropout draws ORT's random
     numbers, as ``F.dropout`` on ORT does."""
     q_len, kv_len = q.size(-2), k_t.size(-1)
-    wide = _softmax_dtype(q.dtype)
+    wide = _widened(q.dtype)
     scores, empty = masked_scores((torch.bmm(q, k_t).to(wide) * scale).view(*batch, q_len, kv_len), mask, is_causal)
     peak = scores.amax(dim=-1, keepdim=True)
     exp = torch.exp(scores - peak)
@@ -762,7 +763,7 @@ def attention_backward(grad_out, q, k_t, v, mask, logsumexp, scale, is_causal: b
     a power-of-two scale), but not the same expression, so no CSE joins them with the forward's
     product, which would then be saved and undo the point."""
     q_len, kv_len = q.size(-2), k_t.size(-1)
-    wide = _softmax_dtype(q.dtype)
+    wide = _widened(q.dtype)
     if wide == q.dtype:
         product = torch.bmm(q * scale, k_t)
     else:  # a half q·scale rounds; -q does not, so these are exactly the forward's scores
@@ -784,7 +785,7 @@ def attention_backward(grad_out, q, k_t, v, mask, logsumexp, scale, is_causal: b
 def _flash_for_cpu_operands(query, key, value, scale):
     """The CPU flash op's operands for ``attention_forward``/``backward``: float32 compute for
     half types (the kernel's), key and value heads repeated for grouped queries."""
-    compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    compute = _widened(query.dtype)
     key, value, scale, repeat = attention_inputs(query, key.to(compute), value.to(compute), scale, grouped=True)
     return (*attention_operands(query.to(compute), key, value), scale, repeat)
 

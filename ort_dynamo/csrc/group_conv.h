@@ -43,7 +43,6 @@ typedef struct PwGroupConv {
   const float *x, *w, *b;
   float* y;
   int64_t groups, per_group; /* groups; input channels per group (transposed: output channels) */
-  int64_t H, W, OH, OW;      /* input and output plane */
   int64_t planes, planes_per_task;
   int* out_of_memory; /* set by a task that could not allocate its padded plane */
 } PwGroupConv;
@@ -204,11 +203,11 @@ static inline __attribute__((always_inline)) void pw_group_conv_transposed_plane
   free(pad);
 }
 
-/* Reads x, w (and b), checks their shapes, allocates y, runs `task` over the (image, group) planes. */
+/* Reads x, w (and b), checks their shapes against the sizes the kernel was built for (planes:
+ * H, W, OH, OW), allocates y, runs `task` over the (image, group) planes. */
 static inline __attribute__((always_inline)) OrtStatus* pw_group_conv_compute(
     const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def, void (*task)(void*, size_t),
-    int transposed, int bias, const int64_t* k, const int64_t* s, const int64_t* before, const int64_t* after,
-    const int64_t* d, const int64_t* extra, const int64_t* planes) {
+    int transposed, int bias, const int64_t* k, const int64_t* planes) {
   const PwKernel kernel = {api, def};
   const OrtValue *input, *weight, *shift = NULL;
   int64_t dims[PW_MAX_RANK], wdims[PW_MAX_RANK], bdims[PW_MAX_RANK];
@@ -231,21 +230,10 @@ static inline __attribute__((always_inline)) OrtStatus* pw_group_conv_compute(
     PW_TRY(pw_shape(api, shift, bdims, &brank));
     if (brank != 1 || bdims[0] != channels) return pw_error(&kernel, "the bias must have one value per output channel");
   }
-  int64_t sizes[2];
-  for (int i = 0; i < 2; ++i) {
-    const int64_t n = dims[2 + i], span = d[i] * (k[i] - 1) + 1;
-    sizes[i] = transposed ? s[i] * (n - 1) + extra[i] + span - before[i] - after[i]
-                          : (n + before[i] + after[i] - span) / s[i] + 1;
-    if (sizes[i] < 1 || (!transposed && n + before[i] + after[i] < span))
-      return pw_error(&kernel, "an input this small leaves no output");
-  }
-  a.H = transposed ? sizes[0] : dims[2];
-  a.W = transposed ? sizes[1] : dims[3];
-  a.OH = transposed ? dims[2] : sizes[0];
-  a.OW = transposed ? dims[3] : sizes[1];
-  if (a.H != planes[0] || a.W != planes[1] || a.OH != planes[2] || a.OW != planes[3])
+  const int64_t *in = transposed ? planes + 2 : planes, *out = transposed ? planes : planes + 2;
+  if (dims[2] != in[0] || dims[3] != in[1])
     return pw_error(&kernel, "the input's height and width must be those the kernel was built for");
-  int64_t out_dims[4] = {dims[0], channels, sizes[0], sizes[1]};
+  int64_t out_dims[4] = {dims[0], channels, out[0], out[1]};
   OrtValue* output;
   PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, out_dims, 4, &output));
   a.planes = dims[0] * a.groups;
@@ -260,19 +248,19 @@ static inline __attribute__((always_inline)) OrtStatus* pw_group_conv_compute(
   }
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)(output, &data));
   a.y = (float*)data;
-  a.planes_per_task = pw_per_task(a.per_group * a.OH * a.OW * k[0] * k[1] + a.H * a.W);
+  a.planes_per_task = pw_per_task(a.per_group * planes[2] * planes[3] * k[0] * k[1] + planes[0] * planes[1]);
   int out_of_memory = 0;
   a.out_of_memory = &out_of_memory;
   PW_TRY(pw_run_tasks(api, ctx, task, pw_task_count(a.planes, a.planes_per_task), &a));
   return out_of_memory ? pw_error(&kernel, "out of memory for a padded plane") : NULL;
 }
 
-/* One convolution: per axis (H, W) kernel, stride, pad before, pad after, dilation, and the
- * transposed one's output padding; BIAS: a third input; the planes, H x W (the forward
- * convolution's input, the transposed one's output) and OH x OW (the other side), constants
- * like the rest, so that the loops over them unroll. Defines name_compute and the type lists;
- * the generated unit's PW_KERNEL line names the op. */
-#define PW_GROUP_CONV(name, TRANSPOSED, BIAS, K0, K1, S0, S1, P0, P1, E0, E1, D0, D1, X0, X1, H, W, OH, OW)      \
+/* One convolution: per axis (H, W) kernel, stride, pad before and dilation; BIAS: a third
+ * input; the planes, H x W (the forward convolution's input, the transposed one's output) and
+ * OH x OW (the other side), constants like the rest, so that the loops over them unroll (the
+ * pads after and a transposed convolution's output padding are in them). Defines name_compute
+ * and the type lists; the generated unit's PW_KERNEL line names the op. */
+#define PW_GROUP_CONV(name, TRANSPOSED, BIAS, K0, K1, S0, S1, P0, P1, D0, D1, H, W, OH, OW)                      \
   static void name##_task(void* user, size_t t) {                                                           \
     if (TRANSPOSED)                                                                                         \
       pw_group_conv_transposed_planes((const PwGroupConv*)user, t, K0, K1, S0, S1, P0, P1, D0, D1, H, W, OH, \
@@ -281,9 +269,8 @@ static inline __attribute__((always_inline)) OrtStatus* pw_group_conv_compute(
       pw_group_conv_planes((const PwGroupConv*)user, t, K0, K1, S0, S1, P0, P1, D0, D1, H, W, OH, OW);      \
   }                                                                                                         \
   static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
-    static const int64_t k[] = {K0, K1}, s[] = {S0, S1}, p[] = {P0, P1}, e[] = {E0, E1}, d[] = {D0, D1},     \
-                         x[] = {X0, X1}, planes[] = {H, W, OH, OW};                                         \
-    return pw_group_conv_compute(api, ctx, def, name##_task, TRANSPOSED, BIAS, k, s, p, e, d, x, planes);   \
+    static const int64_t k[] = {K0, K1}, planes[] = {H, W, OH, OW};                                         \
+    return pw_group_conv_compute(api, ctx, def, name##_task, TRANSPOSED, BIAS, k, planes);                  \
   }                                                                                                         \
   static const int name##_types[] = {PW_FLOAT, PW_FLOAT, PW_FLOAT};                                         \
   static const int name##_none[] = {0, 0, 0}
