@@ -6,6 +6,8 @@
     .venv/bin/python benchmarks/compare_revision.py --rev HEAD --options memory_opt_level=1 --rev-options ""
     # with attention dropout, as the models' own configs have it
     .venv/bin/python benchmarks/compare_revision.py --rev HEAD --attention-dropout 0.1
+    # under torch.autocast(bfloat16), as HF's Trainer trains with bf16=True on a CPU
+    .venv/bin/python benchmarks/compare_revision.py --rev HEAD --autocast
 
 On a shared VM, step times move by several percent between runs of the same code, more than
 most single changes gain; separate runs cannot tell them apart. Here the revision's package is
@@ -61,14 +63,14 @@ def compare(name: str, rev_package, args) -> dict:
         fn = clone if package is None else torch.compile(clone, backend=backend)
         opt = make_optimizer("eager" if package is None else "ort", clone, args)
         for step in range(args.warmup):
-            train_step(fn, opt, batch, "cpu", False)
+            train_step(fn, opt, batch, "cpu", args.autocast)
             if step == 0 and package is not None:
                 package.wait_for_kernels()  # steady state: the kernels' sessions from here on
         runners[label] = (fn, opt)
     times = {label: [] for label in runners}
     for _ in range(args.steps):
         for label, (fn, opt) in runners.items():
-            times[label].append(train_step(fn, opt, batch, "cpu", False))
+            times[label].append(train_step(fn, opt, batch, "cpu", args.autocast))
     return {label: statistics.median(t) * 1e3 for label, t in times.items()}
 
 
@@ -81,6 +83,7 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=["adamw", "fastest"], default="fastest")
     parser.add_argument("--attention-dropout", type=float, default=0.0,
                         help="each attention probability's chance of being dropped (the models' configs: 0.1)")
+    parser.add_argument("--autocast", action="store_true", help="train under torch.autocast(bfloat16)")
     parser.add_argument("--options", default="",
                         help="comma-separated KEY=VALUE ort_dynamo options for both, e.g. memory_opt_level=1")
     parser.add_argument("--rev-options", default=None,
@@ -99,6 +102,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         rev_package = import_revision(args.rev, folder)
         print(f"working tree against {args.rev}, optimizer {args.optimizer}, options {args.options} "
+              f"{'bfloat16 autocast, ' if args.autocast else ''}"
               f"(revision's {args.rev_options}), "
               f"median of {args.steps} steps")
         for name in args.models.split(","):

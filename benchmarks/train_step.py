@@ -163,7 +163,7 @@ def train_step(fn, opt, batch, device, autocast):
 def bench_model(name, args) -> dict:
     ort_dynamo.reset()
     model, batch = build(name, args.device)
-    autocast = args.device == "cuda"
+    autocast = args.autocast
     runners = {}
     for backend in args.backends:
         clone, fn = compiled_copy(model, backend)
@@ -199,7 +199,7 @@ def peak_memory_mb(name, backend, args, warm: bool = False) -> float:
     ``warm``: the backend first trains a tiny other model, so its one-time costs (lazy
     imports, ONNX registry, ORT's environment) are not counted, only this model's."""
     out = subprocess.run([sys.executable, __file__, "--child-memory", name, backend, "--device", args.device,
-                          "--optimizer", args.optimizer]
+                          "--optimizer", args.optimizer, *(["--autocast"] if args.autocast else [])]
                          + (["--warm-backend"] if warm else []), capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
@@ -234,11 +234,11 @@ def _child_memory(name, backend, args) -> None:
     # Base before the first step, so memory an allocator keeps from then on (ORT's arenas,
     # AdamW state) counts; the peak is reset after it, so compile-time transients do not.
     base = _rss_mb()
-    train_step(fn, opt, batch, "cpu", False)
+    train_step(fn, opt, batch, "cpu", args.autocast)
     ort_dynamo.wait_for_kernels()
     _reset_peak_rss()
     for _ in range(3):
-        train_step(fn, opt, batch, "cpu", False)
+        train_step(fn, opt, batch, "cpu", args.autocast)
     print(_peak_rss_mb() - base)
 
 
@@ -289,7 +289,8 @@ def warm_cache_first_step(name, args) -> dict:
 
 def _first_step_in_new_process(name, backend, cache, args) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child-first-step", name, backend, cache,
-                          "--device", args.device, "--optimizer", args.optimizer],
+                          "--device", args.device, "--optimizer", args.optimizer,
+                          *(["--autocast"] if args.autocast else [])],
                          capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
@@ -300,7 +301,7 @@ def _child_first_step(name, backend, cache_dir, args) -> None:
     model, batch = build(name, args.device)
     clone, fn = compiled_copy(model, backend, cache_dir)
     opt = make_optimizer(backend, clone, args)
-    seconds = train_step(fn, opt, batch, args.device, args.device == "cuda")
+    seconds = train_step(fn, opt, batch, args.device, args.autocast)
     print(json.dumps({"seconds": seconds, "exports": ort_dynamo.report().exports}))
 
 
@@ -353,6 +354,8 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=["adamw", "fastest"], default="adamw",
                         help="adamw: torch.optim.AdamW for all; fastest: each backend's fastest AdamW "
                              "(torch fused=True; ort: ort_dynamo FusedAdam)")
+    parser.add_argument("--autocast", action="store_true",
+                        help="train under torch.autocast(bfloat16) on CPU too (on CUDA always)")
     parser.add_argument("--json", help="also write results here")
     parser.add_argument("--malloc", choices=["steady", "default"], default="steady",
                         help="steady: fix glibc's mmap and trim thresholds in the timing process (see above)")
@@ -361,6 +364,7 @@ def main() -> None:
     parser.add_argument("--child-first-step", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.backends = args.backends.split(",")
+    args.autocast = args.autocast or args.device == "cuda"
     if args.first_step_rounds < 1:
         parser.error(f"--first-step-rounds must be at least 1, got {args.first_step_rounds}")
     if args.child_memory:
@@ -371,7 +375,8 @@ def main() -> None:
     steady = args.malloc == "steady" and _steady_malloc()
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     print(f"device: {args.device} ({device_name}), {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"malloc thresholds {'fixed' if steady else 'glibc default'}, optimizer {args.optimizer}")
+          f"malloc thresholds {'fixed' if steady else 'glibc default'}, optimizer {args.optimizer}"
+          f"{', bfloat16 autocast' if args.autocast else ''}")
     print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
     results = []
     for name in args.models.split(","):

@@ -63,6 +63,34 @@ _ROTATE = "RotateHalf"
 #: a rotation otherwise takes a Split, a Neg and a Concat. (And column sums, below.)
 _ALONE_OK = {"Where", _ROTATE}
 
+_BF16_CASTS = {(ir.DataType.FLOAT, ir.DataType.BFLOAT16), (ir.DataType.BFLOAT16, ir.DataType.FLOAT)}
+
+
+def _bfloat16_cast(node: ir.Node) -> bool:
+    """A Cast between float32 and bfloat16 (what CPU autocast's graphs are full of: every op
+    computes in float32 between them, ``rewrite._compute_bfloat16_in_float32``). A kernel keeps
+    a bfloat16 value as the float32 it is exactly, so a Cast to bfloat16 is a rounding there,
+    and one back is nothing; only its inputs and outputs are 16 bits in memory."""
+    if node.domain not in ("", "ai.onnx") or node.op_type != "Cast" or len(node.outputs) != 1 \
+            or node.inputs[0] is None or "to" not in node.attributes:
+        return False
+    return (node.inputs[0].dtype, ir.DataType(node.attributes.get_int("to"))) in _BF16_CASTS
+
+
+def _rounds_to_bfloat16(node: ir.Node) -> bool:
+    return _bfloat16_cast(node) and node.attributes.get_int("to") == ir.DataType.BFLOAT16
+
+
+def _worth_a_kernel_alone(node: ir.Node, transposes: bool) -> bool:
+    """Whether one op alone gains as a kernel. ORT's Cast to bfloat16 rounds one element at a
+    time, 4-5x slower than a kernel reading in order; its Cast from bfloat16 is fast, and a
+    kernel's strided reads cost more than a Transpose and a Cast. Any other op gains only
+    where the kernel also does a Transpose's pass (a bias added to attention's q, k or v,
+    written in the heads' layout)."""
+    if _rounds_to_bfloat16(node):
+        return not transposes
+    return transposes and not _bfloat16_cast(node)
+
 
 # -- what a node is -------------------------------------------------------------------------------
 
@@ -110,6 +138,14 @@ class _Graph:
         if node.domain == DOMAIN and node.op_type == _ROTATE:
             self.shape[node.outputs[0]] = self.dims(node.inputs[0])
             return self.shape[node.outputs[0]]
+        if _bfloat16_cast(node):
+            shape = self.dims(node.inputs[0])
+            known = self.dims(node.outputs[0])
+            if shape is None or len(shape) > _MAX_RANK or (known is not None and known != shape):
+                return None
+            self.shape[node.outputs[0]] = shape
+            node.outputs[0].dtype = ir.DataType(node.attributes.get_int("to"))
+            return shape
         if node.domain not in ("", "ai.onnx") or node.op_type not in _ELEMENTWISE or len(node.outputs) != 1:
             return None
         out = node.outputs[0]
@@ -434,13 +470,18 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
         elif op == "Pow":
             exponent = _scalar(node.inputs[1])
             base = ref(node.inputs[0], r)
-            expr = {2.0: f"({base} * {base})", 1.0: base, 0.5: f"sqrtf({base})",
+            # A cube as torch and ORT compute it; libmvec's SIMD powf takes a slow path for a
+            # negative base (9 ms per million floats, against 0.24 for tanhf).
+            expr = {2.0: f"({base} * {base})", 3.0: f"({base} * {base} * {base})", 1.0: base, 0.5: f"sqrtf({base})",
                     -1.0: f"(1.0f / {base})"}.get(exponent, f"powf({base}, {_literal(exponent)})")
         elif op == "ReduceMax":  # softmax's only: a NaN is passed over, but its exp() is NaN
             acc = local[node.outputs[0]]
             return f"{acc} = {ref(node.inputs[0])} > {acc} ? {ref(node.inputs[0])} : {acc};"
         elif op in _ROW_REDUCTIONS:
             return f"{local[node.outputs[0]]} += {ref(node.inputs[0])};"
+        elif op == "Cast":
+            x = ref(node.inputs[0], r)
+            expr = f"pw_round_bf16({x})" if _rounds_to_bfloat16(node) else x
         else:
             expr = _UNARY[op].format(ref(node.inputs[0], r))
         return f"const float {ref(node.outputs[0], r)} = {expr};"
@@ -451,7 +492,8 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
     last = max(phase.values())
     # ONNX bools are bytes of 0 or 1; read as uint8_t, not C's bool, which gcc will not
     # vectorize next to float stores.
-    ctype = {v: ("uint8_t" if v.dtype == ir.DataType.BOOL else "float") for v in inputs}
+    ctype = {v: {ir.DataType.BOOL: "uint8_t", ir.DataType.BFLOAT16: "uint16_t"}.get(v.dtype, "float") for v in inputs}
+    bf16_out = [v.dtype == ir.DataType.BFLOAT16 for v in outputs]
     kinds = [_kind(info.dims(v), group.shape) for v in inputs]
     for i, perm in perms.items():  # rows at strided offsets: along the last axis only if it stays last
         shape = info.dims(inputs[i])
@@ -512,7 +554,8 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
                 lines += [f"for (int64_t i = {lo}; i < {hi}; ++i) {{"]
                 lines += ["  " + x for x in body + [statement(n) for n in closing]]
                 if k == last:
-                    lines += [f"  o{j}[i] = {local[v]};" for j, v in enumerate(outputs) if out_kind[j] == 0]
+                    lines += [f"  o{j}[i] = {'pw_bf16_bits(%s)' % local[v] if bf16_out[j] else local[v]};"
+                              for j, v in enumerate(outputs) if out_kind[j] == 0]
                     # Into this task's partial sums: lane i of every row of the task.
                     lines += [f"  o{j}[i] += {ref(v.producer().inputs[0])};" for j, v in enumerate(outputs)
                               if out_kind[j] >= 2]
@@ -531,7 +574,8 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
     fast_setup = [f"const {ctype[v]}* restrict {arg[v]} = (const {ctype[v]}*)a->in[{i}] + {offsets[k].format(i=i)};"
                   for i, (v, k) in enumerate(zip(inputs, kinds))]
     out_offsets = {0: " + r * inner", 1: " + r", 2: "", 3: ""}
-    out_setup = [f"float* restrict o{j} = (float*)a->out[{j}]"
+    out_ctype = ["uint16_t" if bf16 else "float" for bf16 in bf16_out]
+    out_setup = [f"{out_ctype[j]}* restrict o{j} = ({out_ctype[j]}*)a->out[{j}]"
                  f"{' + pw_out_offset(a, %d, r)' % j if j in out_perms else out_offsets[kind]};"
                  for j, kind in enumerate(out_kind) if kind < 2]
     # A column sum's output, while the rows run, is this task's row of partial sums.
@@ -540,15 +584,21 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
     reads = {"full": "{x}", "suffix": "{x}", "col": "0", "scalar": "0", "strided_row": "{x}", "strided_col": "0",
              "general": "({x}) * a->inner_stride[{i}]"}
 
+    def load(v, element):
+        """A declaration of the lane's value: a bfloat16 one as the float32 it is."""
+        if ctype[v] == "uint16_t":
+            return f"float {{}} = pw_bf16_to_float({element});"
+        return f"{ctype[v]} {{}} = {element};"
+
     def fast_loads(lane, suffix):
-        return [f"const {ctype[v]} {arg[v]}{suffix} = {arg[v]}[{reads[k].format(x=lane, i=i)}];"
+        return ["const " + load(v, f"{arg[v]}[{reads[k].format(x=lane, i=i)}]").format(f"{arg[v]}{suffix}")
                 for i, (v, k) in enumerate(zip(inputs, kinds))]
 
     any_setup = [f"const {ctype[v]}* restrict {arg[v]} = (const {ctype[v]}*)a->in[{i}] + pw_offset(a, {i}, r);"
                  for i, v in enumerate(inputs)]
 
     def any_loads(lane, suffix):
-        return [f"const {ctype[v]} {arg[v]}{suffix} = {arg[v]}[({lane}) * a->inner_stride[{i}]];"
+        return ["const " + load(v, f"{arg[v]}[({lane}) * a->inner_stride[{i}]]").format(f"{arg[v]}{suffix}")
                 for i, v in enumerate(inputs)]
 
     rotates = any(n.op_type == _ROTATE for n in group.nodes)
@@ -569,7 +619,7 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
         return "\n".join(lines)
 
     kind_codes = ", ".join(f"PW_{k.upper()}" for k in kinds) or "0"
-    types = ", ".join("PW_BOOL" if ctype[v] == "uint8_t" else "PW_FLOAT" for v in inputs)
+    types = ", ".join({"uint8_t": "PW_BOOL", "uint16_t": "PW_BF16"}.get(ctype[v], "PW_FLOAT") for v in inputs)
     out_kinds = ", ".join(str(kind) for kind in out_kind)
     rank = len(group.shape)
     perm_table = [perms.get(i, tuple(range(rank))) for i in range(len(inputs))] + \
@@ -583,9 +633,12 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
         f"static const int {name}_out_kinds[] = {{{out_kinds}}};",
         *([f"static const int {name}_perms[] = {{{', '.join(str(d) for p in perm_table for d in p)}}};"]
           if perms or out_perms else []),
+        *([f"static const int {name}_out_types[] = {{{', '.join('PW_BF16' if b else 'PW_FLOAT' for b in bf16_out)}}};"]
+          if any(bf16_out) else []),
         f"PW_KERNEL({name}, {len(inputs)}, {name}_types, {name}_kinds, {len(outputs)}, {name}_out_kinds, "
         f"{len(group.shape)}, {1 if flat else 0}, {name}_fast, {name}_any, 0, "
-        f"{f'{name}_perms' if perms or out_perms else '0'});",
+        f"{f'{name}_perms' if perms or out_perms else '0'}"
+        f"{f', {name}_out_types' if any(bf16_out) else ''});",
     ]) + "\n"
 
 
@@ -609,7 +662,7 @@ def _take_over(old: ir.Value, new: ir.Value, suffix: str, output_positions: dict
     """``new`` replaces ``old`` everywhere (``_fusions._take_over``), as float32: values inside
     inlined torchlib functions often have no type set."""
     _take_over_value(old, new, suffix, output_positions)
-    new.dtype = ir.DataType.FLOAT
+    new.dtype = ir.DataType.BFLOAT16 if old.dtype == ir.DataType.BFLOAT16 else ir.DataType.FLOAT
 
 
 def _remove_if_dead(graph: ir.Graph, nodes) -> None:
@@ -1209,8 +1262,6 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
         _without_escaping_per_row_values(group, members)
         if not group.nodes:
             continue
-        # One ORT op alone gains nothing as a kernel, unless the kernel also does a Transpose's
-        # pass (a bias added to attention's q, k or v, written in the heads' layout).
         alone = len(group.nodes) < 2 and group.nodes[0].op_type not in _ALONE_OK and not _column_sum(group.nodes[0])
         produced = {node.outputs[0] for node in group.nodes}
         inputs: list[ir.Value] = []
@@ -1233,7 +1284,7 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
             continue  # the iteration shape must follow from the inputs at run time
         sources, perms = _transposed_reads(inputs, members, info, len(group.shape))
         targets, out_perms = _transposed_writes(outputs, len(group.shape))
-        if alone and not perms and not out_perms:
+        if alone and not _worth_a_kernel_alone(group.nodes[0], bool(perms or out_perms)):
             continue
         # Named by the hash of its code: identical chains (one per layer) share one kernel.
         code = _emit(group, info, inputs, outputs, "pw_@", perms, out_perms)

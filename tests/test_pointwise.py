@@ -1182,3 +1182,100 @@ def test_a_transpose_a_matmul_reads_is_left_to_ort():
                      ir_version=10)
     _pointwise.fuse_pointwise(model)
     assert [n.op_type for n in model.graph] == ["Transpose", "MatMul"]
+
+
+class _AutocastBlock(nn.Module):
+    """A transformer MLP block as CPU autocast runs it: bfloat16 products, a tanh GELU between
+    them, the residual and the norm in float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.norm = nn.Linear(64, 256), nn.Linear(256, 64), nn.LayerNorm(64)
+
+    def forward(self, x):
+        return self.norm(x + self.down(F.gelu(self.up(x), approximate="tanh")))
+
+
+def _onnx_casts_to_bfloat16(path):
+    """(elements, name) of the ONNX Casts to bfloat16 left in a saved model, static shapes only."""
+    model = onnx.shape_inference.infer_shapes(onnx.load(path))
+    shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]}
+    return [(int(np.prod(shapes.get(n.input[0], [0]))), n.name) for n in model.graph.node
+            if n.op_type == "Cast" and any(a.name == "to" and a.i == onnx.TensorProto.BFLOAT16 for a in n.attribute)]
+
+
+def test_cpu_autocasts_bfloat16_casts_round_inside_kernels_with_eagers_results(tmp_path):
+    """Under CPU autocast every op computes in float32 between Casts to and from bfloat16
+    (ORT's CPU provider has no bfloat16 GEMM). A kernel holds bfloat16 values as the float32
+    they are: a GELU's chain reads and writes bfloat16 itself, and a GEMM's result is rounded
+    by a kernel of its own, not by ORT's element-by-element Cast."""
+    torch.manual_seed(0)
+    model, x = _AutocastBlock(), torch.randn(8, 128, 64)
+    results = {}
+    for name, options in (("kernels", {"save_onnx": True, "save_path": str(tmp_path)}),
+                          ("no kernels", {"pointwise_kernels": False})):
+        ort_dynamo.reset()
+        compiled = torch.compile(model, backend="ort", options=options)
+        for step in range(2):
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = compiled(x)
+            out.square().sum().backward()
+            ort_dynamo.wait_for_kernels()
+        results[name] = [out.detach()] + [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    out.square().sum().backward()
+    eager = [out.detach()] + [p.grad.clone() for p in model.parameters()]
+    for got, unfused, want in zip(results["kernels"], results["no kernels"], eager):
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got, unfused, rtol=0, atol=1e-2 * scale)
+        torch.testing.assert_close(got, want, rtol=0, atol=3e-2 * scale)
+    models = glob.glob(str(tmp_path / "*.onnx"))
+    chains = [n.doc_string for p in models for n in _pointwise_nodes(p)]
+    assert any(c.startswith("Cast|") and c.endswith("|Cast") and "Tanh" in c for c in chains), chains
+    assert "Cast" in chains  # a GEMM's result rounded alone
+    code = "".join(open(p).read() for p in glob.glob(str(tmp_path / "*.pointwise.c")))
+    assert "PW_BF16" in code and "pw_round_bf16" in code
+    # What stays an ORT Cast to bfloat16 is below the kernels' size (the weights, 64 x 256).
+    assert all(elements < _pointwise.MIN_ELEMENTS for p in models for elements, _ in _onnx_casts_to_bfloat16(p))
+
+
+def test_a_cube_in_a_kernel_is_multiplied_out_as_torch_and_ort_do():
+    """x ** 3 is x * x * x in torch and ORT; powf rounds differently, and libmvec's SIMD powf
+    takes a slow path for negative bases."""
+    def fn(x, y):
+        return x.pow(3) * y + y,
+
+    ort_dynamo.reset()
+    compiled = torch.compile(fn, backend="ort")
+    x, y = torch.randn(64, 512) * 3, torch.randn(64, 512)
+    compiled(x, y)
+    ort_dynamo.wait_for_kernels()
+    assert ort_dynamo.report().kernels >= 1
+    assert torch.equal(compiled(x, y)[0], fn(x, y)[0])
+
+
+def test_a_kernels_bfloat16_rounding_is_torchs_bit_for_bit():
+    """Ties to even, overflow to infinity, subnormals, infinities and NaN: a kernel's rounding
+    of float32 to bfloat16 gives torch's bits."""
+    def fn(x):
+        return x.to(torch.bfloat16), (x * 2).to(torch.bfloat16).float() + 1
+
+    torch.manual_seed(0)
+    specials = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.3961e38, 3.3962e38, -3.4e38, 1e-40,
+                             -1e-40, 2 ** -133, 0.0, -0.0, float("inf"), float("-inf"), float("nan")])
+    x = torch.cat([specials, torch.randn(32768) * torch.exp2(torch.randint(-60, 60, (32768,)).float())])
+    ort_dynamo.reset()
+    compiled = torch.compile(fn, backend="ort")
+    compiled(x)
+    ort_dynamo.wait_for_kernels()
+    assert ort_dynamo.report().kernels == 1  # both roundings
+    numbers = ~x.isnan()
+    for got, want in zip(compiled(x), fn(x)):
+        assert got.dtype == want.dtype
+        bits = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(got.view(bits)[numbers], want.view(bits)[numbers])
+        assert got[~numbers].isnan().all()

@@ -43,6 +43,7 @@ typedef struct OrtCustomOp OrtCustomOp; /* defined below */
 #define ORTD_ELEM_FLOAT 1
 #define ORTD_ELEM_INT64 7
 #define ORTD_ELEM_BOOL 9
+#define ORTD_ELEM_BFLOAT16 16
 
 /* Input/output characteristic returned by OrtCustomOp getters. */
 #define ORTD_IO_REQUIRED 0

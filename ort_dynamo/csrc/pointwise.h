@@ -72,7 +72,31 @@ static inline float pw_expf(float x) {
 #define PW_TASK_ELEMENTS 16384  /* at least this much work per thread task */
 
 enum { PW_FULL, PW_SCALAR, PW_SUFFIX, PW_COL, PW_STRIDED_ROW, PW_STRIDED_COL, PW_GENERAL };
-enum { PW_FLOAT, PW_BOOL, PW_INT64 };
+enum { PW_FLOAT, PW_BOOL, PW_INT64, PW_BF16 };
+
+/* bfloat16 is the upper half of a float32: a kernel holds each bfloat16 value as that float32,
+ * rounds to it as torch and ORT do (to nearest, ties to even; a NaN stays a quiet NaN) and
+ * stores only the upper half of a value it rounded. */
+static inline float pw_bf16_to_float(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+static inline float pw_round_bf16(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  const uint32_t r = (u & 0x7FFFFFFFu) > 0x7F800000u ? (u | 0x00400000u) & 0xFFFF0000u : rounded;
+  float f;
+  memcpy(&f, &r, sizeof f);
+  return f;
+}
+static inline uint16_t pw_bf16_bits(float rounded) {
+  uint32_t u;
+  memcpy(&u, &rounded, sizeof u);
+  return (uint16_t)(u >> 16);
+}
 /* What an output holds: the full result; a row sum (shaped as the output with a last axis of
  * 1); a column sum over all axes but the last (shaped [last]; or, KEPT, [1, ..., 1, last]). */
 enum { PW_OUT_FULL, PW_OUT_ROW_SUM, PW_OUT_COLUMN_SUM, PW_OUT_COLUMN_SUM_KEPT };
@@ -110,7 +134,7 @@ typedef struct PwKernelDef {
    * entry d = the axis of the tensor's own layout (inputs padded to rank with leading 1s)
    * that axis d of the iteration is. An output's permutation keeps the last axis. */
   const int* perms;
-  /* Per output, a PW_FLOAT or PW_INT64; NULL: all float (every generated kernel). */
+  /* Per output, a PW_FLOAT, PW_INT64 or PW_BF16; NULL: all float. */
   const int* out_types;
 } PwKernelDef;
 

@@ -426,14 +426,17 @@ static void pw_compute_v1(void* kernel, OrtKernelContext* ctx) {
 static void pw_destroy(void* kernel) { free(kernel); }
 static const char* pw_name(const OrtCustomOp* op) { return pw_def(op)->name; }
 static const char* pw_provider(const OrtCustomOp* op) { (void)op; return NULL; }
+static int pw_elem_type(int type) {
+  return type == PW_BOOL ? ORTD_ELEM_BOOL : type == PW_INT64 ? ORTD_ELEM_INT64
+       : type == PW_BF16 ? ORTD_ELEM_BFLOAT16 : ORTD_ELEM_FLOAT;
+}
 static int pw_input_type(const OrtCustomOp* op, size_t i) {
-  const int type = pw_def(op)->types[i];
-  return type == PW_BOOL ? ORTD_ELEM_BOOL : type == PW_INT64 ? ORTD_ELEM_INT64 : ORTD_ELEM_FLOAT;
+  return pw_elem_type(pw_def(op)->types[i]);
 }
 static size_t pw_input_count(const OrtCustomOp* op) { return (size_t)pw_def(op)->n_in; }
 static int pw_output_type(const OrtCustomOp* op, size_t i) {
   const int* types = pw_def(op)->out_types;
-  return types && types[i] == PW_INT64 ? ORTD_ELEM_INT64 : ORTD_ELEM_FLOAT;
+  return types ? pw_elem_type(types[i]) : ORTD_ELEM_FLOAT;
 }
 static size_t pw_output_count(const OrtCustomOp* op) { return (size_t)pw_def(op)->n_out; }
 static int pw_required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORTD_IO_REQUIRED; }
