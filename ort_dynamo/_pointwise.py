@@ -985,6 +985,43 @@ def _leading_axes_view(value: ir.Value | None, shape: tuple, info: _Graph) -> bo
         and made_by.domain in ("", "ai.onnx") and made_by.op_type in _ELEMENTWISE
 
 
+def _widen_before_views(graph: ir.Graph) -> int:
+    """``Cast(Reshape(v) or Transpose(v), to=float)`` of a bfloat16 ``v`` -> the view of
+    ``Cast(v)``, one Cast per ``v``. Under CPU autocast every GEMM reads its bfloat16 operands
+    through such a Cast, after the view that shapes them: moved up, the Cast joins the kernel
+    that rounds ``v`` (which then writes the float32 a GEMM reads, and ``v`` only where
+    something else reads it), and a Transpose meets its MatMul, which ORT folds into a
+    FusedMatMul. Returns the number of Casts moved."""
+    widened: dict[ir.Value, ir.Value] = {}
+    moved = 0
+    for node in list(graph):
+        if not (_bfloat16_cast(node) and node.attributes.get_int("to") == ir.DataType.FLOAT):
+            continue
+        chain, value = [], node.inputs[0]
+        while (_op(value.producer(), "Reshape") or _op(value.producer(), "Transpose")) \
+                and value.producer().inputs[0] is not None and value.producer().inputs[0].dtype == ir.DataType.BFLOAT16:
+            chain.append(value.producer())
+            value = value.producer().inputs[0]
+        if not chain:
+            continue
+        if value not in widened:
+            cast = ir.node("Cast", [value], attributes={"to": ir.DataType.FLOAT})
+            cast.outputs[0].dtype, cast.outputs[0].shape = ir.DataType.FLOAT, value.shape
+            graph.insert_before(node, cast)
+            widened[value] = cast.outputs[0]
+        x = widened[value]
+        for view in reversed(chain):
+            step = ir.node(view.op_type, [x, *view.inputs[1:]], attributes=dict(view.attributes))
+            step.outputs[0].dtype, step.outputs[0].shape = ir.DataType.FLOAT, view.outputs[0].shape
+            graph.insert_before(node, step)
+            x = step.outputs[0]
+        _take_over(node.outputs[0], x, "narrow_view")
+        graph.remove(node, safe=True)
+        _remove_if_dead(graph, chain)
+        moved += 1
+    return moved
+
+
 def _consecutive_reshapes(graph: ir.Graph, info: _Graph) -> int:
     """``Reshape(Reshape(x, s1), s2)`` -> ``Reshape(x, s2)``, or ``x`` itself where that has
     the shape ``s2`` asks for (static shapes only). Returns the number removed."""
@@ -1234,6 +1271,7 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
     if _elementwise_before_reshapes(graph, _Graph()):
         _consecutive_reshapes(graph, _Graph())
     _column_sums_through_reshapes(graph, _Graph())
+    _widen_before_views(graph)  # after the passes above, which add views
     into_zeros = _scatter_add_rows(graph, _Graph())
     kernels = [_SCATTER_ADD_ROWS] if not all(into_zeros) else []
     kernels += [_SCATTER_ADD_ROWS_TO_ZEROS] if any(into_zeros) else []
