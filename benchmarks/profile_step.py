@@ -4,6 +4,7 @@ for ort and eager, each measured in its own run of this script, and eager's GEMM
 and the rest (torch's profiler).
 
     .venv/bin/python benchmarks/profile_step.py --model llama
+    .venv/bin/python benchmarks/profile_step.py --model bert --autocast   # under bfloat16 autocast
 """
 
 from __future__ import annotations
@@ -28,18 +29,19 @@ import ort_dynamo  # noqa: E402
 from ort_dynamo import run as run_stage  # noqa: E402
 
 
-def phase_times(name: str, backend: str, steps: int) -> dict:
+def phase_times(name: str, backend: str, steps: int, autocast: bool = False) -> dict:
     """Mean wall ms of forward, backward and optimizer step, after 3 warm-up steps."""
     model, batch = build(name, "cpu")
     _, fn = compiled_copy(model, backend)
     opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
     for _ in range(3):
-        train_step(fn, opt, batch, "cpu", False)
+        train_step(fn, opt, batch, "cpu", autocast)
     ort_dynamo.wait_for_kernels()
     totals = collections.Counter()
     for _ in range(steps):
         t0 = time.perf_counter()
-        loss = fn(**batch).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = fn(**batch).loss
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -98,16 +100,16 @@ def heaviest_ort_nodes(make_step, steps: int = 10, top: int = 6) -> list[tuple[f
     return sorted(((statistics.median(times) / 1e3, key[1]) for key, times in ran.items()), reverse=True)[:top]
 
 
-def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple:
+def ort_kernel_profile(name: str, steps: int, folder: str, autocast: bool = False) -> tuple:
     with profiled_sessions(folder) as runners:
         torch._dynamo.reset()  # compile again, into profiled sessions
         model, batch = build(name, "cpu")
         _, fn = compiled_copy(model, "ort")
         opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
-        train_step(fn, opt, batch, "cpu", False)
+        train_step(fn, opt, batch, "cpu", autocast)
         ort_dynamo.wait_for_kernels()  # the kernels' sessions replace the interim ones from here
         for _ in range(steps):
-            train_step(fn, opt, batch, "cpu", False)
+            train_step(fn, opt, batch, "cpu", autocast)
         # Only the sessions that ran these steps (not the interim ones the kernels replaced).
         paths = [session.end_profiling() for runner in runners for session, *_ in runner._sessions.values()]
     per_op, calls, per_node = collections.Counter(), collections.Counter(), collections.Counter()
@@ -140,7 +142,7 @@ def ort_kernel_profile(name: str, steps: int, folder: str) -> tuple:
     return per_op, calls, per_node, session, per_gemm
 
 
-def eager_profile(name: str, steps: int) -> dict:
+def eager_profile(name: str, steps: int, autocast: bool = False) -> dict:
     """Eager's step per kind of ATen op (torch's profiler, self CPU ms per step): its GEMMs,
     its fused attention, and all the rest. Eager does the same products as ORT, so this says
     how much of eager's step ORT could shrink at all."""
@@ -149,10 +151,10 @@ def eager_profile(name: str, steps: int) -> dict:
     model, batch = build(name, "cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for _ in range(3):
-        train_step(model, opt, batch, "cpu", False)
+        train_step(model, opt, batch, "cpu", autocast)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            train_step(model, opt, batch, "cpu", False)
+            train_step(model, opt, batch, "cpu", autocast)
     kinds = collections.Counter()
     for event in prof.key_averages():
         kind = ("gemm" if event.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
@@ -174,19 +176,21 @@ def main() -> None:
     parser.add_argument("--model", default="llama", choices=MODELS)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--autocast", action="store_true", help="train under torch.autocast(bfloat16)")
     parser.add_argument("--phase-backends", default="eager,ort",
                         help="comma-separated backends whose phase times to measure, each in turn")
     args = parser.parse_args()
     _steady_malloc()  # as train_step.py: no backend pays page faults for another's frees
     for backend in args.phase_backends.split(","):
-        t = phase_times(args.model, backend, args.steps)
+        t = phase_times(args.model, backend, args.steps, args.autocast)
         print(f"{backend:9s} forward {t['forward']:6.1f} ms  backward {t['backward']:6.1f} ms  "
               f"optimizer {t['optimizer']:5.1f} ms  total {sum(t.values()):6.1f} ms")
-    kinds = eager_profile(args.model, args.steps)
+    kinds = eager_profile(args.model, args.steps, args.autocast)
     print(f"eager per step (torch's profiler): GEMMs {kinds['gemm']:.1f} ms, fused attention "
           f"{kinds['attention']:.1f} ms, the rest {kinds['rest']:.1f} ms, of {sum(kinds.values()):.1f} ms")
     with tempfile.TemporaryDirectory() as folder:
-        per_op, calls, per_node, session, per_gemm = ort_kernel_profile(args.model, args.steps, folder)
+        per_op, calls, per_node, session, per_gemm = ort_kernel_profile(args.model, args.steps, folder,
+                                                                         args.autocast)
     print(f"ORT per step: {session['runs']:.0f} session runs taking {session['ms']:.1f} ms, of which "
           f"kernels {sum(per_op.values()):.1f} ms (profiling adds overhead)")
     if session["gemm_ms"]:

@@ -1022,6 +1022,34 @@ def _widen_before_views(graph: ir.Graph) -> int:
     return moved
 
 
+def _bias_into_rounding(graph: ir.Graph) -> int:
+    """``Cast(Gemm(a, b, bias), to=bfloat16)`` -> ``Cast(MatMul(a, b) + bias)``: under CPU
+    autocast a Linear's product is rounded right after its Gemm, and the bias added in the
+    kernel that rounds costs nothing, where ORT's Gemm first broadcasts it over its whole
+    output (7.9 ms against 5.5 ms for BERT's [1024, 256] x [256, 1024]). Float32 graphs
+    get the same from ``_fusions.bias_after_reshape``. Returns the number rewritten."""
+    count = 0
+    for gemm in [n for n in graph if _op(n, "Gemm")]:
+        a, b, bias = (list(gemm.inputs) + [None] * 3)[:3]
+        result = gemm.outputs[0]
+        attributes = {name: gemm.attributes[name].value for name in gemm.attributes}
+        if bias is None or bias.dtype != ir.DataType.FLOAT or _dims(bias.shape) is None or len(bias.shape) != 1 \
+                or any(attributes.get(name, default) != default
+                       for name, default in (("transA", 0), ("transB", 0), ("alpha", 1.0), ("beta", 1.0))) \
+                or result.is_graph_output() or len(result.uses()) != 1 \
+                or not _rounds_to_bfloat16(result.uses()[0].node):
+            continue
+        product = ir.node("MatMul", [a, b])
+        added = ir.node("Add", [product.outputs[0], bias])
+        for step in (product, added):
+            step.outputs[0].dtype, step.outputs[0].shape = ir.DataType.FLOAT, result.shape
+            graph.insert_before(gemm, step)
+        _take_over(result, added.outputs[0], "gemm")
+        graph.remove(gemm, safe=True)
+        count += 1
+    return count
+
+
 def _consecutive_reshapes(graph: ir.Graph, info: _Graph) -> int:
     """``Reshape(Reshape(x, s1), s2)`` -> ``Reshape(x, s2)``, or ``x`` itself where that has
     the shape ``s2`` asks for (static shapes only). Returns the number removed."""
@@ -1272,6 +1300,7 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
         _consecutive_reshapes(graph, _Graph())
     _column_sums_through_reshapes(graph, _Graph())
     _widen_before_views(graph)  # after the passes above, which add views
+    _bias_into_rounding(graph)
     into_zeros = _scatter_add_rows(graph, _Graph())
     kernels = [_SCATTER_ADD_ROWS] if not all(into_zeros) else []
     kernels += [_SCATTER_ADD_ROWS_TO_ZEROS] if any(into_zeros) else []

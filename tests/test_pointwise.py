@@ -1208,8 +1208,8 @@ def _onnx_casts_to_bfloat16(path):
 def test_cpu_autocasts_bfloat16_casts_round_inside_kernels_with_eagers_results(tmp_path):
     """Under CPU autocast every op computes in float32 between Casts to and from bfloat16
     (ORT's CPU provider has no bfloat16 GEMM). A kernel holds bfloat16 values as the float32
-    they are: a GELU's chain rounds its result itself, and a GEMM's result is rounded by a
-    kernel, not by ORT's element-by-element Cast."""
+    they are: a GELU's chain rounds its result itself, and a GEMM's result is rounded, its
+    bias added, by a kernel, not by ORT's element-by-element Cast."""
     torch.manual_seed(0)
     model, x = _AutocastBlock(), torch.randn(8, 128, 64)
     results = {}
@@ -1242,6 +1242,8 @@ def test_cpu_autocasts_bfloat16_casts_round_inside_kernels_with_eagers_results(t
     assert "PW_BF16" in code and "pw_round_bf16" in code
     # What stays an ORT Cast to bfloat16 is below the kernels' size.
     assert all(elements < _pointwise.MIN_ELEMENTS for p in models for elements, _ in _onnx_casts_to_bfloat16(p))
+    # A Linear's bias is added in the kernel that rounds its product, not by ORT's Gemm.
+    assert "Gemm" not in _ops(models) and "MatMul" in _ops(models)
     # A GEMM's operand is widened before the view that shapes it, in the kernel that rounds it.
     for path in models:
         graph = onnx.load(path).graph
