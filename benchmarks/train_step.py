@@ -3,6 +3,7 @@
     python3 dev.py bench                                   # all models, CPU sizes
     .venv/bin/python benchmarks/train_step.py --models gpt2 --steps 20 --warmup 3
     .venv/bin/python benchmarks/train_step.py --device cuda --models gpt2-124m   # GPU machine
+    .venv/bin/python benchmarks/train_step.py --autocast      # CPU under torch.autocast(bfloat16)
 
 Models: HF's GPT-2, BERT and Llama, and nanogpt (examples/train_gpt.py's model, attention written
 as nanoGPT writes it), all at the CPU sizes below; gpt2-124m for a GPU.
