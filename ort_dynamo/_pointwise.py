@@ -584,22 +584,20 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
     reads = {"full": "{x}", "suffix": "{x}", "col": "0", "scalar": "0", "strided_row": "{x}", "strided_col": "0",
              "general": "({x}) * a->inner_stride[{i}]"}
 
-    def load(v, element):
-        """A declaration of the lane's value: a bfloat16 one as the float32 it is."""
+    def load(v, suffix, element):
+        """The lane's value of input ``v``: a bfloat16 one as the float32 it is."""
         if ctype[v] == "uint16_t":
-            return f"float {{}} = pw_bf16_to_float({element});"
-        return f"{ctype[v]} {{}} = {element};"
+            return f"const float {arg[v]}{suffix} = pw_bf16_to_float({element});"
+        return f"const {ctype[v]} {arg[v]}{suffix} = {element};"
 
     def fast_loads(lane, suffix):
-        return ["const " + load(v, f"{arg[v]}[{reads[k].format(x=lane, i=i)}]").format(f"{arg[v]}{suffix}")
-                for i, (v, k) in enumerate(zip(inputs, kinds))]
+        return [load(v, suffix, f"{arg[v]}[{reads[k].format(x=lane, i=i)}]") for i, (v, k) in enumerate(zip(inputs, kinds))]
 
     any_setup = [f"const {ctype[v]}* restrict {arg[v]} = (const {ctype[v]}*)a->in[{i}] + pw_offset(a, {i}, r);"
                  for i, v in enumerate(inputs)]
 
     def any_loads(lane, suffix):
-        return ["const " + load(v, f"{arg[v]}[({lane}) * a->inner_stride[{i}]]").format(f"{arg[v]}{suffix}")
-                for i, v in enumerate(inputs)]
+        return [load(v, suffix, f"{arg[v]}[({lane}) * a->inner_stride[{i}]]") for i, v in enumerate(inputs)]
 
     rotates = any(n.op_type == _ROTATE for n in group.nodes)
     # Rows of PW_BLOCK elements when every read is full or scalar; a row sum or a rotation
@@ -995,7 +993,7 @@ def _widen_before_views(graph: ir.Graph) -> int:
     widened: dict[ir.Value, ir.Value] = {}
     moved = 0
     for node in list(graph):
-        if not (_bfloat16_cast(node) and node.attributes.get_int("to") == ir.DataType.FLOAT):
+        if not _bfloat16_cast(node) or _rounds_to_bfloat16(node):
             continue
         chain, value = [], node.inputs[0]
         while (_op(value.producer(), "Reshape") or _op(value.producer(), "Transpose")) \

@@ -1197,11 +1197,11 @@ class _AutocastBlock(nn.Module):
 
 
 def _onnx_casts_to_bfloat16(path):
-    """(elements, name) of the ONNX Casts to bfloat16 left in a saved model, static shapes only."""
+    """The element count of each ONNX Cast to bfloat16 left in a saved model (static shapes)."""
     model = onnx.shape_inference.infer_shapes(onnx.load(path))
     shapes = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim]
               for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]}
-    return [(int(np.prod(shapes.get(n.input[0], [0]))), n.name) for n in model.graph.node
+    return [int(np.prod(shapes.get(n.input[0], [0]))) for n in model.graph.node
             if n.op_type == "Cast" and any(a.name == "to" and a.i == onnx.TensorProto.BFLOAT16 for a in n.attribute)]
 
 
@@ -1241,7 +1241,7 @@ def test_cpu_autocasts_bfloat16_casts_round_inside_kernels_with_eagers_results(t
     code = "".join(open(p).read() for p in glob.glob(str(tmp_path / "*.pointwise.c")))
     assert "PW_BF16" in code and "pw_round_bf16" in code
     # What stays an ORT Cast to bfloat16 is below the kernels' size.
-    assert all(elements < _pointwise.MIN_ELEMENTS for p in models for elements, _ in _onnx_casts_to_bfloat16(p))
+    assert all(elements < _pointwise.MIN_ELEMENTS for p in models for elements in _onnx_casts_to_bfloat16(p))
     # A Linear's bias is added in the kernel that rounds its product, not by ORT's Gemm.
     assert "Gemm" not in _ops(models) and "MatMul" in _ops(models)
     # A GEMM's operand is widened before the view that shapes it, in the kernel that rounds it.
