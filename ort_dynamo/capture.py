@@ -53,7 +53,7 @@ class OrtBackend:
         kwargs = {}
         if self.options.memory_opt_level >= 1:
             kwargs["partition_fn"] = _recomputing_partition
-        with lower_stage.whole_upsampling():
+        with lower_stage.whole_upsampling(), lower_stage.trainable_rnns(gm):
             return aot_autograd(
                 fw_compiler=functools.partial(compiler, kind="forward"),
                 bw_compiler=functools.partial(compiler, kind="backward"),

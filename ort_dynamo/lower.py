@@ -10,7 +10,8 @@ or is decomposed into ops that do. Two mechanisms:
 * ``decomposition_table`` is handed to AOTAutograd: torch's decompositions for ops
   torchlib lacks (most ``*_backward`` ops) plus our own for those torch has none of.
   ``whole_upsampling`` is the context AOTAutograd traces in, so that the table, not a
-  decomposition torch applies above autograd, decides how upsampling is written.
+  decomposition torch applies above autograd, decides how upsampling is written;
+  ``trainable_rnns`` another, so that an LSTM is unrolled into ops autograd can differentiate.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch._decomp import decomposition_table as _torch_decompositions
 from .decompositions import (attention_backward, attention_forward, attention_inputs, attention_operands,
                              masked_scores, own_decompositions, pointwise_decompositions, zero_rows)
 
-__all__ = ["lower_graph", "decomposition_table", "whole_upsampling"]
+__all__ = ["lower_graph", "decomposition_table", "whole_upsampling", "trainable_rnns"]
 
 aten = torch.ops.aten
 
@@ -497,6 +498,34 @@ def whole_upsampling():
                 op.py_kernels[key] = kernel
             for op in _UPSAMPLING:
                 op._dispatch_cache.clear()
+
+
+#: What nn.LSTM, nn.GRU and nn.RNN call; Dynamo captures those modules only with
+#: ``torch._dynamo.config.allow_rnn`` (otherwise they are a graph break the report lists).
+_RNN_OPS = (torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu)
+_rnn_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def trainable_rnns(gm: torch.fx.GraphModule):
+    """While AOTAutograd traces a graph that calls an RNN: torch writes an LSTM layer whose
+    input needs no gradient (the first layer, when the batch is data) as oneDNN's
+    inference-only layer op, even when its weights train, and that op's backward finds no
+    workspace: training fails whatever the backend (aot_eager too). With oneDNN off while
+    tracing, every RNN is unrolled into its cells' products and elementwise ops, which
+    autograd differentiates and ORT runs. oneDNN's switch is process-wide, so it is only
+    touched for graphs that have an RNN, and put back after."""
+    graphs = [m.graph for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    if not any(n.op == "call_function" and n.target in _RNN_OPS for g in graphs for n in g.nodes):
+        yield
+        return
+    with _rnn_lock:
+        enabled = torch._C._get_mkldnn_enabled()
+        torch._C._set_mkldnn_enabled(False)
+        try:
+            yield
+        finally:
+            torch._C._set_mkldnn_enabled(enabled)
 
 
 def channels_first_layer_norm(x, weight=None, bias=None, eps: float = 1e-5):

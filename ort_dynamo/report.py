@@ -86,7 +86,8 @@ class Report:
     @property
     def graph_breaks(self) -> dict[str, int]:
         """Dynamo graph breaks since this report began, by reason: code Dynamo could not
-        capture runs eagerly in Python between compiled graphs (not an ORT fallback)."""
+        capture runs eagerly in Python between compiled graphs, or a whole frame does when
+        Dynamo gave up on it (not an ORT fallback)."""
         now = collections.Counter(_dynamo_graph_breaks())
         now.subtract(self._breaks_before)
         return {reason: n for reason, n in now.items() if n > 0}
@@ -174,7 +175,7 @@ def format_report(data: dict, path: str = "") -> str:
     breaks = data.get("graph_breaks", {})
     if breaks:
         lines.append(f"Dynamo graph breaks ({sum(breaks.values())}):")
-        lines += [f"  {n} x {reason.strip().splitlines()[0]}"
+        lines += [f"  {n} x {_break_line(reason)}"
                   for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])]
     failures = data.get("recompute_failures", [])
     if failures:
@@ -197,9 +198,19 @@ def _summed_stages(per_graph) -> dict[str, float]:
 
 
 def _dynamo_graph_breaks() -> dict:
+    """Dynamo counts each reason once: under "graph_break" when it split the graph at a call,
+    under "unimplemented" when it split at a data-dependent branch or gave up on a whole frame
+    (an ``nn.LSTM`` without ``allow_rnn``: nothing of that frame compiled)."""
     from torch._dynamo.utils import counters
 
-    return dict(counters["graph_break"])
+    return dict(collections.Counter(counters["graph_break"]) + collections.Counter(counters["unimplemented"]))
+
+
+def _break_line(reason: str) -> str:
+    """A reason's first line, and Dynamo's first hint when it gives one."""
+    lines = [line.strip() for line in reason.strip().splitlines()]
+    hint = next((line for line in lines if line.startswith("Hint:")), "")
+    return f"{lines[0]} ({hint[len('Hint:'):].strip()})" if hint else lines[0]
 
 
 _REPORT = Report()

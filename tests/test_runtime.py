@@ -221,6 +221,22 @@ def test_report_lists_dynamo_graph_breaks_with_their_reason():
     assert len(report.graphs) == 2 and report.fallback_nodes == 0  # both halves ran on ORT
 
 
+def test_report_lists_a_data_dependent_branch_as_a_graph_break():
+    """Dynamo counts a branch on a tensor's value apart from breaks at a call; both split the graph."""
+
+    def fn(x):
+        y = x.sin()
+        if y.sum() > 0:
+            y = y * 2
+        return y.cos()
+
+    x = torch.ones(3)
+    torch.testing.assert_close(torch.compile(fn, backend="ort")(x), (x.sin() * 2).cos())
+    report = ort_dynamo.report()
+    assert any("Data-dependent branching" in reason for reason in report.graph_breaks), report.graph_breaks
+    assert "Data-dependent branching" in str(report)
+
+
 def test_int32_indices_run_on_ort():
     """torch indexes with int32 tensors; ONNX GatherND/ScatterND need int64 (cast at export)."""
     idx = torch.tensor([4, 1, 1], dtype=torch.int32)

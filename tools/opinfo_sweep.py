@@ -141,6 +141,17 @@ Approximations accurate to float32 only (the gamma family, Chebyshev polynomials
 * Data-dependent output shapes (`nonzero`, `unique`, `masked_select`) and Python-scalar results
   (`item`, `allclose`, `equal`, and torch functions that test values, e.g. `cov`,
   `gaussian_nll_loss`) graph-break in Dynamo.
+* `nn.LSTM`, `nn.GRU` and `nn.RNN`, unless you set Dynamo's own switch,
+  `torch._dynamo.config.allow_rnn = True`: without it Dynamo gives up on the frame that calls
+  them, so that whole frame runs in PyTorch, and the report's graph breaks say so with that
+  hint. With it they are unrolled over the sequence into their cells' products and
+  elementwise ops and train on ORT with eager's gradients (tests/test_recurrent.py): one
+  graph per sequence length, and compile time grows with the length (a 2-layer bidirectional
+  LSTM over 5 steps: about 1,900 graph nodes on ORT, 4 s to compile). `nn.LSTMCell`/`nn.GRUCell` need no switch.
+  The switch is global and other backends see it too: PyTorch's own decomposition writes an
+  LSTM whose input needs no gradient as oneDNN's inference-only op, so training such a model
+  fails under `aot_eager` and Inductor; ort_dynamo turns oneDNN off while it traces a graph with
+  an RNN, which avoids that.
 
 Known and not fixed: ORT 1.31's CPU `Where` returns +0.0 where its true branch holds -0.0 (the
 false branch keeps it), so `torch.where`/`masked_fill` selecting a negative zero can lose its

@@ -1,0 +1,95 @@
+"""Recurrent layers (nn.LSTM, nn.GRU, nn.RNN): Dynamo captures them only with its own switch,
+``torch._dynamo.config.allow_rnn``; with it they train on ORT, without it the report says why
+they ran in PyTorch."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ort_dynamo
+
+
+class Tagger(nn.Module):
+    """A recurrent encoder and a per-step classifier, as a sequence tagger is built."""
+
+    def __init__(self, layer: nn.Module, width: int) -> None:
+        super().__init__()
+        self.rnn = layer
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+LAYERS = {
+    "lstm": lambda: Tagger(nn.LSTM(6, 8, batch_first=True), 8),
+    "lstm_2_layers_bidirectional": lambda: Tagger(nn.LSTM(6, 8, num_layers=2, bidirectional=True), 16),
+    "lstm_projected": lambda: Tagger(nn.LSTM(6, 8, proj_size=4, batch_first=True), 4),
+    "gru_2_layers": lambda: Tagger(nn.GRU(6, 8, num_layers=2, batch_first=True), 8),
+    "rnn_relu_bidirectional": lambda: Tagger(nn.RNN(6, 8, nonlinearity="relu", bidirectional=True), 16),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_recurrent_layers_train_on_ort_with_eagers_gradients_when_dynamo_captures_them(name):
+    eager = LAYERS[name]()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, backend="ort")
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    ort_opt = torch.optim.SGD(compiled_model.parameters(), lr=0.1)
+    x = torch.randn(3, 5, 6)  # data: needs no gradient, as a batch does
+    with torch._dynamo.config.patch(allow_rnn=True):
+        for _ in range(2):
+            expected = eager(x).pow(2).mean()
+            got = compiled(x).pow(2).mean()
+            expected.backward()
+            got.backward()
+            torch.testing.assert_close(got, expected)
+            for (param, p_eager), p_ort in zip(eager.named_parameters(), compiled_model.parameters()):
+                torch.testing.assert_close(p_ort.grad, p_eager.grad, msg=f"{name}: gradient of {param}")
+            eager_opt.step()
+            ort_opt.step()
+            eager_opt.zero_grad()
+            ort_opt.zero_grad()
+    report = ort_dynamo.report()
+    assert report.ort_nodes > 0 and report.fallback_nodes == 0, str(report)
+    assert not report.graph_breaks, report.graph_breaks
+    assert torch._C._get_mkldnn_enabled(), "oneDNN must be switched back on after tracing"
+
+
+def test_a_recurrent_cell_trains_on_ort_without_dynamos_switch():
+    """nn.LSTMCell and nn.GRUCell are not what allow_rnn guards: Dynamo captures them as is."""
+
+    class Cells(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTMCell(6, 8)
+            self.gru = nn.GRUCell(8, 8)
+
+        def forward(self, x):
+            h, _ = self.lstm(x)
+            return self.gru(h)
+
+    eager = Cells()
+    compiled_model = copy.deepcopy(eager)
+    x = torch.randn(4, 6)
+    expected = eager(x).sum()
+    got = torch.compile(compiled_model, backend="ort")(x).sum()
+    expected.backward()
+    got.backward()
+    torch.testing.assert_close(got, expected)
+    for p_eager, p_ort in zip(eager.parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(p_ort.grad, p_eager.grad)
+    assert ort_dynamo.report().fallback_nodes == 0 and ort_dynamo.report().ort_nodes > 0
+
+
+def test_without_dynamos_switch_the_report_says_the_lstm_ran_in_pytorch_and_how_to_compile_it():
+    model = LAYERS["lstm"]()
+    x = torch.randn(3, 5, 6)
+    torch.testing.assert_close(torch.compile(model, backend="ort")(x), model(x))
+    report = ort_dynamo.report()
+    assert report.ort_nodes == 0  # Dynamo gave the whole frame up: nothing reached ORT
+    assert any("LSTM" in reason for reason in report.graph_breaks), report.graph_breaks
+    assert "allow_rnn" in str(report), str(report)  # Dynamo's hint is printed with the reason
