@@ -1,5 +1,5 @@
-"""Layers of convolutional and audio models (padding, ``Tensor.unfold``, spectrograms, upsampling,
-pooling, normalization, layout),
+"""Layers of convolutional, audio and recurrent models (padding, ``Tensor.unfold``, spectrograms,
+upsampling, pooling, normalization, layout, LSTM/GRU),
 forward and backward, eager against ``backend="ort"``, on the shapes those models give them.
 
     .venv/bin/python benchmarks/layer_ops.py
@@ -81,6 +81,14 @@ CASES = {
                       (8, 64, 56, 56), "ResNet's stride-2 1x1 shortcut, weight gradient included"),
     "stem_conv": (lambda x, w=torch.randn(64, 3, 7, 7, requires_grad=True): F.conv2d(x, w, stride=2, padding=3),
                   (8, 3, 112, 112), "ResNet's 7x7 stride-2 stem, weight gradient included"),
+    # Recurrent layers: Dynamo captures them only with its allow_rnn switch (set in main);
+    # ORT runs them unrolled over the sequence.
+    "lstm_16": (lambda x, m=torch.nn.LSTM(128, 256, num_layers=2, batch_first=True): m(x)[0], (16, 16, 128),
+                "a 2-layer LSTM tagger over 16 steps"),
+    "lstm_64": (lambda x, m=torch.nn.LSTM(128, 256, num_layers=2, batch_first=True): m(x)[0], (16, 64, 128),
+                "the same over 64 steps"),
+    "gru_64": (lambda x, m=torch.nn.GRU(128, 256, num_layers=2, batch_first=True): m(x)[0], (16, 64, 128),
+               "a 2-layer GRU over 64 steps"),
 }
 
 
@@ -103,6 +111,7 @@ def main(names: list[str]) -> None:
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown}; known: {', '.join(CASES)}")
     torch.manual_seed(0)
+    torch._dynamo.config.allow_rnn = True  # the recurrent cases; no other case has an RNN
     _steady_malloc()  # as train_step.py: neither side pays page faults for the other's frees
     print(f"torch {torch.__version__}; forward + backward, median of 20 interleaved steps")
     for name in names or CASES:

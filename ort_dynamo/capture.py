@@ -172,6 +172,7 @@ def ort_backend(gm: torch.fx.GraphModule, example_inputs, options=None):
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptions, kind: str):
     """Compile one AOTAutograd graph: returns a boxed callable."""
     graph_report = current_report().new_graph(kind)
+    lower_stage.stacked_row_gradients(gm)
     registry = functools.partial(export_stage.onnx_registry, options.opset)  # built on first need
     graph_key = cache_stage.cache_key(gm, options) if options.cache_dir else None
     known = cache_stage.load_json(options.cache_dir, graph_key, "verdicts") if graph_key else None

@@ -29,7 +29,7 @@ from torch._decomp import decomposition_table as _torch_decompositions
 from .decompositions import (attention_backward, attention_forward, attention_inputs, attention_operands,
                              masked_scores, own_decompositions, pointwise_decompositions, zero_rows)
 
-__all__ = ["lower_graph", "decomposition_table", "whole_upsampling", "trainable_rnns"]
+__all__ = ["lower_graph", "decomposition_table", "whole_upsampling", "trainable_rnns", "stacked_row_gradients"]
 
 aten = torch.ops.aten
 
@@ -498,6 +498,162 @@ def whole_upsampling():
                 op.py_kernels[key] = kernel
             for op in _UPSAMPLING:
                 op._dispatch_cache.clear()
+
+
+#: Fewer rows than this stay a sum of Wheres or Pads: the pointwise kernels fuse a few (an
+#: interleaved RoPE's pair, a q/k/v split's three), and a Concat of many short runs is slower.
+_MIN_STACKED_ROWS = 4
+
+
+def stacked_row_gradients(gm: torch.fx.GraphModule) -> int:
+    """After AOTAutograd: the gradient of a tensor read row by row (``x[:, t]`` for every t: a
+    loop over time steps, an unrolled ``nn.LSTM``) is a sum of one ``select_backward`` per row,
+    each a full-size Where or Pad of zeros: a pass over the whole tensor per row, quadratic in
+    the rows. A sum that holds every row once is those rows stacked: one copy. Likewise a sum
+    of many matrix products (a weight's gradient over the steps) is one product. Returns how
+    many sums were replaced."""
+    graph, replaced = gm.graph, 0
+    for root in list(graph.nodes):
+        if not _is_add(root) or (len(root.users) == 1 and _is_add(next(iter(root.users)))):
+            continue  # not the top of a sum
+        leaves = _summands(root)
+        by_parity: dict = {}
+        for leaf in leaves:
+            product = _product(leaf)
+            if product is not None:
+                by_parity.setdefault(product[2], []).append((leaf, product))
+        products = max(by_parity.values(), key=len, default=[])
+        if len(products) >= _MIN_STACKED_ROWS and all(_thin(a, b) for _, (a, b, _) in products):
+            # A weight's gradient over the steps: sum_t a_t @ b_t is one product of the steps
+            # side by side, [a_0 ... a_T] @ [b_0; ...; b_T]: one GEMM with a long inner
+            # dimension instead of T thin ones and a T-way sum (64 steps of an LSTM: 20 ms).
+            # Only for thin products: the operands are held to the end for the Concats, which
+            # costs less than the sum only where each product writes more than it reads (not
+            # a weight shared by a model's layers, whose products read whole activations).
+            rest = [leaf for leaf in leaves if all(leaf is not p for p, _ in products)]
+            with graph.inserting_before(root):
+                left = _fx_call(graph, aten.cat.default, [a for _, (a, _, _) in products], 1)
+                right = _fx_call(graph, aten.cat.default, [b for _, (_, b, _) in products], 0)
+                total = _fx_call(graph, aten.mm.default, left, right)
+                if products[0][1][2]:
+                    total = _fx_call(graph, aten.t.default, total)
+                for other in rest:
+                    total = _fx_call(graph, aten.add.Tensor, total, other)
+            root.replace_all_uses_with(total)
+            replaced += 1
+            continue
+        groups: dict = {}
+        for leaf in leaves:
+            row = _selected_row(leaf)
+            if row is not None:
+                groups.setdefault(row[1:3], []).append((row, leaf))
+        for (dim, size), rows in groups.items():
+            grads = {index: grad for (grad, _, _, index), _ in rows}
+            value = root.meta.get("val")
+            if size < _MIN_STACKED_ROWS or len(grads) != len(rows) or set(grads) != set(range(size)) \
+                    or not isinstance(value, torch.Tensor) or not isinstance(value.shape[dim], int) \
+                    or value.shape[dim] != size:
+                continue
+            rest = [leaf for leaf in leaves if all(leaf is not r for _, r in rows)]
+            with graph.inserting_before(root):
+                total = _fx_call(graph, aten.stack.default, [grads[i] for i in range(size)], dim)
+                for other in rest:
+                    total = _fx_call(graph, aten.add.Tensor, total, other)
+            root.replace_all_uses_with(total)
+            replaced += 1
+            break  # the root is gone: one group per sum
+    if replaced:
+        graph.eliminate_dead_code()
+        gm.recompile()
+    return replaced
+
+
+def _is_add(node) -> bool:
+    return node.op == "call_function" and node.target is aten.add.Tensor and len(node.args) == 2 \
+        and not node.kwargs and all(isinstance(a, torch.fx.Node) for a in node.args)
+
+
+def _summands(root: torch.fx.Node) -> list:
+    """The terms of a tree of adds whose inner adds feed only the next."""
+    terms, stack = [], [root]
+    while stack:
+        node = stack.pop()
+        for arg in reversed(node.args):
+            if _is_add(arg) and len(arg.users) == 1:
+                stack.append(arg)
+            else:
+                terms.append(arg)
+    return terms
+
+
+def _product(node):
+    """(a, b, transposed) when ``node`` is ``a @ b``, transposed an odd number of times or not."""
+    transposed = False
+    while _call(node, aten.t.default) and len(node.users) == 1:
+        node, transposed = node.args[0], not transposed
+    if not _call(node, aten.mm.default) or len(node.users) != 1:
+        return None
+    return node.args[0], node.args[1], transposed
+
+
+def _thin(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether ``a @ b`` writes more elements than its operands hold (a small inner dimension)."""
+    left, right = a.meta.get("val"), b.meta.get("val")
+    if not isinstance(left, torch.Tensor) or not isinstance(right, torch.Tensor) or left.dim() != 2 \
+            or right.dim() != 2:
+        return False
+    (m, k), n = left.shape, right.shape[1]
+    return all(isinstance(d, int) for d in (m, k, n)) and m * n > k * (m + n)
+
+
+def _selected_row(node):
+    """(grad, dim, size, index) when ``node`` is ``select_backward``'s full-size tensor as
+    decompositions writes it: a Where of one row of an arange, or a Pad of zeros around
+    ``grad.unsqueeze(dim)``."""
+    value = node.meta.get("val")
+    if node.op != "call_function" or not isinstance(value, torch.Tensor):
+        return None
+    rank = value.dim()
+    if node.target is aten.where.self:
+        cond, picked, other = node.args
+        if not (_call(cond, aten.eq.Scalar) and _call(picked, aten.unsqueeze.default)
+                and _call(other, aten.zeros.default) and list(other.args[0]) == []):
+            return None
+        rows, index = cond.args
+        if not (_call(rows, aten.view.default) and _call(rows.args[0], aten.arange.default)
+                and len(rows.args[0].args) == 1 and isinstance(rows.args[0].args[0], int)):
+            return None
+        size, shape = rows.args[0].args[0], list(rows.args[1])
+        dim = picked.args[1] % rank
+        if len(shape) != rank or shape != [size if d == dim else 1 for d in range(rank)] or not isinstance(index, int):
+            return None
+        return picked.args[0], dim, size, index
+    if node.target is aten.constant_pad_nd.default:
+        picked, pads = node.args[0], list(node.args[1])
+        if (node.args[2] if len(node.args) > 2 else 0) != 0 or not _call(picked, aten.unsqueeze.default):
+            return None
+        dim = picked.args[1] % rank
+        pairs = {rank - 1 - j: (pads[2 * j], pads[2 * j + 1]) for j in range(len(pads) // 2)}
+        before, after = pairs.get(dim, (0, 0))
+        if any(pair != (0, 0) for d, pair in pairs.items() if d != dim) or not isinstance(before, int) \
+                or not isinstance(after, int):
+            return None
+        return picked.args[0], dim, before + 1 + after, before
+    return None
+
+
+def _call(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
+
+
+def _fx_call(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
+    """A new call node with its fake value, computed as the tracer would."""
+    node = graph.call_function(target, args)
+    values = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
+    fake = next(v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, torch.Tensor))
+    with fake.fake_mode:
+        node.meta["val"] = target(*values)
+    return node
 
 
 #: What nn.LSTM, nn.GRU and nn.RNN call; Dynamo captures those modules only with

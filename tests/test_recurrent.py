@@ -93,3 +93,40 @@ def test_without_dynamos_switch_the_report_says_the_lstm_ran_in_pytorch_and_how_
     assert report.ort_nodes == 0  # Dynamo gave the whole frame up: nothing reached ORT
     assert any("LSTM" in reason for reason in report.graph_breaks), report.graph_breaks
     assert "allow_rnn" in str(report), str(report)  # Dynamo's hint is printed with the reason
+
+
+def test_a_loop_over_time_steps_gets_its_gradients_as_one_copy_and_one_product(monkeypatch):
+    """``x[:, t]`` for every step: x's gradient is the steps' gradients stacked (not a sum of a
+    full-size Where per step, quadratic in the steps), and the shared weight's gradient one
+    product over all steps (not a thin product per step and their sum)."""
+    from ort_dynamo import lower
+
+    replaced = []
+    original = lower.stacked_row_gradients
+
+    def spy(gm):
+        replaced.append(original(gm))
+        return replaced[-1]
+
+    monkeypatch.setattr(lower, "stacked_row_gradients", spy)
+
+    def recurrence(x, w_in, w_rec):
+        h = torch.zeros(x.shape[0], w_rec.shape[0])
+        steps = []
+        for t in range(x.shape[1]):
+            h = torch.tanh(x[:, t] @ w_in + h @ w_rec)
+            steps.append(h)
+        return torch.stack(steps, 1)
+
+    x = torch.randn(4, 8, 16, requires_grad=True)
+    w_in = torch.randn(16, 32, requires_grad=True)
+    w_rec = (torch.randn(32, 32) / 8).requires_grad_()
+    out = torch.compile(recurrence, backend="ort")(x, w_in, w_rec)
+    out.square().sum().backward()
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w_in, w_rec)]
+    recurrence(*leaves).square().sum().backward()
+    for got, expected in zip((x, w_in, w_rec), leaves):
+        torch.testing.assert_close(got.grad, expected.grad, rtol=1e-4, atol=1e-5)
+    # forward: nothing; backward: x's rows stacked, and both weights' products joined
+    assert replaced == [0, 3], replaced
+    assert ort_dynamo.report().fallback_nodes == 0
