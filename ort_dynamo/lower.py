@@ -523,7 +523,8 @@ def stacked_row_gradients(gm: torch.fx.GraphModule) -> int:
             if product is not None:
                 by_parity.setdefault(product[2], []).append((leaf, product))
         products = max(by_parity.values(), key=len, default=[])
-        if len(products) >= _MIN_STACKED_ROWS and all(_thin(a, b) for _, (a, b, _) in products):
+        if len(products) >= _MIN_STACKED_ROWS and all(_thin(a, b) for _, (a, b, _) in products) \
+                and _same_shape(root, [leaf for leaf, _ in products]):
             # A weight's gradient over the steps: sum_t a_t @ b_t is one product of the steps
             # side by side, [a_0 ... a_T] @ [b_0; ...; b_T]: one GEMM with a long inner
             # dimension instead of T thin ones and a T-way sum (64 steps of an LSTM: 20 ms).
@@ -549,10 +550,8 @@ def stacked_row_gradients(gm: torch.fx.GraphModule) -> int:
                 groups.setdefault(row[1:3], []).append((row, leaf))
         for (dim, size), rows in groups.items():
             grads = {index: grad for (grad, _, _, index), _ in rows}
-            value = root.meta.get("val")
             if size < _MIN_STACKED_ROWS or len(grads) != len(rows) or set(grads) != set(range(size)) \
-                    or not isinstance(value, torch.Tensor) or not isinstance(value.shape[dim], int) \
-                    or value.shape[dim] != size:
+                    or not _same_shape(root, [leaf for _, leaf in rows]) or root.meta["val"].shape[dim] != size:
                 continue
             rest = [leaf for leaf in leaves if all(leaf is not r for _, r in rows)]
             with graph.inserting_before(root):
@@ -584,6 +583,13 @@ def _summands(root: torch.fx.Node) -> list:
             else:
                 terms.append(arg)
     return terms
+
+
+def _same_shape(root: torch.fx.Node, terms: list) -> bool:
+    """Whether the sum and these terms have one static shape and dtype (a sum may broadcast)."""
+    values = [n.meta.get("val") for n in (root, *terms)]
+    return all(isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape)
+               and v.shape == values[0].shape and v.dtype == values[0].dtype for v in values)
 
 
 def _product(node):
