@@ -4,6 +4,7 @@
     python3 dev.py train   # train a small GPT with backend="ort"; parity and speed vs eager
     python3 dev.py test    # the test suite (what CI runs)
     python3 dev.py bench   # benchmarks (speed ratios), see docs/performance.md
+    python3 dev.py test-torch 2.11.0   # the tests under another torch, in ./.venv-torch-2.11.0
 """
 
 import hashlib
@@ -43,7 +44,27 @@ def ensure_venv() -> None:
         fh.write(_digest())
 
 
+def test_other_torch(version: str, pytest_args: list[str]) -> int:
+    """The suite under torch ``version`` (PyPI's build: for 2.11, a CUDA build of a few GB), in a
+    venv of its own beside the pinned one, with the other pins unchanged."""
+    root = os.path.join(ROOT, f".venv-torch-{version}")
+    py = os.path.join(root, "bin", "python")
+    if not os.path.exists(py):
+        venv.EnvBuilder(with_pip=True).create(root)
+        others = [line.strip() for line in open(REQS) if line.strip() and not line.startswith(("#", "torch=="))]
+        pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.check_call(pip + [f"torch=={version}", *others])
+        subprocess.check_call(pip + ["--no-deps", "-e", ROOT])
+    return subprocess.call([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(ROOT, "tests"),
+                            *pytest_args], cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "test-torch":
+        if len(argv) < 2:
+            print("usage: python3 dev.py test-torch VERSION [pytest arguments]")
+            return 2
+        return test_other_torch(argv[1], argv[2:])
     tasks = {
         "train": [PY, os.path.join(ROOT, "examples", "train_gpt.py")],
         "test": [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(ROOT, "tests")],

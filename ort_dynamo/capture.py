@@ -121,7 +121,7 @@ def _without_common_subexpressions(graph: torch.fx.Graph) -> torch.fx.Graph:
         except NotImplementedError:
             return None
 
-    output = next(reversed(graph.nodes))
+    output = graph.find_nodes(op="output")[0]
     returned = {storage(n) for n in output.all_input_nodes} - {None}
     new_graph, env, seen = torch.fx.Graph(), {}, {}
     for node in graph.nodes:

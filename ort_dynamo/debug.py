@@ -27,7 +27,9 @@ import torch
 import torch.fx
 
 from . import run as run_stage
+from .errors import OrtDynamoError
 from .options import OrtOptions
+from .report import current_report
 from .partition import user_source
 from .utils.hooks._recording_subscriber import RecordingSubscriber
 from .utils.hooks._subscriber_manager import SubscriberManager, flatten_tensors
@@ -170,6 +172,15 @@ def _recording_runner_calls(calls: list):
         yield
     finally:
         run_stage.OrtRunner.__call__ = original
+
+
+def _nothing_on_ort(step: int, breaks_before: dict) -> str:
+    """Why a comparison cannot be made: the "ort" copy ran eagerly, so it would match eager."""
+    breaks = [reason for reason, n in current_report().graph_breaks.items() if n > breaks_before.get(reason, 0)]
+    reasons = "; ".join(reason.strip().splitlines()[0] for reason in breaks) or "none reported"
+    return (f"compare: nothing of the model ran on ONNX Runtime in step {step}, so eager would only be "
+            f"compared with itself. Dynamo compiled no graph around the activation hooks "
+            f"(its graph breaks: {reasons}); see docs/convergence.md")
 
 
 def _train_step(model, optimizer, batch, loss_fn) -> float:
@@ -319,6 +330,7 @@ def compare(model: torch.nn.Module | Callable[[], torch.nn.Module], inputs, step
         runs[label] = (target, torch.optim.SGD(module.parameters(), lr=lr), recorder, manager)
 
     result = CompareResult(diverged=False, steps=steps, eager_losses=[], ort_losses=[], save_path=save_path)
+    breaks_before = current_report().graph_breaks
     try:
         for step in range(steps):
             batch = _batch(inputs, step)
@@ -330,6 +342,8 @@ def compare(model: torch.nn.Module | Callable[[], torch.nn.Module], inputs, step
             calls: list = []
             with _recording_runner_calls(calls):
                 result.ort_losses.append(_train_step(target, optimizer, batch, loss_fn))
+            if not calls:
+                raise OrtDynamoError(_nothing_on_ort(step, breaks_before))
             if _find_divergence(result, step, eager_rec.pop(step), ort_rec.pop(step), atol, rtol):
                 for runner, args in calls:
                     result.node = _first_bad_node(runner, args, atol, rtol)
@@ -392,7 +406,7 @@ def main_compare(argv: list[str] | None = None) -> int:
         result = compare(namespace["get_model"], namespace["get_inputs"](), steps=args.steps,
                          loss_fn=namespace.get("loss_fn"), atol=args.atol, rtol=args.rtol, lr=args.lr,
                          save_path=args.save_path, verbose=True)
-    except (OSError, ValueError, TypeError, ImportError) as exc:
+    except (OSError, ValueError, TypeError, ImportError, OrtDynamoError) as exc:
         print(f"ort_dynamo compare: error: {exc}", file=sys.stderr)
         return 2
     return 1 if result.diverged else 0

@@ -1203,6 +1203,13 @@ def own_decompositions() -> dict:
         table[forward] = functools.partial(_upsample_linear, forward)
         table[getattr(aten, f"{name}_backward").default] = _upsample_linear_backward
 
+    if aten.max_pool2d_with_indices_backward.default not in _torch_decompositions:
+        # torch 2.13 decomposes it as this scatter-add over each plane; torch 2.11 has no
+        # decomposition, and the op, which torchlib cannot lower, fell back to PyTorch.
+        @register(aten.max_pool2d_with_indices_backward.default)
+        def max_pool2d_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+            return _max_pool_indices_backward(grad, x, indices, 2)
+
     @register(aten.max_pool3d_with_indices_backward.default)
     def max_pool3d_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
         # indices are flat positions in each (D*H*W) plane: scatter the gradient there.

@@ -70,6 +70,8 @@ def test_conv_transpose3d_output_padding_not_below_stride():
            x, w)
 
 
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < (2, 13),
+                    reason="torch 2.11's aminmax has no derivative, in eager too")
 def test_amin_amax_over_all_dims():
     # FX drops ``dim=[]`` (its default); torchlib's amin/amax require it.
     _check(torch.aminmax, torch.randn(3, 4, 5))

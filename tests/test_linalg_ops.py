@@ -127,6 +127,8 @@ def test_singular_matrices_match_eager():
     assert ort_dynamo.report().fallback_nodes == 0
 
 
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < (2, 13),
+                    reason="torch 2.11 returns infinities for a compiled singular inverse, aot_eager too")
 def test_singular_inverse_raises_like_eager():
     # linalg.inv checks the info computed on ORT in PyTorch (_linalg_check_errors).
     singular = torch.tensor([[1.0, 2.0], [2.0, 4.0]])

@@ -264,7 +264,8 @@ def test_exp_is_within_two_ulp_of_eager_and_keeps_infinities_and_nan(tmp_path):
     got = compiled(x)
     fused = [n.doc_string for p in glob.glob(str(tmp_path / "*.onnx")) for n in _pointwise_nodes(p)]
     # (CPU sigmoid is written out as 1 / (1 + exp(-x)) before fusion: ORT's Sigmoid kernel loses its tails)
-    assert fused == ["Mul|Exp|Neg|Exp|Add|Div|Mul"]  # both read x: one kernel
+    assert len(fused) == 1, fused  # both read x: one kernel (its op order differs between torch versions)
+    assert sorted(fused[0].split("|")) == sorted("Mul|Exp|Neg|Exp|Add|Div|Mul".split("|"))
     for g, want in zip(got, fn(x)):
         torch.testing.assert_close(g, want, rtol=2.4e-7, atol=1.2e-38, equal_nan=True)
 
