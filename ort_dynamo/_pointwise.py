@@ -17,6 +17,7 @@ log/tanh/erf come from the C library.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import math
 
@@ -37,6 +38,9 @@ _MAX_ARGS = 32  # inputs or outputs per kernel; the C side has arrays of this si
 #: Groups iterating over fewer elements (static shapes) stay ORT ops: a few ORT kernel launches
 #: on small tensors cost microseconds, a compiled kernel costs the compiler's time.
 MIN_ELEMENTS = 16384
+#: ... unless the same small chain repeats this often (an unrolled RNN's cell, once per step):
+#: one compiled kernel then serves every repeat, and each repeat saves several ORT launches.
+MIN_REPEATS = 8
 
 _UNARY = {
     "Neg": "(-{0})", "Abs": "fabsf({0})", "Exp": "pw_expf({0})", "Log": "logf({0})", "Sqrt": "sqrtf({0})",
@@ -247,6 +251,11 @@ class _Group:
         self.nodes: list[ir.Node] = []
         self.first = first
         self.last = first
+
+
+def _chain(group: _Group) -> tuple:
+    """What makes two groups the same chain: their shape and their ops in order."""
+    return group.shape, tuple(node.op_type for node in group.nodes)
 
 
 def _groups(graph: ir.Graph) -> tuple[list[_Group], _Graph]:
@@ -1320,8 +1329,10 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
             node.replace_input_with(i, None)
         replaced.append(node)
 
+    repeats = collections.Counter(_chain(group) for group in groups)
     for group in groups:
-        if all(isinstance(d, int) for d in group.shape) and math.prod(group.shape) < MIN_ELEMENTS:
+        if all(isinstance(d, int) for d in group.shape) and math.prod(group.shape) < MIN_ELEMENTS \
+                and repeats[_chain(group)] < MIN_REPEATS:
             continue
         members = set(group.nodes)
         _without_escaping_per_row_values(group, members)

@@ -1288,3 +1288,23 @@ def test_a_kernels_bfloat16_rounding_is_torchs_bit_for_bit():
         bits = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
         assert torch.equal(got.view(bits)[numbers], want.view(bits)[numbers])
         assert got[~numbers].isnan().all()
+
+
+@pytest.mark.parametrize("steps", [4, 12])
+def test_a_small_chain_is_a_kernel_only_when_it_repeats_often_enough(tmp_path, steps):
+    """Chains over fewer than MIN_ELEMENTS elements stay ORT ops (a compile for a few
+    microseconds), unless the same chain repeats MIN_REPEATS times or more, as an unrolled
+    recurrence's cell does once per step: one kernel then serves every step."""
+    def recurrence(x, h, w):
+        for t in range(x.shape[1]):
+            h = torch.tanh(x[:, t] * 0.5 + h @ w) * 1.5  # the product ends each step's chain
+        return h
+
+    x, h, w = torch.randn(4, steps, 32), torch.randn(4, 32), torch.randn(32, 32) / 8  # 128 elements a step
+    assert 4 * 32 < _pointwise.MIN_ELEMENTS and 4 < _pointwise.MIN_REPEATS <= 12
+    compiled = torch.compile(recurrence, backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
+    compiled(x, h, w)
+    ort_dynamo.wait_for_kernels()
+    torch.testing.assert_close(compiled(x, h, w), recurrence(x, h, w))
+    fused = [n for p in glob.glob(str(tmp_path / "*.onnx")) for n in _pointwise_nodes(p)]
+    assert len(fused) == (steps if steps >= _pointwise.MIN_REPEATS else 0), [n.doc_string for n in fused]

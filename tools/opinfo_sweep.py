@@ -150,8 +150,8 @@ Approximations accurate to float32 only (the gamma family, Chebyshev polynomials
   LSTM over 5 steps: about 1,900 graph nodes on ORT, 4 s to compile; a 2-layer LSTM over 64
   steps, 24 s). `nn.LSTMCell`/`nn.GRUCell` need no switch. Speed against eager's fused oneDNN
   kernels (`benchmarks/layer_ops.py lstm_16 lstm_64 gru_64`, hidden 256, batch 16, forward and
-  backward, 2-core AMD EPYC Zen 4): LSTM over 16 steps ort/eager 0.99, over 64 steps 1.15; GRU
-  over 64 steps 0.59.
+  backward, 2-core AMD EPYC Zen 4): LSTM over 16 steps ort/eager 0.99, over 64 steps 1.04; GRU
+  over 64 steps 0.56.
   The switch is global and other backends see it too: PyTorch's own decomposition writes an
   LSTM whose input needs no gradient as oneDNN's inference-only op, so training such a model
   fails under `aot_eager` and Inductor; ort_dynamo turns oneDNN off while it traces a graph with
