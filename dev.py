@@ -45,8 +45,8 @@ def ensure_venv() -> None:
 
 
 def test_other_torch(version: str, pytest_args: list[str]) -> int:
-    """The suite under torch ``version`` (PyPI's build: for 2.11, a CUDA build of a few GB), in a
-    venv of its own beside the pinned one, with the other pins unchanged."""
+    """The suite (or the pytest arguments given) under torch ``version`` (PyPI's build: for 2.11,
+    a CUDA build of a few GB), in a venv of its own beside the pinned one, the other pins unchanged."""
     root = os.path.join(ROOT, f".venv-torch-{version}")
     py = os.path.join(root, "bin", "python")
     if not os.path.exists(py):
@@ -55,14 +55,15 @@ def test_other_torch(version: str, pytest_args: list[str]) -> int:
         pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
         subprocess.check_call(pip + [f"torch=={version}", *others])
         subprocess.check_call(pip + ["--no-deps", "-e", ROOT])
-    return subprocess.call([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(ROOT, "tests"),
-                            *pytest_args], cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return subprocess.call([py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            *(pytest_args or [os.path.join(ROOT, "tests")])], cwd=ROOT,
+                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "test-torch":
         if len(argv) < 2:
-            print("usage: python3 dev.py test-torch VERSION [pytest arguments]")
+            print("usage: python3 dev.py test-torch VERSION [pytest arguments, default: tests]")
             return 2
         return test_other_torch(argv[1], argv[2:])
     tasks = {
