@@ -517,54 +517,70 @@ def stacked_row_gradients(gm: torch.fx.GraphModule) -> int:
         if not _is_add(root) or (len(root.users) == 1 and _is_add(next(iter(root.users)))):
             continue  # not the top of a sum
         leaves = _summands(root)
-        by_parity: dict = {}
-        for leaf in leaves:
-            product = _product(leaf)
-            if product is not None:
-                by_parity.setdefault(product[2], []).append((leaf, product))
-        products = max(by_parity.values(), key=len, default=[])
-        if len(products) >= _MIN_STACKED_ROWS and all(_thin(a, b) for _, (a, b, _) in products) \
-                and _same_shape(root, [leaf for leaf, _ in products]):
-            # A weight's gradient over the steps: sum_t a_t @ b_t is one product of the steps
-            # side by side, [a_0 ... a_T] @ [b_0; ...; b_T]: one GEMM with a long inner
-            # dimension instead of T thin ones and a T-way sum (64 steps of an LSTM: 20 ms).
-            # Only for thin products: the operands are held to the end for the Concats, which
-            # costs less than the sum only where each product writes more than it reads (not
-            # a weight shared by a model's layers, whose products read whole activations).
-            rest = [leaf for leaf in leaves if all(leaf is not p for p, _ in products)]
-            with graph.inserting_before(root):
-                left = _fx_call(graph, aten.cat.default, [a for _, (a, _, _) in products], 1)
-                right = _fx_call(graph, aten.cat.default, [b for _, (_, b, _) in products], 0)
-                total = _fx_call(graph, aten.mm.default, left, right)
-                if products[0][1][2]:
-                    total = _fx_call(graph, aten.t.default, total)
-                for other in rest:
-                    total = _fx_call(graph, aten.add.Tensor, total, other)
-            root.replace_all_uses_with(total)
+        if _join_products(graph, root, leaves) or _stack_rows(graph, root, leaves):
             replaced += 1
-            continue
-        groups: dict = {}
-        for leaf in leaves:
-            row = _selected_row(leaf)
-            if row is not None:
-                groups.setdefault(row[1:3], []).append((row, leaf))
-        for (dim, size), rows in groups.items():
-            grads = {index: grad for (grad, _, _, index), _ in rows}
-            if size < _MIN_STACKED_ROWS or len(grads) != len(rows) or set(grads) != set(range(size)) \
-                    or not _same_shape(root, [leaf for _, leaf in rows]) or root.meta["val"].shape[dim] != size:
-                continue
-            rest = [leaf for leaf in leaves if all(leaf is not r for _, r in rows)]
-            with graph.inserting_before(root):
-                total = _fx_call(graph, aten.stack.default, [grads[i] for i in range(size)], dim)
-                for other in rest:
-                    total = _fx_call(graph, aten.add.Tensor, total, other)
-            root.replace_all_uses_with(total)
-            replaced += 1
-            break  # the root is gone: one group per sum
     if replaced:
         graph.eliminate_dead_code()
         gm.recompile()
     return replaced
+
+
+def _join_products(graph: torch.fx.Graph, root: torch.fx.Node, leaves: list) -> bool:
+    """A weight's gradient over the steps: sum_t a_t @ b_t is one product of the steps side by
+    side, [a_0 ... a_T] @ [b_0; ...; b_T]: one GEMM with a long inner dimension instead of T
+    thin ones and a T-way sum (64 steps of an LSTM: 20 ms). Only for thin products: the
+    operands are held to the end for the Concats, which costs less than the sum only where
+    each product writes more than it reads (not a weight shared by a model's layers, whose
+    products read whole activations)."""
+    by_parity: dict = {}
+    for leaf in leaves:
+        product = _product(leaf)
+        if product is not None:
+            a, b, transposed = product
+            by_parity.setdefault(transposed, []).append((leaf, a, b))
+    if not by_parity:
+        return False
+    transposed, products = max(by_parity.items(), key=lambda item: len(item[1]))
+    if len(products) < _MIN_STACKED_ROWS or not all(_thin(a, b) for _, a, b in products) \
+            or not _same_shape(root, [leaf for leaf, _, _ in products]):
+        return False
+
+    def joined():
+        left = _fx_call(graph, aten.cat.default, [a for _, a, _ in products], 1)
+        right = _fx_call(graph, aten.cat.default, [b for _, _, b in products], 0)
+        total = _fx_call(graph, aten.mm.default, left, right)
+        return _fx_call(graph, aten.t.default, total) if transposed else total
+
+    _replace_sum(graph, root, leaves, [leaf for leaf, _, _ in products], joined)
+    return True
+
+
+def _stack_rows(graph: torch.fx.Graph, root: torch.fx.Node, leaves: list) -> bool:
+    """The terms that are each one row of a dim, every row once, as those rows stacked."""
+    groups: dict = {}
+    for leaf in leaves:
+        row = _selected_row(leaf)
+        if row is not None:
+            groups.setdefault(row[1:3], []).append((row, leaf))
+    for (dim, size), rows in groups.items():
+        grads = {index: grad for (grad, _, _, index), _ in rows}
+        if size < _MIN_STACKED_ROWS or len(grads) != len(rows) or set(grads) != set(range(size)) \
+                or not _same_shape(root, [leaf for _, leaf in rows]) or root.meta["val"].shape[dim] != size:
+            continue
+        _replace_sum(graph, root, leaves, [leaf for _, leaf in rows],
+                     lambda: _fx_call(graph, aten.stack.default, [grads[i] for i in range(size)], dim))
+        return True  # the root is gone: one group per sum
+    return False
+
+
+def _replace_sum(graph: torch.fx.Graph, root: torch.fx.Node, leaves: list, joined: list, build) -> None:
+    """The sum at ``root`` becomes ``build()``, which stands for the ``joined`` terms, plus the rest."""
+    rest = [leaf for leaf in leaves if all(leaf is not j for j in joined)]
+    with graph.inserting_before(root):
+        total = build()
+        for other in rest:
+            total = _fx_call(graph, aten.add.Tensor, total, other)
+    root.replace_all_uses_with(total)
 
 
 def _is_add(node) -> bool:
