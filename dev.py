@@ -17,7 +17,6 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 VENV = os.path.join(ROOT, ".venv")
 PY = os.path.join(VENV, "bin", "python")
 REQS = os.path.join(ROOT, "requirements-dev.txt")
-STAMP = os.path.join(VENV, ".ort_dynamo_stamp")
 
 
 def _digest() -> str:
@@ -28,33 +27,36 @@ def _digest() -> str:
     return h.hexdigest()
 
 
-def ensure_venv() -> None:
+def ensure_venv(root: str = VENV, torch_version: str = "") -> str:
+    """``root`` with the pinned set installed (torch at ``torch_version`` where given, the other
+    pins unchanged), unless its stamp says it has them; returns its python."""
     if sys.version_info < (3, 10):
         sys.exit(f"ort_dynamo needs Python >= 3.10; this is {sys.version.split()[0]}")
-    if not os.path.exists(PY):
-        print(f"creating {VENV}", flush=True)
-        venv.EnvBuilder(with_pip=True).create(VENV)
-    if os.path.exists(STAMP) and open(STAMP).read() == _digest():
-        return
+    py, stamp = os.path.join(root, "bin", "python"), os.path.join(root, ".ort_dynamo_stamp")
+    digest = _digest() + torch_version
+    if not os.path.exists(py):
+        print(f"creating {root}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(root)
+    if os.path.exists(stamp) and open(stamp).read() == digest:
+        return py
     print("installing pinned dependencies (first run only)", flush=True)
-    pip = [PY, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.check_call(pip + ["-r", REQS])
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    if torch_version:
+        with open(REQS) as fh:
+            pins = [line.strip() for line in fh if line.strip() and not line.startswith(("#", "torch=="))]
+        subprocess.check_call(pip + [f"torch=={torch_version}", *pins])
+    else:
+        subprocess.check_call(pip + ["-r", REQS])
     subprocess.check_call(pip + ["--no-deps", "-e", ROOT])
-    with open(STAMP, "w") as fh:
-        fh.write(_digest())
+    with open(stamp, "w") as fh:
+        fh.write(digest)
+    return py
 
 
 def test_other_torch(version: str, pytest_args: list[str]) -> int:
     """The suite (or the pytest arguments given) under torch ``version`` (PyPI's build: for 2.11,
-    a CUDA build of a few GB), in a venv of its own beside the pinned one, the other pins unchanged."""
-    root = os.path.join(ROOT, f".venv-torch-{version}")
-    py = os.path.join(root, "bin", "python")
-    if not os.path.exists(py):
-        venv.EnvBuilder(with_pip=True).create(root)
-        others = [line.strip() for line in open(REQS) if line.strip() and not line.startswith(("#", "torch=="))]
-        pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        subprocess.check_call(pip + [f"torch=={version}", *others])
-        subprocess.check_call(pip + ["--no-deps", "-e", ROOT])
+    a CUDA build of a few GB), in a venv of its own beside the pinned one."""
+    py = ensure_venv(os.path.join(ROOT, f".venv-torch-{version}"), version)
     return subprocess.call([py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                             *(pytest_args or [os.path.join(ROOT, "tests")])], cwd=ROOT,
                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
