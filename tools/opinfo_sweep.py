@@ -146,9 +146,8 @@ Approximations accurate to float32 only (the gamma family, Chebyshev polynomials
   them, so that whole frame runs in PyTorch, and the report's graph breaks say so with that
   hint. With it they are unrolled over the sequence into their cells' products and
   elementwise ops and train on ORT with eager's gradients (tests/test_recurrent.py): one
-  graph per sequence length, and compile time grows with the length (a 2-layer bidirectional
-  LSTM over 5 steps: about 1,900 graph nodes on ORT, 4 s to compile; a 2-layer LSTM over 64
-  steps, 24 s). `nn.LSTMCell`/`nn.GRUCell` need no switch. Speed against eager's fused oneDNN
+  graph per sequence length, and its size and compile time grow with the length (not
+  measured by a project script yet). `nn.LSTMCell`/`nn.GRUCell` need no switch. Speed against eager's fused oneDNN
   kernels (`benchmarks/layer_ops.py lstm_16 lstm_64 gru_64`, hidden 256, batch 16, forward and
   backward, 2-core AMD EPYC Zen 4): LSTM over 16 steps ort/eager 0.99, over 64 steps 1.04; GRU
   over 64 steps 0.56.
