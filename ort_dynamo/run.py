@@ -23,8 +23,8 @@ from .options import FallbackPolicy, OrtOptions
 from .partition import is_compute
 from .report import GraphReport
 
-__all__ = ["OrtRunner", "session_options", "providers_for", "compute_stream", "run_options", "ort_device",
-           "OrtRuntimeError"]
+__all__ = ["OrtRunner", "session_options", "providers_for", "torch_settings", "tf32_matmuls", "compute_stream",
+           "run_options", "ort_device", "OrtRuntimeError"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -105,12 +105,35 @@ def providers_for(device: torch.device, options: OrtOptions) -> list:
                 "CUDA tensors need the CUDA execution provider, which this onnxruntime lacks "
                 f"(providers: {available}). Install onnxruntime-gpu instead of onnxruntime "
                 "(see docs/gpu.md).")
-        cuda = {"device_id": str(device.index or 0)}
-        cuda.update(has_user_compute_stream="1", user_compute_stream=str(compute_stream(device)))
+        cuda = {"device_id": str(device.index or 0), "has_user_compute_stream": "1", **dict(torch_settings(device))}
         return [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
     if device.type != "cpu":
         raise OrtRuntimeError(f"tensors on {device} are not supported by ort_dynamo (CPU and CUDA only)")
     return ["CPUExecutionProvider"]
+
+
+def torch_settings(device: torch.device) -> tuple[tuple[str, str], ...]:
+    """The CUDA provider's options that follow PyTorch's state at the call: its current stream,
+    whether float32 products may use TF32 (ORT's default is yes, PyTorch's no: left at ORT's,
+    a transformer's gradients would differ from eager's by ~1e-3) and whether cuDNN benchmarks
+    convolution algorithms (ORT's default is an exhaustive search for every new shape). A
+    session keeps what it was made with, so sessions are kept per these. Empty on CPU."""
+    if device.type != "cuda":
+        return ()
+    return (("user_compute_stream", str(compute_stream(device))),
+            ("use_tf32", "1" if tf32_matmuls() else "0"),
+            ("cudnn_conv_algo_search", "EXHAUSTIVE" if torch.backends.cudnn.benchmark else "HEURISTIC"))
+
+
+def tf32_matmuls() -> bool:
+    """Whether PyTorch lets CUDA float32 products use TF32, as its own matmuls decide: the
+    matmul setting of the newer API, else its global one, else ``set_float32_matmul_precision``.
+    (Reading ``allow_tf32`` raises once both APIs have been used.)"""
+    for setting in (getattr(torch.backends.cuda.matmul, "fp32_precision", "none"),
+                    getattr(torch.backends, "fp32_precision", "none")):
+        if setting != "none":
+            return setting == "tf32"
+    return torch.get_float32_matmul_precision() != "highest"
 
 
 def compute_stream(device: torch.device) -> int:
@@ -150,7 +173,7 @@ class OrtRunner:
         self.name = name
         #: Compute nodes the report counts on ORT for this partition (moved to PyTorch on failure).
         self.nodes = nodes if nodes is not None else sum(1 for n in torch_fn.graph.nodes if is_compute(n))
-        self._sessions: dict[tuple[torch.device, int], tuple] = {}  # by device and stream
+        self._sessions: dict[tuple, tuple] = {}  # by device and torch_settings
         self._failed: str | None = None
         #: The compiled library of ``exported.kernels``, if any: a future, built in the
         #: background. Until it is ready the model without the kernels runs (if there is
@@ -163,7 +186,7 @@ class OrtRunner:
     # -- sessions ---------------------------------------------------------------------------------
 
     def _session(self, device: torch.device):
-        key = (device, compute_stream(device))
+        key = (device, torch_settings(device))
         entry = self._sessions.get(key)
         if entry is not None and entry[-1] and self.kernel_library.done():
             entry = None  # the kernels are ready: the interim session makes way

@@ -399,6 +399,49 @@ def test_a_cuda_partition_gets_a_session_for_each_stream_it_runs_on(monkeypatch)
     assert runner._session(gpu)[0] is first
 
 
+@pytest.fixture
+def matmul_precision():
+    """Restores PyTorch's float32 matmul precision, legacy and newer API, as it was."""
+    legacy, newer = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.fp32_precision
+    yield
+    torch.set_float32_matmul_precision(legacy)
+    torch.backends.cuda.matmul.fp32_precision = newer
+
+
+def test_a_cuda_session_follows_pytorchs_tf32_and_cudnn_benchmark_settings(monkeypatch, matmul_precision):
+    """ORT's CUDA provider uses TF32 for float32 products and searches every convolution's
+    algorithms exhaustively unless told otherwise; PyTorch does neither by default. A session
+    is made with PyTorch's settings at the call, and a change of them gets a new session, as a
+    new stream does. (Without a GPU: the sessions are stand-ins; checked is what they are made with.)"""
+    from ort_dynamo import run as run_stage
+
+    class FakeSession:
+        def __init__(self, model, options, providers):
+            self.cuda = dict(providers[0][1])
+
+        def get_providers(self):
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    monkeypatch.setattr(run_stage, "compute_stream", lambda device: 1111)
+    monkeypatch.setattr(run_stage.ort, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(run_stage.ort, "InferenceSession", FakeSession)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    _, runner = partition_runner(lambda x: x @ x, torch.randn(4, 4))
+    gpu = torch.device("cuda", 0)
+
+    default = runner._session(gpu)[0]
+    assert default.cuda["use_tf32"] == "0" and default.cuda["cudnn_conv_algo_search"] == "HEURISTIC"
+    torch.set_float32_matmul_precision("high")
+    tf32 = runner._session(gpu)[0]
+    assert tf32.cuda["use_tf32"] == "1" and tf32 is not default
+    torch.backends.cuda.matmul.fp32_precision = "ieee"  # the newer API decides once it is used
+    assert runner._session(gpu)[0] is default
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    assert runner._session(gpu)[0].cuda["cudnn_conv_algo_search"] == "EXHAUSTIVE"
+    assert run_stage.torch_settings(torch.device("cpu")) == ()
+
+
 def test_cuda_runs_do_not_wait_for_the_device_and_cpu_runs_are_left_as_they_are():
     """ORT synchronizes the device after each run unless a run option says not to; ORT and
     PyTorch share one stream, so on CUDA that wait would only stall the host per partition."""
