@@ -46,3 +46,95 @@ def test_cpu_scalar_tensor_in_a_cuda_graph():
     x, scale = torch.randn(8, device="cuda"), torch.tensor(1.5)
     torch.testing.assert_close(torch.compile(fn, backend="ort")(x, scale), fn(x, scale))
     assert ort_dynamo.report().fallback_nodes == 0
+
+
+def _cuda_only():
+    providers = {p for g in ort_dynamo.report().graphs for p in g.providers}
+    assert providers == {"CUDAExecutionProvider"}, providers
+
+
+def test_hf_gpt2_trains_on_cuda_like_eager_in_float32():
+    """PyTorch's CUDA products are full float32 by default and so are ORT's sessions (its own
+    default would be TF32, ~1e-3 off): a float32 transformer trains as in eager."""
+    transformers = pytest.importorskip("transformers")
+    from parity import assert_all_on_ort, assert_same_training, train_both
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg).cuda().train()
+    ids = torch.randint(0, 128, (2, 16), device="cuda")
+    result = train_both(model, lambda: {"input_ids": ids, "labels": ids}, lambda out: out.loss)
+    assert_same_training(*result, rtol=1e-4, atol=1e-5)
+    assert_all_on_ort()
+    _cuda_only()
+
+
+def test_float32_products_on_cuda_are_not_tf32_unless_pytorchs_are():
+    a, b = torch.randn(512, 512, device="cuda"), torch.randn(512, 512, device="cuda")
+    got = torch.compile(lambda a, b: (a @ b).relu(), backend="ort")(a, b)
+    # TF32 keeps 10 mantissa bits: entries of size ~20 would be off by ~1e-2.
+    torch.testing.assert_close(got, (a @ b).relu(), rtol=1e-5, atol=1e-4)
+    _cuda_only()
+
+
+def test_bf16_autocast_training_on_cuda_gives_eagers_gradients():
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.LayerNorm(128), nn.Linear(128, 10)).cuda()
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, backend="ort")
+    x, y = torch.randn(32, 64, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
+    for fn in (model, compiled):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(fn(x), y)
+        loss.backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert q.grad.dtype == p.grad.dtype == torch.float32, name
+        assert (q.grad - p.grad).norm() <= 3e-2 * p.grad.norm(), name  # bfloat16 rounding, not more
+    assert ort_dynamo.report().fallback_nodes == 0
+    _cuda_only()
+
+
+def test_dynamic_batch_and_length_on_cuda_do_not_reexport():
+    model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 64)).cuda()
+    compiled = torch.compile(model, backend="ort", dynamic=True)
+    exports = []
+    for batch, length in ((2, 8), (3, 12), (5, 4)):
+        ids = torch.randint(0, 64, (batch, length), device="cuda")
+        out = compiled(ids)
+        torch.testing.assert_close(out, model(ids), rtol=1e-5, atol=1e-5)
+        out.sum().backward()
+        exports.append(ort_dynamo.report().exports)
+    assert exports == [exports[0]] * 3, exports
+    _cuda_only()
+
+
+def test_a_graph_called_on_a_side_stream_runs_there_and_matches():
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).cuda()
+    compiled = torch.compile(model, backend="ort")
+    x = torch.randn(64, 256, device="cuda")
+    want = model(x)
+    compiled(x)  # compiled, and a session made, on the default stream
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = compiled(x * 1)  # its input written on the side stream, read there
+    torch.cuda.current_stream().wait_stream(side)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert ort_dynamo.report().graphs[0].sessions >= 2  # one per stream
+
+
+def test_an_ort_run_leaves_the_host_ahead_of_the_gpu():
+    """No run waits for the device: right after a heavy compiled call returns, its work is still
+    queued on PyTorch's stream, as after an eager call."""
+    def heavy(x):
+        for _ in range(20):
+            x = torch.tanh(x @ x)
+        return x
+
+    compiled = torch.compile(heavy, backend="ort")
+    x = torch.randn(4096, 4096, device="cuda") / 64
+    compiled(x)
+    torch.cuda.synchronize()
+    compiled(x)
+    pending = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert pending, "the compiled call returned only after the GPU had finished its work"

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/performance.md "GPU", as one call on the lent GPU machine, in the
+# order they matter: environment, the CUDA tests, the training-step benchmark (GPT-2 124M,
+# bf16 autocast), per-call overhead, then peak memory. Each step has its own time limit
+# inside one budget, so a slow or hung step still leaves the others' results.
+#
+#   bash tools/gpu_check.sh [budget-seconds]      # default 420; run from the repository root
+#
+# Needs onnxruntime-gpu installed into /tmp/ortsite (../shared/device/README.md, steps 1-3).
+# Writes summary.txt and one log per step to $OUT (the device tool's folder), or ./gpu-check.
+set -u
+out="${OUT:-gpu-check}"
+mkdir -p "$out"
+budget="${1:-420}"
+site=/tmp/ortsite
+export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+summary="$out/summary.txt"
+
+say() { echo "$*" | tee -a "$summary"; }
+
+# step NAME MAX_SECONDS COMMAND...: runs COMMAND for at most MAX_SECONDS (less if the budget
+# has less left), its output in $out/NAME.txt, the tail of it in the summary.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((budget - SECONDS))
+  ((left < limit)) && limit=$left
+  if ((limit < 30)); then
+    say "== $name: not run, ${left}s of the ${budget}s budget left"
+    return
+  fi
+  say "== $name (limit ${limit}s): $*"
+  local began=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$out/$name.txt" 2>&1
+  local rc=$?
+  tail -n 25 "$out/$name.txt" | tee -a "$summary"
+  say "== $name: exit $rc in $((SECONDS - began))s$([ $rc -ge 124 ] && echo ' (time limit)')"
+}
+
+say "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+if ! python3 -c "import torch, onnxruntime as o, sys; sys.exit(not (torch.cuda.is_available() and 'CUDAExecutionProvider' in o.get_available_providers()))"; then
+  say "no usable GPU: torch.cuda.is_available() is False or onnxruntime (from $site first) lacks the CUDA provider"
+  python3 -c "import torch, onnxruntime as o; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), '| onnxruntime', o.__version__, o.__file__, o.get_available_providers())" 2>&1 | tee -a "$summary"
+  exit 2
+fi
+# backend="ort" by its entry point, as for an installed package (this checkout is only on PYTHONPATH).
+mkdir -p "$site/ort_dynamo_checkout-0.dist-info"
+printf 'Metadata-Version: 2.1\nName: ort_dynamo_checkout\nVersion: 0\n' >"$site/ort_dynamo_checkout-0.dist-info/METADATA"
+printf '[torch_dynamo_backends]\nort = ort_dynamo.capture:ort_backend\n' >"$site/ort_dynamo_checkout-0.dist-info/entry_points.txt"
+
+step info 60 python3 -m ort_dynamo info
+step cuda-tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests -rs
+step train-step 270 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
+  --backends eager,inductor,ort,aot_eager --steps 20 --warmup 3 --json "$out/train-step.json"
+step call-overhead 60 python3 benchmarks/call_overhead.py --device cuda --calls 500
+step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
+  --backends eager,ort --steps 5 --warmup 2 --memory
+say "== done in ${SECONDS}s"
