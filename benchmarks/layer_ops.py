@@ -5,18 +5,23 @@ forward and backward, eager against ``backend="ort"``, on the shapes those model
     .venv/bin/python benchmarks/layer_ops.py
     .venv/bin/python benchmarks/layer_ops.py reflect2d unfold_frames    # some cases only
     .venv/bin/python benchmarks/layer_ops.py --profile max_pool2d          # and ORT's heaviest nodes
+    .venv/bin/python benchmarks/layer_ops.py --first-step lstm_64          # and aot_eager's first step
 
 Each case is ``(op(x) * 1.5).square().sum()`` and its backward, timed interleaved with eager
 after the generated kernels are built, with glibc malloc's thresholds fixed as in
-train_step.py; prints the median ms of 20 steps and ort/eager. ``--profile`` then compiles the
+train_step.py; prints the median ms of 20 steps, ort/eager and ort's first step in seconds
+(compile included, the kernels' build not: it runs in the background). ``--profile`` then compiles the
 case again into profiled sessions and prints the heaviest ORT nodes, each its median ms over
-10 steps (ORT's profiler; the sessions the kernels replaced left out).
+10 steps (ORT's profiler; the sessions the kernels replaced left out). ``--first-step`` also
+times the case's first step under ``aot_eager`` (before ort's, after one warm-up compile of
+each backend) and prints ort/aot_eager.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -103,9 +108,18 @@ def heaviest_nodes(op, x, steps: int = 10, top: int = 6) -> list[tuple[float, st
     return heaviest_ort_nodes(step, steps, top)
 
 
+def aot_eager_first_step(op, x) -> float:
+    """Seconds of the case's first step under ``aot_eager``: AOTAutograd without ORT, what ort's
+    first step adds its export and sessions to."""
+    torch._dynamo.reset()
+    start = time.perf_counter()
+    torch.compile(lambda t: (op(t) * 1.5).square().sum(), backend="aot_eager")(x).backward()
+    return time.perf_counter() - start
+
+
 def main(names: list[str]) -> None:
-    profile = "--profile" in names
-    names = [name for name in names if name != "--profile"]
+    profile, first_steps = "--profile" in names, "--first-step" in names
+    names = [name for name in names if name not in ("--profile", "--first-step")]
     warnings.simplefilter("ignore")
     unknown = sorted(set(names) - set(CASES))
     if unknown:
@@ -114,12 +128,22 @@ def main(names: list[str]) -> None:
     torch._dynamo.config.allow_rnn = True  # the recurrent cases; no other case has an RNN
     _steady_malloc()  # as train_step.py: neither side pays page faults for the other's frees
     print(f"torch {torch.__version__}; forward + backward, median of 20 interleaved steps")
+    if first_steps:  # the process's one-time costs (imports, first traces) go to neither side
+        warm = torch.randn(4, 4, requires_grad=True)
+        aot_eager_first_step(torch.sin, warm)
+        interleaved_ms(torch.sin, (warm,), 1, loss=lambda out: out.sum())
     for name in names or CASES:
         op, shape, where = CASES[name]
         x = torch.randn(*shape, requires_grad=True)
-        e, o = interleaved_ms(lambda t, op=op: (op(t) * 1.5).square().sum(), (x,), 20)
+        if first_steps:
+            aot_first = aot_eager_first_step(op, x)
+        e, o, first = interleaved_ms(lambda t, op=op: (op(t) * 1.5).square().sum(), (x,), 20)
         print(f"{name:20s} {str(tuple(shape)):19s} eager {e:7.2f} ms  ort {o:7.2f} ms  ort/eager {o / e:5.2f}  "
-              f"fallback nodes {ort_dynamo.report().fallback_nodes}  ({where})", flush=True)
+              f"ort first step {first:5.1f} s  fallback nodes {ort_dynamo.report().fallback_nodes}  ({where})",
+              flush=True)
+        if first_steps:
+            print(f"{'':40s} first step: aot_eager {aot_first:5.1f} s, ort {first:5.1f} s, "
+                  f"ort/aot_eager {first / aot_first:.2f}", flush=True)
         if profile:
             for ms, node in heaviest_nodes(op, x):
                 print(f"    {ms:6.2f} ms  {node[:100]}")

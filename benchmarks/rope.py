@@ -46,7 +46,7 @@ def main() -> None:
 
     print(f"torch {torch.__version__}; input {tuple(x.shape)}; forward + backward, median of 30 interleaved steps")
     for function in (rotate_half, pairs, strided):
-        e, o = interleaved_ms(function, (x, cos, sin), 30, loss=lambda out: out.square().sum())
+        e, o, _ = interleaved_ms(function, (x, cos, sin), 30, loss=lambda out: out.square().sum())
         print(f"{function.__name__:12s} eager {e:6.2f} ms  ort {o:6.2f} ms  ort/eager {o / e:.2f}  "
               f"fallback nodes {ort_dynamo.report().fallback_nodes}", flush=True)
 
