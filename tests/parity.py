@@ -10,6 +10,11 @@ import torch
 import ort_dynamo
 
 
+def torch_older_than(*version: int) -> bool:
+    """Whether the running torch is older than ``version``: for tests of what older ones lack."""
+    return torch.torch_version.TorchVersion(torch.__version__) < version
+
+
 def train_both(model: torch.nn.Module, batch: Callable[[], dict | tuple], loss_of: Callable,
                steps: int = 3, options: dict | None = None, lr: float = 0.1, **compile_kw):
     """Run ``steps`` SGD steps on a copy in eager and a copy under ort; return both losses.

@@ -6,12 +6,13 @@ import torch
 import ort_dynamo.export as export_stage
 from ort_dynamo import OrtDynamoError
 from ort_dynamo.debug import compare, main_compare
+from parity import torch_older_than
 
 # compare's activation hooks run eagerly (torch.compiler.disable) between compiled graphs. torch
 # 2.11 (2.12 unchecked) compiles no graph around them, so nothing runs on ORT and compare says so
 # (test_a_model_with_nothing_on_ort_is_an_error_not_a_match).
 needs_graphs_around_hooks = pytest.mark.skipif(
-    torch.torch_version.TorchVersion(torch.__version__) < (2, 13),
+    torch_older_than(2, 13),
     reason="torch before 2.13 compiles no graph around compare's hooks (compare raises there)")
 
 

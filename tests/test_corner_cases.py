@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import ort_dynamo
+from parity import torch_older_than
 
 
 def _check(fn, *inputs, grad=True):
@@ -70,7 +71,7 @@ def test_conv_transpose3d_output_padding_not_below_stride():
            x, w)
 
 
-@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < (2, 13),
+@pytest.mark.skipif(torch_older_than(2, 13),
                     reason="torch 2.11's aminmax has no derivative, in eager too")
 def test_amin_amax_over_all_dims():
     # FX drops ``dim=[]`` (its default); torchlib's amin/amax require it.

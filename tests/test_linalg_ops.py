@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ort_dynamo
+from parity import torch_older_than
 
 warnings.filterwarnings("ignore", message=".*triangular_solve is deprecated.*")
 
@@ -127,7 +128,7 @@ def test_singular_matrices_match_eager():
     assert ort_dynamo.report().fallback_nodes == 0
 
 
-@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < (2, 13),
+@pytest.mark.skipif(torch_older_than(2, 13),
                     reason="torch 2.11 returns infinities for a compiled singular inverse, aot_eager too")
 def test_singular_inverse_raises_like_eager():
     # linalg.inv checks the info computed on ORT in PyTorch (_linalg_check_errors).
