@@ -9,8 +9,10 @@ test skips without apex and a GPU.
 """
 
 import contextlib
+import hashlib
 import math
 import os
+import sys
 import types
 import warnings
 
@@ -19,7 +21,7 @@ import torch
 
 from ort_dynamo.optim import FP16_Optimizer
 from ort_dynamo.optim import _wrappers
-from ort_dynamo.optim._wrappers import GradStats, fingerprint
+from ort_dynamo.optim._wrappers import GradStats, fingerprint, tree_fingerprint
 
 # -- stand-ins for the names DeepSpeed's ZeRO module gives its methods (read via __globals__) ----
 
@@ -204,6 +206,24 @@ def test_fingerprint_ignores_comments_and_docstrings_not_code():
     changed = f
     assert fingerprint(documented) == fingerprint(plain) != fingerprint(changed)
     assert fingerprint(len) is None  # no Python source: never patched
+
+
+def test_a_fingerprint_is_the_same_on_every_python():
+    """The audited sources were hashed on Python 3.11; later parsers write some code as other
+    trees (3.12: ``type_params=[]`` on every def, an empty string closing an f-string's format
+    spec), so hashing ``ast.dump`` refused every audited method on 3.12."""
+    import ast
+
+    source = "def f(x, width):\n    y = ...\n    return f'{x:<{width}}', y\n"
+    # sha256 of Python 3.11's ast.dump of ``source``, as KNOWN_SOURCES' hashes were taken.
+    assert tree_fingerprint(ast.parse(source)) == "8a9e8d107ba641c5"
+    if sys.version_info[:2] == (3, 11):
+        assert hashlib.sha256(ast.dump(ast.parse(source)).encode()).hexdigest()[:16] == "8a9e8d107ba641c5"
+    as_312 = ast.parse(source)
+    spec = next(n for n in ast.walk(as_312) if isinstance(n, ast.FormattedValue) and n.format_spec).format_spec
+    spec.values.append(ast.Constant(value=""))
+    assert tree_fingerprint(as_312) == tree_fingerprint(ast.parse(source))
+    assert tree_fingerprint(ast.parse(source.replace("...", "None"))) != tree_fingerprint(ast.parse(source))
 
 
 # -- apex amp O2 stand-in ----------------------------------------------------------------------

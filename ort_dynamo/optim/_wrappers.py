@@ -26,7 +26,7 @@ from ..run import compute_stream
 from ._graphs import apex_unscale_model, grad_stats_model
 from ._session import BoundSession, input_names, onnx_type
 
-__all__ = ["ApexUnscale", "GradStats", "fingerprint", "patch_external_optimizer", "KNOWN_SOURCES"]
+__all__ = ["ApexUnscale", "GradStats", "fingerprint", "tree_fingerprint", "patch_external_optimizer", "KNOWN_SOURCES"]
 
 ZERO_1_2 = "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
 DS_FUSED = "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer"
@@ -64,13 +64,41 @@ def fingerprint(fn: Callable) -> str | None:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):
         return None
+    return tree_fingerprint(tree)
+
+
+def tree_fingerprint(tree: ast.AST) -> str:
+    """Hash of ``tree`` without docstrings, the same on every Python (see ``_dump``)."""
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body
                 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                 and isinstance(body[0].value.value, str)):
             node.body = body[1:] or [ast.Pass()]
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+    return hashlib.sha256(_dump(tree).encode()).hexdigest()[:16]
+
+
+_MISSING = object()
+
+
+def _dump(node: Any) -> str:
+    """``ast.dump(node)`` as Python 3.11 writes it (``KNOWN_SOURCES`` were hashed so), on any
+    Python: without 3.12's ``type_params``, and without the empty string 3.12 parses at the end
+    of an f-string's format spec. (``ast.dump`` itself differs by version; 3.13 also leaves out
+    empty lists.)"""
+    if isinstance(node, ast.AST):
+        cls, fields = type(node), []
+        for name in node._fields:
+            value = getattr(node, name, _MISSING)
+            if name == "type_params" or value is _MISSING or (value is None and getattr(cls, name, ...) is None):
+                continue
+            if isinstance(node, ast.JoinedStr):
+                value = [v for v in value if not (isinstance(v, ast.Constant) and v.value == "")]
+            fields.append(f"{name}={_dump(value)}")
+        return f"{cls.__name__}({', '.join(fields)})"
+    if isinstance(node, list):
+        return f"[{', '.join(_dump(item) for item in node)}]"
+    return repr(node)
 
 
 class GradStats:
