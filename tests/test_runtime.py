@@ -400,15 +400,19 @@ def test_a_cuda_partition_gets_a_session_for_each_stream_it_runs_on(monkeypatch)
 
 
 @pytest.fixture
-def matmul_precision():
-    """Restores PyTorch's float32 matmul precision, legacy and newer API, as it was."""
+def cuda_settings():
+    """Sets ``torch.backends.cudnn.benchmark`` (``set_flags``: the attribute refuses once
+    ``torch.testing._internal`` has frozen the flags); restores it and PyTorch's float32 matmul
+    precision, legacy and newer API, as they were."""
     legacy, newer = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.fp32_precision
-    yield
+    benchmark = torch.backends.cudnn.benchmark
+    yield lambda value: torch.backends.cudnn.set_flags(_benchmark=value, _fp32_precision=None)
+    torch.backends.cudnn.set_flags(_benchmark=benchmark, _fp32_precision=None)
     torch.set_float32_matmul_precision(legacy)
     torch.backends.cuda.matmul.fp32_precision = newer
 
 
-def test_a_cuda_session_follows_pytorchs_tf32_and_cudnn_benchmark_settings(monkeypatch, matmul_precision):
+def test_a_cuda_session_follows_pytorchs_tf32_and_cudnn_benchmark_settings(monkeypatch, cuda_settings):
     """ORT's CUDA provider uses TF32 for float32 products and searches every convolution's
     algorithms exhaustively unless told otherwise; PyTorch does neither by default. A session
     is made with PyTorch's settings at the call, and a change of them gets a new session, as a
@@ -426,7 +430,7 @@ def test_a_cuda_session_follows_pytorchs_tf32_and_cudnn_benchmark_settings(monke
     monkeypatch.setattr(run_stage.ort, "get_available_providers",
                         lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     monkeypatch.setattr(run_stage.ort, "InferenceSession", FakeSession)
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    cuda_settings(False)
     _, runner = partition_runner(lambda x: x @ x, torch.randn(4, 4))
     gpu = torch.device("cuda", 0)
 
@@ -437,7 +441,7 @@ def test_a_cuda_session_follows_pytorchs_tf32_and_cudnn_benchmark_settings(monke
     assert tf32.cuda["use_tf32"] == "1" and tf32 is not default
     torch.backends.cuda.matmul.fp32_precision = "ieee"  # the newer API decides once it is used
     assert runner._session(gpu)[0] is default
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    cuda_settings(True)
     assert runner._session(gpu)[0].cuda["cudnn_conv_algo_search"] == "EXHAUSTIVE"
     assert run_stage.torch_settings(torch.device("cpu")) == ()
 
