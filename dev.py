@@ -4,7 +4,8 @@
     python3 dev.py train   # train a small GPT with backend="ort"; parity and speed vs eager
     python3 dev.py test    # the test suite (what CI runs)
     python3 dev.py bench   # benchmarks (speed ratios), see docs/performance.md
-    python3 dev.py test-torch 2.11.0   # the tests under another torch, in ./.venv-torch-2.11.0
+    python3 dev.py test-torch 2.11.0   # the tests under another torch, in ./.venv-torch-2.11.0-py3.11
+    python3.12 dev.py test-torch 2.11.0   # ... and another Python (the lent GPU machine's pair)
 """
 
 import hashlib
@@ -55,8 +56,9 @@ def ensure_venv(root: str = VENV, torch_version: str = "") -> str:
 
 def test_other_torch(version: str, pytest_args: list[str]) -> int:
     """The suite (or the pytest arguments given) under torch ``version`` (PyPI's build: for 2.11,
-    a CUDA build of a few GB), in a venv of its own beside the pinned one."""
-    py = ensure_venv(os.path.join(ROOT, f".venv-torch-{version}"), version)
+    a CUDA build of a few GB) and the Python running this, in a venv of its own per pair."""
+    python = "{}.{}".format(*sys.version_info[:2])
+    py = ensure_venv(os.path.join(ROOT, f".venv-torch-{version}-py{python}"), version)
     return subprocess.call([py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                             *(pytest_args or [os.path.join(ROOT, "tests")])], cwd=ROOT,
                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
