@@ -23,8 +23,8 @@ from .options import FallbackPolicy, OrtOptions
 from .partition import is_compute
 from .report import GraphReport
 
-__all__ = ["OrtRunner", "session_options", "providers_for", "torch_settings", "tf32_matmuls", "compute_stream",
-           "run_options", "ort_device", "OrtRuntimeError"]
+__all__ = ["OrtRunner", "session_options", "providers_for", "torch_settings", "compute_stream", "run_options",
+           "ort_device", "OrtRuntimeError"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -121,11 +121,11 @@ def torch_settings(device: torch.device) -> tuple[tuple[str, str], ...]:
     if device.type != "cuda":
         return ()
     return (("user_compute_stream", str(compute_stream(device))),
-            ("use_tf32", "1" if tf32_matmuls() else "0"),
+            ("use_tf32", "1" if _tf32_matmuls() else "0"),
             ("cudnn_conv_algo_search", "EXHAUSTIVE" if torch.backends.cudnn.benchmark else "HEURISTIC"))
 
 
-def tf32_matmuls() -> bool:
+def _tf32_matmuls() -> bool:
     """Whether PyTorch lets CUDA float32 products use TF32, as its own matmuls decide: the
     matmul setting of the newer API, else its global one, else ``set_float32_matmul_precision``.
     (Reading ``allow_tf32`` raises once both APIs have been used.)"""

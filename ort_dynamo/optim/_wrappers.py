@@ -90,7 +90,7 @@ def _dump(node: Any) -> str:
         cls, fields = type(node), []
         for name in node._fields:
             value = getattr(node, name, _MISSING)
-            if name == "type_params" or value is _MISSING or (value is None and getattr(cls, name, ...) is None):
+            if name == "type_params" or value is _MISSING or (value is None and getattr(cls, name, _MISSING) is None):
                 continue
             if isinstance(node, ast.JoinedStr):
                 value = [v for v in value if not (isinstance(v, ast.Constant) and v.value == "")]
