@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Set-up and tasks with nothing but Python 3.11: creates ./.venv with the pinned set.
+"""Set-up and tasks with nothing but Python 3.11 (or newer): creates ./.venv with the pinned set.
 
     python3 dev.py train   # train a small GPT with backend="ort"; parity and speed vs eager
     python3 dev.py test    # the test suite (what CI runs)
@@ -31,8 +31,10 @@ def _digest() -> str:
 def ensure_venv(root: str = VENV, torch_version: str = "") -> str:
     """``root`` with the pinned set installed (torch at ``torch_version`` where given, the other
     pins unchanged), unless its stamp says it has them; returns its python."""
-    if sys.version_info < (3, 10):
-        sys.exit(f"ort_dynamo needs Python >= 3.10; this is {sys.version.split()[0]}")
+    if sys.version_info < (3, 11):
+        # onnxruntime >= 1.31 (ort_dynamo's floor) publishes no wheels for 3.10.
+        sys.exit(f"ort_dynamo needs Python >= 3.11 (onnxruntime 1.31, the oldest it runs on, has no "
+                 f"wheels for older ones); this is {sys.version.split()[0]}. Run python3.11 or newer.")
     py, stamp = os.path.join(root, "bin", "python"), os.path.join(root, ".ort_dynamo_stamp")
     digest = _digest() + torch_version
     if not os.path.exists(py):

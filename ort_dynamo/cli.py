@@ -111,6 +111,10 @@ def _info(args: argparse.Namespace) -> int:
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
 
+    from .run import onnxruntime_problem
+
+    if problem := onnxruntime_problem():
+        print(f"PROBLEM: {problem}")
     providers = onnxruntime.get_available_providers()
     print(f"onnxruntime providers: {', '.join(providers)}")
     print(f"torch.compile backends: {_backend_names()}")

@@ -24,7 +24,7 @@ from .partition import is_compute
 from .report import GraphReport
 
 __all__ = ["OrtRunner", "session_options", "providers_for", "torch_settings", "compute_stream", "run_options",
-           "ort_device", "OrtRuntimeError"]
+           "ort_device", "onnxruntime_problem", "MIN_ONNXRUNTIME", "OrtRuntimeError"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -93,8 +93,31 @@ def _register_shared_cpu_arena() -> None:
         log.warning("ort_dynamo: shared CPU arena not registered, each session keeps its own (%s)", exc)
 
 
+#: The oldest onnxruntime a session is made with: the release the test suite passes on. Older
+#: ones failed it: before 1.25 the CPU kernels end the whole process (SIGFPE) on an integer
+#: division by zero (1.22.0, 1.23.2, 1.24.1, 1.24.4); 1.25.0 averages a ceil-mode pooling window
+#: larger than its input wrongly and has no float64 Cos.
+MIN_ONNXRUNTIME = (1, 31)
+
+
+def onnxruntime_problem(version: str = "") -> str:
+    """Why onnxruntime ``version`` (the one imported, by default) cannot be used, or "" if it can."""
+    version = version or ort.__version__
+    found = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    if found >= MIN_ONNXRUNTIME:
+        return ""
+    return (f"ort_dynamo needs onnxruntime >= {'.'.join(map(str, MIN_ONNXRUNTIME))}, this is {version}: "
+            "older releases end the whole process on an integer division by zero (before 1.25) or "
+            "compute some ops wrongly (1.25's average pooling), as ort_dynamo's tests found "
+            "(pip install -U onnxruntime, or onnxruntime-gpu)")
+
+
 def providers_for(device: torch.device, options: OrtOptions) -> list:
-    """Execution providers for tensors on ``device``; CUDA needs onnxruntime-gpu."""
+    """Execution providers for tensors on ``device``; CUDA needs onnxruntime-gpu. Refuses an
+    onnxruntime older than ``MIN_ONNXRUNTIME``: every session is made with these."""
+    problem = onnxruntime_problem()
+    if problem:
+        raise OrtRuntimeError(problem)
     available = ort.get_available_providers()
     wanted = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}.get(device.type)
     if options.providers and wanted not in options.providers:
@@ -311,9 +334,16 @@ class OrtRunner:
         return tuple(out) if exported.returns_tuple else out[0]
 
 
+#: onnxruntime before 1.32: ``from_dlpack(capsule, is_bool_tensor)``, its DLPack import rejecting
+#: kDLBool; from 1.32 one argument, bool included.
+_DLPACK_BOOL_FLAG = "is_bool" in (C.OrtValue.from_dlpack.__doc__ or "")
+
+
 def _wrap(t: torch.Tensor, pointer: int, where):
     if pointer:
-        # ORT's DLPack import rejects kDLBool: hand over the same bytes as uint8, flagged bool
+        if not _DLPACK_BOOL_FLAG:
+            return C.OrtValue.from_dlpack(t.detach().__dlpack__())
+        # The same bytes as uint8, flagged bool
         is_bool = t.dtype == torch.bool
         return C.OrtValue.from_dlpack((t.view(torch.uint8) if is_bool else t).detach().__dlpack__(), is_bool)
     onnx_type = _ONNX_TYPES[t.dtype]

@@ -446,6 +446,21 @@ def test_a_cuda_session_follows_pytorchs_tf32_and_cudnn_benchmark_settings(monke
     assert run_stage.torch_settings(torch.device("cpu")) == ()
 
 
+def test_an_onnxruntime_older_than_the_tested_one_is_refused(monkeypatch):
+    """Before 1.25, ORT's CPU kernels answer an integer division by zero with SIGFPE: the
+    process, and the training state in it, would be gone; 1.25 still pools some windows
+    wrongly. No session is made with an onnxruntime older than the one the suite passes on."""
+    from ort_dynamo import OrtRuntimeError
+    from ort_dynamo import run as run_stage
+
+    assert run_stage.onnxruntime_problem("1.31.1") == run_stage.onnxruntime_problem("1.32.0") == ""
+    assert "average pooling" in run_stage.onnxruntime_problem("1.25.0")
+    monkeypatch.setattr(run_stage.ort, "__version__", "1.24.4")
+    compiled = torch.compile(lambda a, b: a // b, backend="ort")
+    with pytest.raises(OrtRuntimeError, match=r"needs onnxruntime >= 1\.31, this is 1\.24\.4: .*division by zero"):
+        compiled(torch.tensor([4, 5]), torch.tensor([2, 1]))
+
+
 def test_cuda_runs_do_not_wait_for_the_device_and_cpu_runs_are_left_as_they_are():
     """ORT synchronizes the device after each run unless a run option says not to; ORT and
     PyTorch share one stream, so on CUDA that wait would only stall the host per partition."""
