@@ -122,6 +122,17 @@ def _is_float32(value: ir.Value | None) -> bool:
     return value is not None and value.dtype == ir.DataType.FLOAT
 
 
+def element_type(value: ir.Value | None, through: frozenset) -> ir.DataType | None:
+    """``value``'s element type, read through the ``through`` ops (which keep their first input's
+    type) before it where the exporter left it unset: values of inlined torchlib functions."""
+    while value is not None and value.dtype is None:
+        producer = value.producer()
+        if producer is None or producer.op_type not in through:
+            return None
+        value = producer.inputs[0]
+    return None if value is None else value.dtype
+
+
 def _half_x_tail(start: ir.Value, x: ir.Value) -> list[ir.Node] | None:
     """Match ``start * x * 0.5`` in any grouping torchlib and users write:
     ``x * (0.5 * start)``, ``(0.5 * x) * start``, ``(x * start) * 0.5``, ...

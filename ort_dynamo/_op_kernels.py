@@ -29,7 +29,7 @@ import math
 
 import onnx_ir as ir
 
-from ._fusions import _int64_constant, _op, _scalar, _take_over
+from ._fusions import _int64_constant, _op, _scalar, _take_over, element_type
 
 __all__ = ["DOMAIN", "group_convs_as_kernels", "max_pools_as_kernels", "scatter_adds_along_last_axis",
            "slow_transposes_as_kernels"]
@@ -84,15 +84,13 @@ def _pooling(node: ir.Node) -> tuple | None:
     return spatial, kernel, strides, pads[:spatial], pads[spatial:], dilations, attributes.get_int("ceil_mode", 0)
 
 
+_VIEWS = frozenset({"Unsqueeze", "Reshape", "Identity"})
+
+
 def _is_float32(value: ir.Value | None) -> bool:
-    """Whether ``value`` is float32, looking through the views whose results carry no type
-    (values of inlined torchlib functions: an unbatched pooling's Unsqueeze)."""
-    while value is not None and value.dtype is None:
-        producer = value.producer()
-        if producer is None or producer.op_type not in ("Unsqueeze", "Reshape", "Identity"):
-            return False
-        value = producer.inputs[0]
-    return value is not None and value.dtype == ir.DataType.FLOAT
+    """Whether ``value`` is float32, looking through the views whose results carry no type (an
+    unbatched pooling's Unsqueeze)."""
+    return element_type(value, _VIEWS) == ir.DataType.FLOAT
 
 
 def _is_nan_constant(value: ir.Value | None) -> bool:

@@ -151,6 +151,11 @@ def _normalize_reduce_axes(graph: ir.Graph) -> None:
 _FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
 
 
+#: Ops whose output has their first input's element type: ``x.argmin()`` reduces an untyped
+#: Reshape of ``x`` to one dim.
+_SAME_DTYPE = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity", "Expand"})
+
+
 def _propagate_nan_through_min_max(graph: ir.Graph) -> None:
     """ORT's ReduceMax/ReduceMin and ArgMax/ArgMin pass over NaN (onnxruntime 1.31: the amax
     of a row holding a NaN is finite); torch's max/min/amax/amin return NaN there, and
@@ -163,7 +168,7 @@ def _propagate_nan_through_min_max(graph: ir.Graph) -> None:
                 or _fusions.softmax_written_out(node):
             continue
         x, result = node.inputs[0], node.outputs[0]
-        if x is None or _dtype_of(x) not in _FLOAT_TYPES:
+        if x is None or _fusions.element_type(x, _SAME_DTYPE) not in _FLOAT_TYPES:
             continue
         is_nan = ir.node("IsNaN", [x])
         added = [is_nan]
@@ -186,18 +191,6 @@ def _propagate_nan_through_min_max(graph: ir.Graph) -> None:
         graph.insert_after(node, [*added, any_nan, fixed])
         _fusions._take_over(result, fixed.outputs[0], "nan_blind")
         fixed.replace_input_with(2, result)  # which the take-over pointed at the fix itself
-
-
-#: Ops whose output has their first input's element type.
-_SAME_DTYPE = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Transpose", "Identity", "Expand"}
-
-
-def _dtype_of(value: ir.Value) -> "ir.DataType | None":
-    """``value``'s element type, read through the reshapes before it where the exporter left it
-    unset (``x.argmin()`` reduces a Reshape of ``x`` to one dim)."""
-    while value.dtype is None and value.producer() is not None and value.producer().op_type in _SAME_DTYPE:
-        value = value.producer().inputs[0]
-    return value.dtype
 
 
 def _constant_like(number: float, like: ir.Value) -> list[ir.Node]:
