@@ -23,7 +23,7 @@ import weakref
 
 from . import _pointwise
 
-__all__ = ["available", "build", "built", "describe", "library", "wait", "KernelBuildError"]
+__all__ = ["available", "bfloat16_products", "build", "built", "describe", "library", "wait", "KernelBuildError"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -243,7 +243,21 @@ def describe() -> str:
         return "no: " + ("no C compiler (install gcc, or set CC)" if _compiler() is None
                          else "the compiler or onnxruntime refused a probe library (see the log)")
     compiler, version, flags, libs = _toolchain()
-    return f"yes ({version}; {'with' if '-lmvec' in libs else 'without'} libmvec)"
+    products = "bfloat16 products" if bfloat16_products() else "no bfloat16 products (no AVX512-BF16 here)"
+    return f"yes ({version}; {'with' if '-lmvec' in libs else 'without'} libmvec; {products})"
+
+
+@functools.lru_cache(None)
+def bfloat16_products() -> bool:
+    """Whether the kernels' compiler targets AVX512-BF16 here (the instruction of CPU autocast's
+    products, csrc/bf16_gemm.h): asked of its preprocessor with the kernels' flags."""
+    try:
+        compiler, _, flags, _ = _toolchain()
+        macros = subprocess.run([compiler, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
+                                text=True, timeout=60).stdout
+    except (KernelBuildError, OSError, subprocess.SubprocessError):
+        return False
+    return "__AVX512BF16__" in macros and "__AVX512BW__" in macros
 
 
 @functools.lru_cache(None)

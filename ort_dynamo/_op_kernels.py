@@ -17,6 +17,10 @@ CPU provider runs slowly (csrc/max_pool.h, csrc/pointwise_runtime.c):
   per (image, group): depthwise convolutions (ConvNeXt's, MobileNet's, SegFormer's), their
   input gradients (a grouped ConvTranspose) and their weight gradients (the batch-1 grouped
   Conv ``decompositions._conv_weight_grad`` writes): ``TorchGroupConv_*`` (csrc/group_conv.h).
+- CPU autocast's matrix products: a MatMul of two bfloat16 values (Casts to float32, through
+  views) whose result is rounded to bfloat16, as eager computes it with oneDNN's AVX512-BF16
+  kernels, where ORT has only float32 GEMMs: ``Bf16MatMul{N,T}{N,T}`` (csrc/bf16_gemm.h), where
+  the compiler targets AVX512-BF16.
 
 The portable ops stay in the model the session runs while the kernels compile, and wherever
 a pattern is not exactly the one described.
@@ -31,7 +35,7 @@ import onnx_ir as ir
 
 from ._fusions import _int64_constant, _op, _scalar, _take_over, element_type
 
-__all__ = ["DOMAIN", "group_convs_as_kernels", "max_pools_as_kernels", "scatter_adds_along_last_axis",
+__all__ = ["DOMAIN", "bf16_matmuls_as_kernels", "group_convs_as_kernels", "max_pools_as_kernels", "scatter_adds_along_last_axis",
            "slow_transposes_as_kernels"]
 
 #: The domain of the custom-op library (csrc/pointwise_runtime.c): these ops' and ``_pointwise``'s.
@@ -340,3 +344,104 @@ def slow_transposes_as_kernels(graph: ir.Graph) -> int:
         graph.remove(node, safe=True)
         count += 1
     return count
+
+
+#: Ops that only reshape or reorder a value: a bfloat16 value seen through them still is one.
+_BF16_VIEWS = frozenset({"Reshape", "Transpose", "Unsqueeze", "Squeeze", "Identity", "Flatten"})
+
+
+def _holds_bfloat16(value: ir.Value | None) -> bool:
+    """Whether float32 ``value`` holds bfloat16 values: a Cast from bfloat16, through views."""
+    while value is not None and value.dtype in (ir.DataType.FLOAT, None):
+        producer = value.producer()
+        if producer is None or producer.domain not in ("", "ai.onnx"):
+            return False
+        if producer.op_type == "Cast":
+            source = producer.inputs[0]
+            return source is not None and source.dtype == ir.DataType.BFLOAT16 \
+                and producer.attributes.get_int("to", 0) == ir.DataType.FLOAT
+        if producer.op_type not in _BF16_VIEWS:
+            return False
+        value = producer.inputs[0]
+    return False
+
+
+def _rounded_to_bfloat16(value: ir.Value) -> bool:
+    """Whether everything that reads ``value`` rounds it to bfloat16, directly or after adding
+    a bias (``_pointwise._bias_into_rounding``'s form of a Linear): an autocast product."""
+    def rounds(node: ir.Node) -> bool:
+        return _op(node, "Cast") and node.attributes.get_int("to", 0) == ir.DataType.BFLOAT16
+
+    uses = value.uses()
+    if value.is_graph_output() or not uses:
+        return False
+    for use in uses:
+        node = use.node
+        bias = node.inputs[1] if _op(node, "Add") and len(node.inputs) == 2 and node.inputs[0] is value else None
+        if _rank(bias) == 1 and not node.outputs[0].is_graph_output():
+            if not node.outputs[0].uses() or not all(rounds(u.node) for u in node.outputs[0].uses()):
+                return False
+        elif not rounds(node):
+            return False
+    return True
+
+
+def _without_transposes(value: ir.Value, rank: int) -> tuple[ir.Value, bool]:
+    """(what ``value`` is a transpose of, whether its last two axes are swapped): through the
+    Transposes before it that, composed, swap the last two axes or nothing (a weight's
+    gradient often reads ``t(t(w))``); else ``value`` itself."""
+    found, base, perm = (value, False), value, list(range(rank))
+    while _op(base.producer(), "Transpose"):
+        before = list(base.producer().attributes.get_ints("perm", []))
+        if sorted(before) != list(range(rank)):
+            break
+        perm = [before[axis] for axis in perm]
+        base = base.producer().inputs[0]
+        if perm == list(range(rank)):
+            found = (base, False)
+        elif perm == [*range(rank - 2), rank - 1, rank - 2]:
+            found = (base, True)
+    return found
+
+
+def _rank(value: ir.Value | None) -> int | None:
+    return None if value is None or value.shape is None else len(value.shape)
+
+
+def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
+    """Each MatMul of two bfloat16 values whose result is rounded to bfloat16 (CPU autocast's
+    products, ``rewrite._compute_bfloat16_in_float32``) -> ``Bf16MatMul{N,T}{N,T}``, a
+    Transpose of an operand's last two axes folded in. ``supported()`` (asked only if there is
+    one) says whether the compiler targets AVX512-BF16. Returns the kernels' C units."""
+    found = []
+    for node in graph:
+        if _op(node, "MatMul") and len(node.inputs) == 2 and all(_holds_bfloat16(v) for v in node.inputs) \
+                and all((_rank(v) or 0) >= 2 for v in node.inputs) and _rounded_to_bfloat16(node.outputs[0]):
+            found.append(node)
+    if not found or not supported():
+        return []
+    kernels = {}
+    for node in found:
+        operands, layout = [], ""
+        for value in node.inputs:
+            operand, transposed = _without_transposes(value, _rank(value))
+            operands.append(operand)
+            layout += "T" if transposed else "N"
+        name = "Bf16MatMul" + layout
+        kernels[name] = "\n".join([
+            '#include "bf16_gemm.h"',
+            f"PW_BF16_MATMUL({name}, {int(layout[0] == 'T')}, {int(layout[1] == 'T')});",
+            f"PW_KERNEL({name}, 2, {name}_types, {name}_none, 1, {name}_none, 0, 0, 0, 0, {name}_compute, 0, 0);",
+        ]) + "\n"
+        product = ir.node(name, operands, domain=DOMAIN)
+        graph.insert_before(node, product)
+        _take_over(node.outputs[0], product.outputs[0])
+        product.outputs[0].dtype = ir.DataType.FLOAT
+        read = list(node.inputs)
+        graph.remove(node, safe=True)
+        for value in read:  # the folded Transposes nothing else reads
+            while _op(value.producer(), "Transpose") and not value.uses() and not value.is_graph_output():
+                producer = value.producer()
+                value = producer.inputs[0]
+                graph.remove(producer, safe=True)
+    return list(kernels.values())

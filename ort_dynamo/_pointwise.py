@@ -1295,9 +1295,11 @@ def _transposed_writes(outputs: list[ir.Value], rank: int):
     return targets, perms
 
 
-def fuse_pointwise(model: ir.Model) -> list[str]:
-    """Replace elementwise groups of ``model``'s main graph by ``ort_dynamo.pointwise`` nodes.
-    Returns each new kernel's C code (an empty list if nothing was fused)."""
+def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False) -> list[str]:
+    """Replace elementwise groups of ``model``'s main graph by ``ort_dynamo.pointwise`` nodes,
+    and CPU autocast's products by bfloat16 ones where ``bfloat16_products()`` says the
+    compiler can build them. Returns each new kernel's C code (an empty list if nothing was
+    fused)."""
     graph = model.graph
     _expand_softmax(graph, _Graph())
     _mark_softmax_written_out(graph)
@@ -1308,8 +1310,9 @@ def fuse_pointwise(model: ir.Model) -> list[str]:
     _column_sums_through_reshapes(graph, _Graph())
     _widen_before_views(graph)  # after the passes above, which add views
     _bias_into_rounding(graph)
+    kernels = _op_kernels.bf16_matmuls_as_kernels(graph, bfloat16_products)
     into_zeros = _scatter_add_rows(graph, _Graph())
-    kernels = [_SCATTER_ADD_ROWS] if not all(into_zeros) else []
+    kernels += [_SCATTER_ADD_ROWS] if not all(into_zeros) else []
     kernels += [_SCATTER_ADD_ROWS_TO_ZEROS] if any(into_zeros) else []
     pools = _op_kernels.max_pools_as_kernels(graph)
     if pools:  # the portable chains, dead now, must not become kernels below

@@ -1,0 +1,298 @@
+/* bf16_gemm.h -- CPU autocast's matrix products in bfloat16, as eager computes them.
+ *
+ * Under torch.autocast("cpu", bfloat16) eager multiplies bfloat16 matrices with oneDNN's
+ * AVX512-BF16 kernels (VDPBF16PS: pairs of bfloat16 products summed into float32). ORT's CPU
+ * provider has float32 GEMMs only, so a bfloat16 graph's products ran at float32 speed, half
+ * of eager's (docs/performance.md, "CPU autocast"). This op multiplies float32 tensors whose
+ * values are bfloat16 (the Casts from bfloat16 in front of every autocast product) with the
+ * same instruction, and returns the float32 sums, which the graph then rounds to bfloat16 as
+ * before. Built only where the compiler targets AVX512-BF16 (-march=native); the rewrite
+ * (ort_dynamo/_op_kernels.py) asks first.
+ *
+ * Blocking as in GotoBLAS: B packed once per call into panels of NR columns, in blocks of KC
+ * rows, as bfloat16 pairs along K (the instruction's operand layout); each task packs MC rows
+ * of A and runs an MR x NR register tile over every panel, summing all of K in registers, so
+ * that C is written once (summed block by block, C's reads and writes cost a sixth of a
+ * K=1024 product's time). Each output element is summed in the same order whatever the
+ * threads: results do not depend on the thread count.
+ *
+ * Part of ort_dynamo; MIT licensed.
+ */
+#ifndef ORT_DYNAMO_BF16_GEMM_H
+#define ORT_DYNAMO_BF16_GEMM_H
+#include "pointwise.h"
+
+#if !defined(__AVX512BF16__) || !defined(__AVX512BW__)
+#error "bf16_gemm.h needs a compiler targeting AVX512-BF16 (the rewrite checks before using it)"
+#endif
+#include <immintrin.h>
+
+#define PW_GEMM_MR 12          /* rows of a register tile: 24 accumulators, 2 B vectors, a broadcast */
+#define PW_GEMM_NR 32          /* columns: two AVX-512 vectors */
+#define PW_GEMM_KC 256         /* K per block (bfloat16): a 12 x 256 A panel and a 256 x 32 B panel, 22 KB */
+#define PW_GEMM_KP (PW_GEMM_KC / 2)
+#define PW_GEMM_MC 48          /* rows of A a task packs per block: four tiles */
+
+static const short pw_interleave16[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+static inline __mmask16 pw_lanes(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+static inline int64_t pw_min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* 16 bfloat16 pairs (x0[i], x1[i]), each value rounded to nearest even (exact for the
+ * bfloat16 values this op is given). */
+static inline __m512i pw_bf16_pairs(__m512 x0, __m512 x1) {
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0); /* x0's 16, then x1's */
+  return _mm512_permutexvar_epi16(_mm512_loadu_si512(pw_interleave16), both);
+}
+
+/* Element (k, n) of B is b[k ldb + n], or b[n ldb + k] when transposed. One panel: columns
+ * n0.. (nr of them, the rest zeros), rows k0.. (kc), as [pair][NR] 32-bit pairs. */
+static void pw_gemm_pack_b(uint32_t* restrict dst, const float* restrict b, int64_t ldb, int tb, int64_t n0,
+                           int64_t nr, int64_t k0, int64_t kc) {
+  const int64_t pairs = (kc + 1) / 2;
+  if (!tb) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      const float* r0 = b + (k0 + 2 * p) * ldb + n0;
+      const int second = 2 * p + 1 < kc;
+      for (int h = 0; h < 2; ++h) {
+        const __mmask16 m = pw_lanes(nr - 16 * h);
+        const __m512 x0 = _mm512_maskz_loadu_ps(m, r0 + 16 * h);
+        const __m512 x1 = second ? _mm512_maskz_loadu_ps(m, r0 + ldb + 16 * h) : _mm512_setzero_ps();
+        _mm512_storeu_si512(dst + p * PW_GEMM_NR + 16 * h, pw_bf16_pairs(x0, x1));
+      }
+    }
+    return;
+  }
+  uint32_t row[PW_GEMM_KP] __attribute__((aligned(64)));
+  for (int64_t c = 0; c < PW_GEMM_NR; ++c) {
+    if (c < nr) { /* a column of B is a row in memory: its pairs are adjacent */
+      const float* src = b + (n0 + c) * ldb + k0;
+      for (int64_t q = 0; q < kc; q += 32) {
+        const __m512 x0 = _mm512_maskz_loadu_ps(pw_lanes(kc - q), src + q);
+        const __m512 x1 = _mm512_maskz_loadu_ps(pw_lanes(kc - q - 16), src + q + 16);
+        _mm512_store_si512(row + q / 2, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+      }
+    }
+    for (int64_t p = 0; p < pairs; ++p) dst[p * PW_GEMM_NR + c] = c < nr ? row[p] : 0;
+  }
+}
+
+/* Element (m, k) of A is a[m lda + k], or a[k lda + m] when transposed. One tile's rows m0..
+ * (mr of them, the rest zeros), k0.. (kc): as [row][KP] pairs (the rows' pairs are adjacent
+ * in memory), or transposed as [pair][MR]. */
+static void pw_gemm_pack_a(uint32_t* restrict dst, const float* restrict a, int64_t lda, int ta, int64_t m0,
+                           int64_t mr, int64_t k0, int64_t kc) {
+  const int64_t pairs = (kc + 1) / 2;
+  if (!ta) {
+    for (int64_t r = 0; r < PW_GEMM_MR; ++r) {
+      const float* src = a + (m0 + r) * lda + k0;
+      for (int64_t q = 0; q < 2 * pairs; q += 32) {
+        const __m512 x0 = r < mr ? _mm512_maskz_loadu_ps(pw_lanes(kc - q), src + q) : _mm512_setzero_ps();
+        const __m512 x1 = r < mr ? _mm512_maskz_loadu_ps(pw_lanes(kc - q - 16), src + q + 16) : _mm512_setzero_ps();
+        _mm512_storeu_si512(dst + r * PW_GEMM_KP + q / 2, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
+      }
+    }
+    return;
+  }
+  const __mmask16 m = pw_lanes(mr);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const float* r0 = a + (k0 + 2 * p) * lda + m0;
+    const __m512 x0 = _mm512_maskz_loadu_ps(m, r0);
+    const __m512 x1 = 2 * p + 1 < kc ? _mm512_maskz_loadu_ps(m, r0 + lda) : _mm512_setzero_ps();
+    _mm512_mask_storeu_epi32(dst + p * PW_GEMM_MR, (__mmask16)((1u << PW_GEMM_MR) - 1), pw_bf16_pairs(x0, x1));
+  }
+}
+
+/* c (mr x nr of it, ldc apart) = the tile's products over all of K: `kblocks` blocks of A
+ * (a_block apart) and of B (b_block apart), `pairs` in each but the last (`last`). The sums
+ * stay in registers across the blocks: C is written once. */
+#define PW_GEMM_TILE(name, A_PAIR)                                                                                 \
+  static void name(const uint32_t* restrict pa, int64_t a_block, const uint32_t* restrict pb, int64_t b_block,    \
+                   int64_t kblocks, int64_t pairs, int64_t last, float* restrict c, int64_t ldc, int64_t mr,       \
+                   int64_t nr) {                                                                                   \
+    __m512 acc[PW_GEMM_MR][2];                                                                                     \
+    for (int r = 0; r < PW_GEMM_MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                              \
+    for (int64_t kb = 0; kb < kblocks; ++kb, pa += a_block, pb += b_block) {                                       \
+      const int64_t n = kb == kblocks - 1 ? last : pairs;                                                          \
+      for (int64_t p = 0; p < n; ++p) {                                                                            \
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(pb + p * PW_GEMM_NR);                                    \
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(pb + p * PW_GEMM_NR + 16);                               \
+        _Pragma("GCC unroll 12") for (int r = 0; r < PW_GEMM_MR; ++r) {                                            \
+          const __m512bh x = (__m512bh)_mm512_set1_epi32((int)(A_PAIR));                                           \
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, b0);                                                          \
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, b1);                                                          \
+        }                                                                                                          \
+      }                                                                                                            \
+    }                                                                                                              \
+    const __mmask16 m0 = pw_lanes(nr), m1 = pw_lanes(nr - 16);                                                     \
+    for (int r = 0; r < mr; ++r) {                                                                                 \
+      _mm512_mask_storeu_ps(c + r * ldc, m0, acc[r][0]);                                                           \
+      _mm512_mask_storeu_ps(c + r * ldc + 16, m1, acc[r][1]);                                                      \
+    }                                                                                                              \
+  }
+PW_GEMM_TILE(pw_gemm_tile_rows, pa[r * PW_GEMM_KP + p])
+PW_GEMM_TILE(pw_gemm_tile_pairs, pa[p * PW_GEMM_MR + r])
+
+typedef struct PwGemm {
+  const float *a, *b;
+  float* c;
+  uint32_t* packed; /* B's panels: [B batch][N panel][K block][panel_pairs][NR] */
+  int ta, tb;
+  int64_t M, N, K, lda, ldb;
+  int64_t kblocks, npanels, panel_pairs, mblocks;
+  int64_t batches, b_batches; /* the output's, B's distinct ones */
+  int64_t rank;               /* batch axes */
+  int64_t dims[PW_MAX_RANK], a_strides[PW_MAX_RANK], b_strides[PW_MAX_RANK]; /* per batch axis; 0: broadcast */
+  int* out_of_memory;         /* set by a task that could not allocate its rows' buffer */
+} PwGemm;
+
+static inline int64_t pw_gemm_batch_offset(const PwGemm* g, const int64_t* strides, int64_t t) {
+  int64_t offset = 0;
+  for (int64_t d = g->rank - 1; d >= 0; --d) {
+    offset += (t % g->dims[d]) * strides[d];
+    t /= g->dims[d];
+  }
+  return offset;
+}
+
+/* Task t packs one K block of one N panel of one of B's batches (numbered in B's own layout). */
+static void pw_gemm_pack_task(void* user, size_t t) {
+  const PwGemm* g = (const PwGemm*)user;
+  const int64_t kb = (int64_t)t % g->kblocks, panel = (int64_t)t / g->kblocks;
+  const int64_t batch = panel / g->npanels, n0 = panel % g->npanels * PW_GEMM_NR, k0 = kb * PW_GEMM_KC;
+  pw_gemm_pack_b(g->packed + (int64_t)t * g->panel_pairs * PW_GEMM_NR, g->b + batch * g->K * g->N, g->ldb, g->tb, n0,
+                 pw_min64(g->N - n0, PW_GEMM_NR), k0, pw_min64(g->K - k0, PW_GEMM_KC));
+}
+
+/* Task t: MC rows of one batch's C, over every N panel. */
+static void pw_gemm_task(void* user, size_t t) {
+  const PwGemm* g = (const PwGemm*)user;
+  const int64_t batch = (int64_t)t / g->mblocks, m0 = (int64_t)t % g->mblocks * PW_GEMM_MC;
+  const int64_t mc = pw_min64(g->M - m0, PW_GEMM_MC), tiles = (mc + PW_GEMM_MR - 1) / PW_GEMM_MR;
+  const int64_t a_block = PW_GEMM_MR * PW_GEMM_KP, a_tile = g->kblocks * a_block;
+  uint32_t* pa = (uint32_t*)aligned_alloc(64, (size_t)(tiles * a_tile) * sizeof(uint32_t));
+  if (!pa) {
+    __atomic_store_n(g->out_of_memory, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  const float* a = g->a + pw_gemm_batch_offset(g, g->a_strides, batch);
+  const int64_t b_batch = pw_gemm_batch_offset(g, g->b_strides, batch) / (g->K * g->N);
+  float* c = g->c + batch * g->M * g->N;
+  for (int64_t i = 0; i < tiles; ++i)
+    for (int64_t kb = 0; kb < g->kblocks; ++kb)
+      pw_gemm_pack_a(pa + i * a_tile + kb * a_block, a, g->lda, g->ta, m0 + i * PW_GEMM_MR,
+                     pw_min64(mc - i * PW_GEMM_MR, PW_GEMM_MR), kb * PW_GEMM_KC,
+                     pw_min64(g->K - kb * PW_GEMM_KC, PW_GEMM_KC));
+  const int64_t b_block = g->panel_pairs * PW_GEMM_NR;
+  const int64_t last = (g->K - (g->kblocks - 1) * PW_GEMM_KC + 1) / 2;
+  for (int64_t j = 0; j < g->npanels; ++j) {
+    const uint32_t* panel = g->packed + (b_batch * g->npanels + j) * g->kblocks * b_block;
+    const int64_t nr = pw_min64(g->N - j * PW_GEMM_NR, PW_GEMM_NR);
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int64_t mr = pw_min64(mc - i * PW_GEMM_MR, PW_GEMM_MR);
+      float* tile = c + (m0 + i * PW_GEMM_MR) * g->N + j * PW_GEMM_NR;
+      if (g->ta)
+        pw_gemm_tile_pairs(pa + i * a_tile, a_block, panel, b_block, g->kblocks, g->panel_pairs, last, tile, g->N, mr, nr);
+      else
+        pw_gemm_tile_rows(pa + i * a_tile, a_block, panel, b_block, g->kblocks, g->panel_pairs, last, tile, g->N, mr, nr);
+    }
+  }
+  free(pa);
+}
+
+/* C = op(A) op(B) over broadcast batch axes (ONNX MatMul's, rank >= 2 each), op a transpose of
+ * the last two axes where asked; float32 in and out. */
+static inline OrtStatus* pw_bf16_matmul(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def, int ta,
+                                        int tb) {
+  const PwKernel kernel = {api, def};
+  const OrtValue *x, *y;
+  int64_t ad[PW_MAX_RANK], bd[PW_MAX_RANK], cd[PW_MAX_RANK];
+  size_t ar = 0, br = 0;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 0, &x));
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 1, &y));
+  PW_TRY(pw_shape(api, x, ad, &ar));
+  PW_TRY(pw_shape(api, y, bd, &br));
+  if (ar < 2 || br < 2 || ar > PW_MAX_RANK || br > PW_MAX_RANK)
+    return pw_error(&kernel, "each operand must have 2 to 8 axes");
+  PwGemm g = {0};
+  g.ta = ta;
+  g.tb = tb;
+  g.M = ad[ar - 2 + ta];
+  g.K = ad[ar - 1 - ta];
+  g.N = bd[br - 1 - tb];
+  if (bd[br - 2 + tb] != g.K) return pw_error(&kernel, "the operands' inner dimensions differ");
+  g.lda = ad[ar - 1];
+  g.ldb = bd[br - 1];
+  /* batch axes, aligned from the right; a broadcast one gets stride 0 */
+  const size_t rank = (ar > br ? ar : br) - 2;
+  int64_t a_step = g.M * g.K, b_step = g.K * g.N;
+  g.rank = (int64_t)rank;
+  g.batches = 1;
+  g.b_batches = 1;
+  for (int64_t d = (int64_t)rank - 1; d >= 0; --d) {
+    const int64_t ai = d - (int64_t)rank + (int64_t)ar - 2, bi = d - (int64_t)rank + (int64_t)br - 2;
+    const int64_t an = ai >= 0 ? ad[ai] : 1, bn = bi >= 0 ? bd[bi] : 1;
+    if (an != bn && an != 1 && bn != 1) return pw_error(&kernel, "the operands' batch axes do not broadcast");
+    g.dims[d] = an > bn ? an : bn;
+    g.a_strides[d] = an == 1 ? 0 : a_step;
+    g.b_strides[d] = bn == 1 ? 0 : b_step;
+    a_step *= an;
+    b_step *= bn;
+    g.batches *= g.dims[d];
+    g.b_batches *= bn;
+    cd[d] = g.dims[d];
+  }
+  cd[rank] = g.M;
+  cd[rank + 1] = g.N;
+  /* B the same for every batch and A's rows contiguous across them (a Linear on a 3-D input):
+   * one product of all the rows, which splits better over the threads. */
+  if (g.b_batches == 1 && !ta && g.batches > 1) {
+    int contiguous = 1;
+    for (int64_t d = 0; d < g.rank; ++d) contiguous &= g.a_strides[d] != 0 || g.dims[d] == 1;
+    if (contiguous) {
+      g.M *= g.batches;
+      g.batches = 1;
+      g.rank = 0;
+    }
+  }
+  OrtValue* output;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, cd, rank + 2, &output));
+  void* data;
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(output, &data));
+  g.c = (float*)data;
+  if (g.batches == 0 || g.M == 0 || g.N == 0) return NULL;
+  if (g.K == 0) {
+    memset(g.c, 0, (size_t)(g.batches * g.M * g.N) * sizeof(float));
+    return NULL;
+  }
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)x, &data));
+  g.a = (const float*)data;
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)y, &data));
+  g.b = (const float*)data;
+  g.kblocks = (g.K + PW_GEMM_KC - 1) / PW_GEMM_KC;
+  g.npanels = (g.N + PW_GEMM_NR - 1) / PW_GEMM_NR;
+  g.panel_pairs = pw_min64(PW_GEMM_KP, (g.K + 1) / 2);
+  g.mblocks = (g.M + PW_GEMM_MC - 1) / PW_GEMM_MC;
+  const int64_t panels = g.b_batches * g.kblocks * g.npanels;
+  g.packed = (uint32_t*)aligned_alloc(64, (size_t)(panels * g.panel_pairs * PW_GEMM_NR) * sizeof(uint32_t));
+  if (!g.packed) return pw_error(&kernel, "out of memory for the packed operand");
+  int out_of_memory = 0;
+  g.out_of_memory = &out_of_memory;
+  OrtStatus* status = pw_run_tasks(api, ctx, pw_gemm_pack_task, panels, &g);
+  if (!status) status = pw_run_tasks(api, ctx, pw_gemm_task, g.batches * g.mblocks, &g);
+  free(g.packed);
+  if (!status && out_of_memory) return pw_error(&kernel, "out of memory for a packed operand");
+  return status;
+}
+
+/* One op per operand layout: PW_BF16_MATMUL(name, TRANS_A, TRANS_B) defines name_compute and
+ * the type lists; the unit's PW_KERNEL line names the op. */
+#define PW_BF16_MATMUL(name, TA, TB)                                                                    \
+  static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
+    return pw_bf16_matmul(api, ctx, def, TA, TB);                                                          \
+  }                                                                                                         \
+  static const int name##_types[] = {PW_FLOAT, PW_FLOAT};                                                   \
+  static const int name##_none[] = {0, 0}
+
+#endif /* ORT_DYNAMO_BF16_GEMM_H */

@@ -1,0 +1,177 @@
+"""CPU autocast's matrix products as bfloat16 ones (csrc/bf16_gemm.h), as eager computes them.
+
+Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` a product's operands are bfloat16 and its
+result is rounded to bfloat16. ORT's CPU provider has float32 GEMMs only, so the exported graph
+multiplies the operands as float32 between Casts; where the compiler targets AVX512-BF16 that
+MatMul becomes a ``Bf16MatMul`` kernel, which multiplies with the instruction eager's oneDNN
+kernels use and sums in float32.
+"""
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+
+from ort_dynamo import _kernels, _pointwise
+
+bf16_kernels = pytest.mark.skipif(not (_kernels.available() and _kernels.bfloat16_products()),
+                                  reason="no C compiler targeting AVX512-BF16 here")
+
+
+def _float(name, shape):
+    return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
+
+
+def _node(op, inputs, dtype, shape, **attributes):
+    node = ir.node(op, inputs, attributes=attributes)
+    node.outputs[0].dtype, node.outputs[0].shape = dtype, ir.Shape(shape)
+    return node
+
+
+def _last_two_swapped(rank):
+    return [*range(rank - 2), rank - 1, rank - 2]
+
+
+def _autocast_product(a_shape, b_shape, transpose_a=False, transpose_b=False, operands_bf16=True, rounded=True,
+                      b_perm=None):
+    """The graph of ``a @ b`` as CPU autocast's look after ``rewrite``: each operand rounded to
+    bfloat16 and widened back (``operands_bf16``), a Transpose of its last two axes where asked
+    (of ``b_perm``'s axes for b), a float32 MatMul, its result rounded to bfloat16 (``rounded``),
+    and read back as float32."""
+    nodes, values = [], []
+    b_perm = b_perm or (_last_two_swapped(len(b_shape)) if transpose_b else None)
+    a_perm = _last_two_swapped(len(a_shape)) if transpose_a else None
+    for name, shape, perm in (("a", a_shape, a_perm), ("b", b_shape, b_perm)):
+        value = _float(name, shape)
+        values.append(value)
+        if operands_bf16:
+            nodes += [_node("Cast", [value], ir.DataType.BFLOAT16, shape, to=ir.DataType.BFLOAT16)]
+            nodes += [_node("Cast", [nodes[-1].outputs[0]], ir.DataType.FLOAT, shape, to=ir.DataType.FLOAT)]
+            value = nodes[-1].outputs[0]
+        if perm:
+            nodes.append(_node("Transpose", [value], ir.DataType.FLOAT, [shape[i] for i in perm], perm=perm))
+        values.append(nodes[-1].outputs[0] if perm else value)
+    a_view, b_view = values[1], values[3]
+    out_shape = [*np.broadcast_shapes(tuple(a_view.shape[:-2]), tuple(b_view.shape[:-2])),
+                 a_view.shape[-2], b_view.shape[-1]]
+    nodes.append(_node("MatMul", [a_view, b_view], ir.DataType.FLOAT, out_shape))
+    if rounded:
+        nodes.append(_node("Cast", [nodes[-1].outputs[0]], ir.DataType.BFLOAT16, out_shape, to=ir.DataType.BFLOAT16))
+        nodes.append(_node("Cast", [nodes[-1].outputs[0]], ir.DataType.FLOAT, out_shape, to=ir.DataType.FLOAT))
+    nodes[-1].outputs[0].name = "c"
+    graph = ir.Graph([values[0], values[2]], [nodes[-1].outputs[0]], nodes=nodes, opset_imports={"": 18})
+    return ir.Model(graph, ir_version=10)
+
+
+def _fused(model, supported=True):
+    kernels = _pointwise.fuse_pointwise(model, lambda: supported)
+    return kernels, [n.op_type for n in model.graph]
+
+
+def _run(model, kernels, a, b):
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library(kernels))
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    return session.run(None, {"a": a, "b": b})[0]
+
+
+def _bf16_values(*shape, scale=1.0):
+    return (torch.randn(*shape) * scale).bfloat16().float().numpy()
+
+
+def _reference(a, b, transpose_a, transpose_b):
+    """The exact product in float64 and the magnitude of its terms (|a| @ |b|)."""
+    a, b = torch.from_numpy(a).double(), torch.from_numpy(b).double()
+    a, b = (a.transpose(-1, -2) if transpose_a else a), (b.transpose(-1, -2) if transpose_b else b)
+    return (a @ b).numpy(), (a.abs() @ b.abs()).numpy()
+
+
+@bf16_kernels
+@pytest.mark.parametrize("a_shape, b_shape, transpose_a, transpose_b", [
+    ((1, 1), (1, 1), False, False),
+    ((7, 3), (3, 5), False, False),           # smaller than one register tile
+    ((37, 129), (129, 50), False, False),     # odd K: a pair half padded
+    ((100, 300), (70, 300), False, True),     # K past one block (256), a Linear's weight
+    ((600, 13), (600, 33), True, False),      # a weight gradient: the tokens are K
+    ((45, 61), (70, 45), True, True),
+    ((3, 37, 64), (3, 64, 50), False, False),  # batched, as attention's products
+    ((2, 1, 19, 16), (3, 7, 16), False, True),  # batch axes that broadcast
+    ((4, 33, 40), (40, 65), False, False),    # a Linear on 3-D input: all rows one product
+    ((33, 40), (4, 40, 65), False, False),    # the same A for every batch
+])
+def test_a_bfloat16_product_is_the_exact_product_summed_in_float32_then_rounded(a_shape, b_shape, transpose_a,
+                                                                               transpose_b):
+    torch.manual_seed(0)
+    model = _autocast_product(a_shape, b_shape, transpose_a, transpose_b)
+    kernels, ops = _fused(model)
+    layout = ("T" if transpose_a else "N") + ("T" if transpose_b else "N")
+    assert f"Bf16MatMul{layout}" in ops and "MatMul" not in ops and "Transpose" not in ops
+    a, b = _bf16_values(*a_shape), _bf16_values(*b_shape)
+    got = _run(model, kernels, a, b)
+    exact, magnitude = _reference(a, b, transpose_a, transpose_b)
+    assert got.shape == exact.shape
+    # Rounding the float32 sum to bfloat16 (half a unit in the 8th bit), plus float32's
+    # accumulation error; a misplaced element or a dropped term is off by far more.
+    bound = 2.0 ** -8 * np.abs(exact) + 2.0 ** -20 * magnitude
+    assert (np.abs(got - exact) <= bound).all(), np.abs(got - exact).max()
+
+
+@bf16_kernels
+def test_a_bfloat16_product_keeps_nan_and_infinity_as_float32_products_do():
+    torch.manual_seed(0)
+    a, b = _bf16_values(20, 40), _bf16_values(40, 30)
+    a[3, 7] = np.nan
+    a[5, 0] = np.inf
+    b[0, 2] = 0.0  # inf * 0: NaN in row 5, column 2
+    b[11, 9] = -np.inf
+    model = _autocast_product(a.shape, b.shape)
+    kernels, _ = _fused(model)
+    got = _run(model, kernels, a, b)
+    want = (torch.from_numpy(a) @ torch.from_numpy(b)).numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+    assert np.isnan(got[3]).all() and np.isnan(got[5, 2])
+
+
+@bf16_kernels
+def test_empty_products_and_an_empty_inner_axis():
+    for a_shape, b_shape, want in (((0, 8), (8, 5), np.zeros((0, 5))), ((4, 0), (0, 5), np.zeros((4, 5)))):
+        model = _autocast_product(a_shape, b_shape)
+        kernels, ops = _fused(model)
+        assert "Bf16MatMulNN" in ops
+        np.testing.assert_array_equal(_run(model, kernels, np.zeros(a_shape, np.float32), np.ones(b_shape, np.float32)),
+                                      want)
+
+
+def test_only_autocasts_products_become_bfloat16_products():
+    """Operands that are not bfloat16 values, a result not rounded to bfloat16 (a float32
+    product of bfloat16 values is eager's float32 GEMM), or a compiler without AVX512-BF16:
+    the MatMul stays. Whether the compiler targets it is asked only when there is a product."""
+    asked = []
+    for model in (_autocast_product((8, 16), (16, 4), operands_bf16=False),
+                  _autocast_product((8, 16), (16, 4), rounded=False)):
+        _, ops = _fused(model, supported=None)
+        assert "MatMul" in ops and not any(op.startswith("Bf16MatMul") for op in ops)
+    model = _autocast_product((8, 16), (16, 4))
+    assert "MatMul" in _pointwise.fuse_pointwise(model, lambda: asked.append(1) or False) + \
+        [n.op_type for n in model.graph] and asked == [1]
+
+
+def test_transposes_before_a_product_fold_into_its_layout():
+    """A weight gradient's ``t(t(w))`` is ``w``; a Transpose of other axes stays a Transpose."""
+    model = _autocast_product((8, 16), (4, 16), transpose_b=True)
+    graph = model.graph
+    product = next(n for n in graph if n.op_type == "MatMul")
+    transpose = product.inputs[1].producer()
+    again = _node("Transpose", [transpose.outputs[0]], ir.DataType.FLOAT, [4, 16], perm=[1, 0])
+    twice = _node("Transpose", [again.outputs[0]], ir.DataType.FLOAT, [16, 4], perm=[1, 0])
+    graph.insert_before(product, [again, twice])
+    product.replace_input_with(1, twice.outputs[0])
+    _, ops = _fused(model)
+    assert "Bf16MatMulNT" in ops and "Transpose" not in ops
+
+    heads = _autocast_product((2, 4, 8, 16), (2, 16, 4, 8), b_perm=[0, 2, 1, 3])  # b: [batch, d, heads, seq]
+    _, ops = _fused(heads)
+    assert "Bf16MatMulNN" in ops and "Transpose" in ops
