@@ -350,20 +350,38 @@ def slow_transposes_as_kernels(graph: ir.Graph) -> int:
 _BF16_VIEWS = frozenset({"Reshape", "Transpose", "Unsqueeze", "Squeeze", "Identity", "Flatten"})
 
 
-def _holds_bfloat16(value: ir.Value | None) -> bool:
-    """Whether float32 ``value`` holds bfloat16 values: a Cast from bfloat16, through views."""
+def _bfloat16_source(value: ir.Value | None) -> tuple[ir.Value, list[ir.Node]] | None:
+    """(v, views) where float32 ``value`` is ``views(Cast(v))`` of a bfloat16 ``v`` (the views
+    in order from ``v``), else None: a value that holds bfloat16 values."""
+    views = []
     while value is not None and value.dtype in (ir.DataType.FLOAT, None):
         producer = value.producer()
         if producer is None or producer.domain not in ("", "ai.onnx"):
-            return False
+            return None
         if producer.op_type == "Cast":
             source = producer.inputs[0]
-            return source is not None and source.dtype == ir.DataType.BFLOAT16 \
-                and producer.attributes.get_int("to", 0) == ir.DataType.FLOAT
+            if source is None or source.dtype != ir.DataType.BFLOAT16 \
+                    or producer.attributes.get_int("to", 0) != ir.DataType.FLOAT:
+                return None
+            return source, views[::-1]
         if producer.op_type not in _BF16_VIEWS:
-            return False
+            return None
+        views.append(producer)
         value = producer.inputs[0]
-    return False
+    return None
+
+
+def _in_bfloat16(graph: ir.Graph, value: ir.Value, before: ir.Node) -> ir.Value:
+    """``value`` (which holds bfloat16 values) as a bfloat16 tensor: its views taken of the
+    bfloat16 value it was widened from, so that the product reads half the bytes, and the
+    kernel that rounds that value need not also write it widened."""
+    x, views = _bfloat16_source(value)
+    for view in views:
+        step = ir.node(view.op_type, [x, *view.inputs[1:]], attributes=dict(view.attributes))
+        step.outputs[0].dtype, step.outputs[0].shape = ir.DataType.BFLOAT16, view.outputs[0].shape
+        graph.insert_before(before, step)
+        x = step.outputs[0]
+    return x
 
 
 def _rounded_to_bfloat16(value: ir.Value) -> bool:
@@ -384,6 +402,12 @@ def _rounded_to_bfloat16(value: ir.Value) -> bool:
         elif not rounds(node):
             return False
     return True
+
+
+def _last_two_swapped(node: ir.Node | None, rank: int | None) -> bool:
+    """Whether ``node`` is a Transpose of the last two of ``rank`` axes."""
+    return _op(node, "Transpose") and rank is not None and rank >= 2 \
+        and list(node.attributes.get_ints("perm", [])) == [*range(rank - 2), rank - 1, rank - 2]
 
 
 def _without_transposes(value: ir.Value, rank: int) -> tuple[ir.Value, bool]:
@@ -408,40 +432,103 @@ def _rank(value: ir.Value | None) -> int | None:
     return None if value is None or value.shape is None else len(value.shape)
 
 
+def _widened(value: ir.Value) -> list[ir.Node] | None:
+    """The Casts to float32 that are all that reads bfloat16 ``value``, else None."""
+    readers = [use.node for use in value.uses()]
+    if value.is_graph_output() or not readers or not all(
+            _op(n, "Cast") and n.attributes.get_int("to", 0) == ir.DataType.FLOAT for n in readers):
+        return None
+    return readers
+
+
+def _result_form(result: ir.Value) -> tuple[str, list[ir.Value]]:
+    """How a bfloat16 product writes ``result`` (a MatMul's float32 output that is rounded to
+    bfloat16, ``_rounded_to_bfloat16``) and the values it then replaces: "b" bfloat16, the
+    rounding Casts' outputs; "r" float32 holding the rounded values, the outputs of the Casts
+    back to float32 that are all that reads them (no bfloat16 tensor is written); "f" the
+    float32 sums, ``result`` itself (a Linear's bias is added before the rounding)."""
+    casts = [use.node for use in result.uses()]
+    if not all(_op(n, "Cast") for n in casts):
+        return "f", [result]
+    rounded = [n.outputs[0] for n in casts]
+    widening = [_widened(v) for v in rounded]
+    form, targets = ("r", [n.outputs[0] for ns in widening for n in ns]) if all(widening) else ("b", rounded)
+    if len(targets) > 1 and any(v.is_graph_output() for v in targets):
+        return "f", [result]
+    return form, targets
+
+
 def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
     """Each MatMul of two bfloat16 values whose result is rounded to bfloat16 (CPU autocast's
-    products, ``rewrite._compute_bfloat16_in_float32``) -> ``Bf16MatMul{N,T}{N,T}``, a
-    Transpose of an operand's last two axes folded in. ``supported()`` (asked only if there is
-    one) says whether the compiler targets AVX512-BF16. Returns the kernels' C units."""
+    products, ``rewrite._compute_bfloat16_in_float32``) -> ``Bf16MatMul{N,T}{N,T}_{a}{b}{c}``:
+    a Transpose of an operand's last two axes folded in, the operands read as bfloat16, the
+    rounding done as the result is stored (``_result_form``), and a Transpose of the result's
+    last two axes (a weight gradient's) done by multiplying the operands the other way round.
+    ``supported()`` (asked only if there is one) says whether the compiler targets AVX512-BF16.
+    Returns the kernels' C units."""
     found = []
     for node in graph:
-        if _op(node, "MatMul") and len(node.inputs) == 2 and all(_holds_bfloat16(v) for v in node.inputs) \
+        if _op(node, "MatMul") and len(node.inputs) == 2 and all(_bfloat16_source(v) for v in node.inputs) \
                 and all((_rank(v) or 0) >= 2 for v in node.inputs) and _rounded_to_bfloat16(node.outputs[0]):
             found.append(node)
     if not found or not supported():
         return []
     kernels = {}
     for node in found:
-        operands, layout = [], ""
+        operands, transposed = [], []
         for value in node.inputs:
-            operand, transposed = _without_transposes(value, _rank(value))
-            operands.append(operand)
-            layout += "T" if transposed else "N"
-        name = "Bf16MatMul" + layout
+            operand, swapped = _without_transposes(value, _rank(value))
+            operands.append(_in_bfloat16(graph, operand, node) if _bfloat16_source(operand) else operand)
+            transposed.append(swapped)
+        result = node.outputs[0]
+        form, targets = _result_form(result)
+        after = targets[0].uses()[0].node if len(targets) == 1 and len(targets[0].uses()) == 1 else None
+        if form != "f" and not targets[0].is_graph_output() and _op(after, "Transpose") \
+                and _last_two_swapped(after, _rank(result)):
+            # (A B)^T = B^T A^T: the product written in the layout the Transpose makes
+            operands, transposed, targets = operands[::-1], [not t for t in transposed[::-1]], after.outputs
+        types = [v.dtype == ir.DataType.BFLOAT16 for v in operands] + [form == "b"]
+        layout = "".join("T" if t else "N" for t in transposed)
+        name = f"Bf16MatMul{layout}_{''.join('b' if bf16 else 'f' for bf16 in types)}{'r' if form == 'r' else ''}"
+        pw_types = ["PW_BF16" if bf16 else "PW_FLOAT" for bf16 in types]
         kernels[name] = "\n".join([
             '#include "bf16_gemm.h"',
-            f"PW_BF16_MATMUL({name}, {int(layout[0] == 'T')}, {int(layout[1] == 'T')});",
-            f"PW_KERNEL({name}, 2, {name}_types, {name}_none, 1, {name}_none, 0, 0, 0, 0, {name}_compute, 0, 0);",
+            f"PW_BF16_MATMUL({name}, {int(transposed[0])}, {int(transposed[1])}, {', '.join(pw_types)}, "
+            f"{int(form == 'r')});",
+            f"PW_KERNEL({name}, 2, {name}_types, {name}_none, 1, {name}_none, 0, 0, 0, 0, {name}_compute, 0, "
+            f"{name}_out_types);",
         ]) + "\n"
+        replaced = [node, *(n for v in targets for n in _chain_before(v))]
+        replaced += [n for v in node.inputs for n in _chain_before(v)]
         product = ir.node(name, operands, domain=DOMAIN)
         graph.insert_before(node, product)
-        _take_over(node.outputs[0], product.outputs[0])
-        product.outputs[0].dtype = ir.DataType.FLOAT
-        read = list(node.inputs)
-        graph.remove(node, safe=True)
-        for value in read:  # the folded Transposes nothing else reads
-            while _op(value.producer(), "Transpose") and not value.uses() and not value.is_graph_output():
-                producer = value.producer()
-                value = producer.inputs[0]
-                graph.remove(producer, safe=True)
+        out = product.outputs[0]
+        targets = sorted(targets, key=lambda v: not v.is_graph_output())  # at most one is
+        _take_over(targets[0], out)
+        for other in targets[1:]:
+            other.replace_all_uses_with(out)
+        out.dtype = ir.DataType.BFLOAT16 if form == "b" else ir.DataType.FLOAT
+        _remove_dead(graph, replaced)
     return list(kernels.values())
+
+
+
+def _remove_dead(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+    """Those of ``nodes`` that nothing reads any more, until none is left to remove."""
+    removed = True
+    while removed:
+        removed = False
+        for node in nodes:
+            if node.graph is not None and not any(v.uses() or v.is_graph_output() for v in node.outputs):
+                graph.remove(node, safe=True)
+                removed = True
+
+
+def _chain_before(value: ir.Value) -> list[ir.Node]:
+    """The views and Casts that made ``value``, back to the first other op."""
+    chain = []
+    while _op(value.producer(), "Cast") or (value.producer() is not None and value.producer().domain in ("", "ai.onnx")
+                                            and value.producer().op_type in _BF16_VIEWS):
+        chain.append(value.producer())
+        value = value.producer().inputs[0]
+    return chain

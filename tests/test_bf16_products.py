@@ -33,11 +33,14 @@ def _last_two_swapped(rank):
 
 
 def _autocast_product(a_shape, b_shape, transpose_a=False, transpose_b=False, operands_bf16=True, rounded=True,
-                      b_perm=None):
+                      b_perm=None, reader="float"):
     """The graph of ``a @ b`` as CPU autocast's look after ``rewrite``: each operand rounded to
     bfloat16 and widened back (``operands_bf16``), a Transpose of its last two axes where asked
-    (of ``b_perm``'s axes for b), a float32 MatMul, its result rounded to bfloat16 (``rounded``),
-    and read back as float32."""
+    (of ``b_perm``'s axes for b), a float32 MatMul, its result rounded to bfloat16 (``rounded``)
+    and read as float32 (``reader``: "float"), or first by a bfloat16 Concat with itself
+    ("bfloat16"), or
+    with a bias (input "bias") added before the rounding ("bias"), or read as float32 by a
+    Transpose of its last two axes ("transposed")."""
     nodes, values = [], []
     b_perm = b_perm or (_last_two_swapped(len(b_shape)) if transpose_b else None)
     a_perm = _last_two_swapped(len(a_shape)) if transpose_a else None
@@ -55,25 +58,38 @@ def _autocast_product(a_shape, b_shape, transpose_a=False, transpose_b=False, op
     out_shape = [*np.broadcast_shapes(tuple(a_view.shape[:-2]), tuple(b_view.shape[:-2])),
                  a_view.shape[-2], b_view.shape[-1]]
     nodes.append(_node("MatMul", [a_view, b_view], ir.DataType.FLOAT, out_shape))
+    inputs = [values[0], values[2]]
+    if reader == "bias":
+        inputs.append(_float("bias", out_shape[-1:]))
+        nodes.append(_node("Add", [nodes[-1].outputs[0], inputs[-1]], ir.DataType.FLOAT, out_shape))
     if rounded:
         nodes.append(_node("Cast", [nodes[-1].outputs[0]], ir.DataType.BFLOAT16, out_shape, to=ir.DataType.BFLOAT16))
+        if reader == "bfloat16":
+            out_shape = [*out_shape[:-1], 2 * out_shape[-1]]
+            nodes.append(_node("Concat", [nodes[-1].outputs[0]] * 2, ir.DataType.BFLOAT16, out_shape, axis=-1))
         nodes.append(_node("Cast", [nodes[-1].outputs[0]], ir.DataType.FLOAT, out_shape, to=ir.DataType.FLOAT))
+    if reader == "transposed":
+        out_shape = [*out_shape[:-2], out_shape[-1], out_shape[-2]]
+        nodes.append(_node("Transpose", [nodes[-1].outputs[0]], ir.DataType.FLOAT, out_shape,
+                           perm=_last_two_swapped(len(out_shape))))
     nodes[-1].outputs[0].name = "c"
-    graph = ir.Graph([values[0], values[2]], [nodes[-1].outputs[0]], nodes=nodes, opset_imports={"": 18})
+    graph = ir.Graph(inputs, [nodes[-1].outputs[0]], nodes=nodes, opset_imports={"": 18})
     return ir.Model(graph, ir_version=10)
 
 
 def _fused(model, supported=True):
+    """The kernels and the op types, a bfloat16 product's named by its layout alone
+    (``Bf16MatMulNT``: its operands' and result's types are a suffix)."""
     kernels = _pointwise.fuse_pointwise(model, lambda: supported)
-    return kernels, [n.op_type for n in model.graph]
+    return kernels, [n.op_type.split("_")[0] for n in model.graph]
 
 
-def _run(model, kernels, a, b):
+def _run(model, kernels, a, b, **more):
     so = ort.SessionOptions()
     so.register_custom_ops_library(_kernels.library(kernels))
     session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
                                    providers=["CPUExecutionProvider"])
-    return session.run(None, {"a": a, "b": b})[0]
+    return session.run(None, {"a": a, "b": b, **more})[0]
 
 
 def _bf16_values(*shape, scale=1.0):
@@ -115,6 +131,30 @@ def test_a_bfloat16_product_is_the_exact_product_summed_in_float32_then_rounded(
     # accumulation error; a misplaced element or a dropped term is off by far more.
     bound = 2.0 ** -8 * np.abs(exact) + 2.0 ** -20 * magnitude
     assert (np.abs(got - exact) <= bound).all(), np.abs(got - exact).max()
+
+
+@bf16_kernels
+@pytest.mark.parametrize("reader, form", [
+    ("float", "_bbfr"),     # only float32 ops read the rounded result: stored rounded, as float32
+    ("bfloat16", "_bbb"),   # a bfloat16 op (a Concat) reads it: stored as bfloat16
+    ("bias", "_bbf"),       # a Linear's bias comes first: the float32 sums
+    ("transposed", "_bbfr"),  # read transposed: the operands multiplied the other way round
+])
+def test_a_bfloat16_products_result_is_stored_as_its_readers_need_it(reader, form):
+    torch.manual_seed(0)
+    a, b, bias = _bf16_values(2, 37, 40), _bf16_values(40, 50), np.random.randn(50).astype(np.float32)
+    model = _autocast_product(a.shape, b.shape, reader=reader)
+    kernels, _ = _fused(model)
+    products = [n.op_type for n in model.graph if n.op_type.startswith("Bf16MatMul")]
+    layout = "TT" if reader == "transposed" else "NN"
+    assert products == [f"Bf16MatMul{layout}{form}"] and "MatMul" not in [n.op_type for n in model.graph]
+    got = _run(model, kernels, a, b, **({"bias": bias} if reader == "bias" else {}))
+    exact = torch.from_numpy(a).double() @ torch.from_numpy(b).double() + (bias if reader == "bias" else 0)
+    want = exact.float().bfloat16().float()  # float32 sums then rounded: within a unit of this
+    want = {"bfloat16": torch.cat([want, want], -1), "transposed": want.transpose(-1, -2)}.get(reader, want).numpy()
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
+    assert (torch.from_numpy(got).bfloat16().float().numpy() == got).all()  # bfloat16 values
 
 
 @bf16_kernels
@@ -175,3 +215,31 @@ def test_transposes_before_a_product_fold_into_its_layout():
     heads = _autocast_product((2, 4, 8, 16), (2, 16, 4, 8), b_perm=[0, 2, 1, 3])  # b: [batch, d, heads, seq]
     _, ops = _fused(heads)
     assert "Bf16MatMulNN" in ops and "Transpose" in ops
+
+
+@bf16_kernels
+def test_a_product_of_a_products_rounded_result_reads_it_as_stored():
+    """``(a @ b) @ c``: the first result, read only as float32, is stored as float32 holding
+    bfloat16 values, and the second product reads those floats (an attention's scores times
+    its values reads the softmax's output alike)."""
+    torch.manual_seed(0)
+    model = _autocast_product((24, 40), (40, 30))
+    graph = model.graph
+    widened = graph.outputs[0]
+    c = _float("c_in", [30, 20])
+    graph.inputs.append(c)
+    rounded_c = _node("Cast", [c], ir.DataType.BFLOAT16, [30, 20], to=ir.DataType.BFLOAT16)
+    widened_c = _node("Cast", [rounded_c.outputs[0]], ir.DataType.FLOAT, [30, 20], to=ir.DataType.FLOAT)
+    product = _node("MatMul", [widened, widened_c.outputs[0]], ir.DataType.FLOAT, [24, 20])
+    rounded = _node("Cast", [product.outputs[0]], ir.DataType.BFLOAT16, [24, 20], to=ir.DataType.BFLOAT16)
+    out = _node("Cast", [rounded.outputs[0]], ir.DataType.FLOAT, [24, 20], to=ir.DataType.FLOAT)
+    graph.extend([rounded_c, widened_c, product, rounded, out])
+    widened.name, out.outputs[0].name = "ab", "c"
+    graph.outputs[0] = out.outputs[0]
+    kernels, _ = _fused(model)
+    assert [n.op_type for n in graph if n.op_type.startswith("Bf16")] == ["Bf16MatMulNN_bbfr", "Bf16MatMulNN_fbfr"]
+    a, b, c_in = _bf16_values(24, 40), _bf16_values(40, 30), _bf16_values(30, 20)
+    got = _run(model, kernels, a, b, c_in=c_in)
+    ab = (torch.from_numpy(a) @ torch.from_numpy(b)).bfloat16().float()
+    want = (ab @ torch.from_numpy(c_in)).bfloat16().float().numpy()
+    np.testing.assert_allclose(got, want, rtol=2 ** -6, atol=1e-5)

@@ -3,11 +3,12 @@
  * Under torch.autocast("cpu", bfloat16) eager multiplies bfloat16 matrices with oneDNN's
  * AVX512-BF16 kernels (VDPBF16PS: pairs of bfloat16 products summed into float32). ORT's CPU
  * provider has float32 GEMMs only, so a bfloat16 graph's products ran at float32 speed, half
- * of eager's (docs/performance.md, "CPU autocast"). This op multiplies float32 tensors whose
- * values are bfloat16 (the Casts from bfloat16 in front of every autocast product) with the
- * same instruction, and returns the float32 sums, which the graph then rounds to bfloat16 as
- * before. Built only where the compiler targets AVX512-BF16 (-march=native); the rewrite
- * (ort_dynamo/_op_kernels.py) asks first.
+ * of eager's (docs/performance.md, "CPU autocast"). This op multiplies bfloat16 values with the
+ * same instruction: operands held as bfloat16, or as float32 that are bfloat16 values; the
+ * result stored as bfloat16 (rounded to nearest even), as float32 holding those rounded values
+ * (where only float32 ops read it), or as the float32 sums (where a bias is added before the
+ * rounding). The rewrite (ort_dynamo/_op_kernels.py) picks the op's types from what reads and
+ * writes the product, and uses it only where the compiler targets AVX512-BF16 (-march=native).
  *
  * Blocking as in GotoBLAS: B packed once per call into panels of NR columns, in blocks of KC
  * rows, as bfloat16 pairs along K (the instruction's operand layout); each task packs MC rows
@@ -37,43 +38,58 @@ static const short pw_interleave16[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 
                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 static inline __mmask16 pw_lanes(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+static inline __mmask32 pw_lanes32(int64_t n) { return n >= 32 ? 0xffffffffu : n <= 0 ? 0 : (__mmask32)((1u << n) - 1); }
 static inline int64_t pw_min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* 16 bfloat16 pairs (x0[i], x1[i]), each value rounded to nearest even (exact for the
- * bfloat16 values this op is given). */
-static inline __m512i pw_bf16_pairs(__m512 x0, __m512 x1) {
-  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(x1, x0); /* x0's 16, then x1's */
+/* Element i of an operand held as float32 or as bfloat16. */
+static inline const void* pw_at(const void* base, int64_t i, int bf16) {
+  return (const char*)base + i * (bf16 ? 2 : 4);
+}
+
+/* 16 bfloat16 pairs (x0[i], x1[i]) for i < n (the rest zeros) from two lines of an operand,
+ * x1 NULL for zeros; float32 values rounded to nearest even (exact for the bfloat16 values
+ * this op is given). */
+static inline __m512i pw_pairs_across(const void* x0, const void* x1, int64_t n, int bf16) {
+  const __mmask16 m = pw_lanes(n);
+  if (bf16) {
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x0));
+    const __m512i hi = x1 ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x1)) : _mm512_setzero_si512();
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+  }
+  const __m512 f0 = _mm512_maskz_loadu_ps(m, x0), f1 = x1 ? _mm512_maskz_loadu_ps(m, x1) : _mm512_setzero_ps();
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(f1, f0); /* x0's 16, then x1's */
   return _mm512_permutexvar_epi16(_mm512_loadu_si512(pw_interleave16), both);
+}
+
+/* The 16 pairs of n (<= 32) consecutive values of a line (the rest zeros). */
+static inline __m512i pw_pairs_along(const void* x, int64_t n, int bf16) {
+  if (bf16) return _mm512_maskz_loadu_epi16(pw_lanes32(n), x);
+  const __m512 lo = _mm512_maskz_loadu_ps(pw_lanes(n), x);
+  const __m512 hi = _mm512_maskz_loadu_ps(pw_lanes(n - 16), (const float*)x + 16);
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
 /* Element (k, n) of B is b[k ldb + n], or b[n ldb + k] when transposed. One panel: columns
  * n0.. (nr of them, the rest zeros), rows k0.. (kc), as [pair][NR] 32-bit pairs. */
-static void pw_gemm_pack_b(uint32_t* restrict dst, const float* restrict b, int64_t ldb, int tb, int64_t n0,
+static void pw_gemm_pack_b(uint32_t* restrict dst, const void* b, int bf16, int64_t ldb, int tb, int64_t n0,
                            int64_t nr, int64_t k0, int64_t kc) {
   const int64_t pairs = (kc + 1) / 2;
   if (!tb) {
     for (int64_t p = 0; p < pairs; ++p) {
-      const float* r0 = b + (k0 + 2 * p) * ldb + n0;
-      const int second = 2 * p + 1 < kc;
-      for (int h = 0; h < 2; ++h) {
-        const __mmask16 m = pw_lanes(nr - 16 * h);
-        const __m512 x0 = _mm512_maskz_loadu_ps(m, r0 + 16 * h);
-        const __m512 x1 = second ? _mm512_maskz_loadu_ps(m, r0 + ldb + 16 * h) : _mm512_setzero_ps();
-        _mm512_storeu_si512(dst + p * PW_GEMM_NR + 16 * h, pw_bf16_pairs(x0, x1));
-      }
+      const int64_t at = (k0 + 2 * p) * ldb + n0;
+      for (int h = 0; h < 2; ++h)
+        _mm512_storeu_si512(dst + p * PW_GEMM_NR + 16 * h,
+                            pw_pairs_across(pw_at(b, at + 16 * h, bf16),
+                                            2 * p + 1 < kc ? pw_at(b, at + ldb + 16 * h, bf16) : NULL, nr - 16 * h,
+                                            bf16));
     }
     return;
   }
   uint32_t row[PW_GEMM_KP] __attribute__((aligned(64)));
   for (int64_t c = 0; c < PW_GEMM_NR; ++c) {
-    if (c < nr) { /* a column of B is a row in memory: its pairs are adjacent */
-      const float* src = b + (n0 + c) * ldb + k0;
-      for (int64_t q = 0; q < kc; q += 32) {
-        const __m512 x0 = _mm512_maskz_loadu_ps(pw_lanes(kc - q), src + q);
-        const __m512 x1 = _mm512_maskz_loadu_ps(pw_lanes(kc - q - 16), src + q + 16);
-        _mm512_store_si512(row + q / 2, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
-      }
-    }
+    if (c < nr) /* a column of B is a row in memory: its pairs are adjacent */
+      for (int64_t q = 0; q < kc; q += 32)
+        _mm512_store_si512(row + q / 2, pw_pairs_along(pw_at(b, (n0 + c) * ldb + k0 + q, bf16), kc - q, bf16));
     for (int64_t p = 0; p < pairs; ++p) dst[p * PW_GEMM_NR + c] = c < nr ? row[p] : 0;
   }
 }
@@ -81,26 +97,22 @@ static void pw_gemm_pack_b(uint32_t* restrict dst, const float* restrict b, int6
 /* Element (m, k) of A is a[m lda + k], or a[k lda + m] when transposed. One tile's rows m0..
  * (mr of them, the rest zeros), k0.. (kc): as [row][KP] pairs (the rows' pairs are adjacent
  * in memory), or transposed as [pair][MR]. */
-static void pw_gemm_pack_a(uint32_t* restrict dst, const float* restrict a, int64_t lda, int ta, int64_t m0,
+static void pw_gemm_pack_a(uint32_t* restrict dst, const void* a, int bf16, int64_t lda, int ta, int64_t m0,
                            int64_t mr, int64_t k0, int64_t kc) {
   const int64_t pairs = (kc + 1) / 2;
   if (!ta) {
-    for (int64_t r = 0; r < PW_GEMM_MR; ++r) {
-      const float* src = a + (m0 + r) * lda + k0;
-      for (int64_t q = 0; q < 2 * pairs; q += 32) {
-        const __m512 x0 = r < mr ? _mm512_maskz_loadu_ps(pw_lanes(kc - q), src + q) : _mm512_setzero_ps();
-        const __m512 x1 = r < mr ? _mm512_maskz_loadu_ps(pw_lanes(kc - q - 16), src + q + 16) : _mm512_setzero_ps();
-        _mm512_storeu_si512(dst + r * PW_GEMM_KP + q / 2, (__m512i)_mm512_cvtne2ps_pbh(x1, x0));
-      }
-    }
+    for (int64_t r = 0; r < PW_GEMM_MR; ++r)
+      for (int64_t q = 0; q < 2 * pairs; q += 32)
+        _mm512_storeu_si512(dst + r * PW_GEMM_KP + q / 2,
+                            r < mr ? pw_pairs_along(pw_at(a, (m0 + r) * lda + k0 + q, bf16), kc - q, bf16)
+                                   : _mm512_setzero_si512());
     return;
   }
-  const __mmask16 m = pw_lanes(mr);
   for (int64_t p = 0; p < pairs; ++p) {
-    const float* r0 = a + (k0 + 2 * p) * lda + m0;
-    const __m512 x0 = _mm512_maskz_loadu_ps(m, r0);
-    const __m512 x1 = 2 * p + 1 < kc ? _mm512_maskz_loadu_ps(m, r0 + lda) : _mm512_setzero_ps();
-    _mm512_mask_storeu_epi32(dst + p * PW_GEMM_MR, (__mmask16)((1u << PW_GEMM_MR) - 1), pw_bf16_pairs(x0, x1));
+    const int64_t at = (k0 + 2 * p) * lda + m0;
+    _mm512_mask_storeu_epi32(dst + p * PW_GEMM_MR, (__mmask16)((1u << PW_GEMM_MR) - 1),
+                             pw_pairs_across(pw_at(a, at, bf16), 2 * p + 1 < kc ? pw_at(a, at + lda, bf16) : NULL, mr,
+                                             bf16));
   }
 }
 
@@ -109,8 +121,8 @@ static void pw_gemm_pack_a(uint32_t* restrict dst, const float* restrict a, int6
  * stay in registers across the blocks: C is written once. */
 #define PW_GEMM_TILE(name, A_PAIR)                                                                                 \
   static void name(const uint32_t* restrict pa, int64_t a_block, const uint32_t* restrict pb, int64_t b_block,    \
-                   int64_t kblocks, int64_t pairs, int64_t last, float* restrict c, int64_t ldc, int64_t mr,       \
-                   int64_t nr) {                                                                                   \
+                   int64_t kblocks, int64_t pairs, int64_t last, void* c, int c_bf16, int rounded, int64_t ldc,     \
+                   int64_t mr, int64_t nr) {                                                                       \
     __m512 acc[PW_GEMM_MR][2];                                                                                     \
     for (int r = 0; r < PW_GEMM_MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                              \
     for (int64_t kb = 0; kb < kblocks; ++kb, pa += a_block, pb += b_block) {                                       \
@@ -127,16 +139,28 @@ static void pw_gemm_pack_a(uint32_t* restrict dst, const float* restrict a, int6
     }                                                                                                              \
     const __mmask16 m0 = pw_lanes(nr), m1 = pw_lanes(nr - 16);                                                     \
     for (int r = 0; r < mr; ++r) {                                                                                 \
-      _mm512_mask_storeu_ps(c + r * ldc, m0, acc[r][0]);                                                           \
-      _mm512_mask_storeu_ps(c + r * ldc + 16, m1, acc[r][1]);                                                      \
+      if (c_bf16) { /* rounded to nearest even, as eager's bfloat16 product is */                                  \
+        uint16_t* row = (uint16_t*)c + r * ldc;                                                                    \
+        _mm256_mask_storeu_epi16(row, m0, (__m256i)_mm512_cvtneps_pbh(acc[r][0]));                                 \
+        _mm256_mask_storeu_epi16(row + 16, m1, (__m256i)_mm512_cvtneps_pbh(acc[r][1]));                            \
+      } else {                                                                                                     \
+        float* row = (float*)c + r * ldc;                                                                          \
+        if (rounded) /* to bfloat16 and held as float32: a bfloat16 result only float32 ops read */          \
+          for (int h = 0; h < 2; ++h)                                                                              \
+            acc[r][h] = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(acc[r][h])), 16); \
+        _mm512_mask_storeu_ps(row, m0, acc[r][0]);                                                                 \
+        _mm512_mask_storeu_ps(row + 16, m1, acc[r][1]);                                                            \
+      }                                                                                                            \
     }                                                                                                              \
   }
 PW_GEMM_TILE(pw_gemm_tile_rows, pa[r * PW_GEMM_KP + p])
 PW_GEMM_TILE(pw_gemm_tile_pairs, pa[p * PW_GEMM_MR + r])
 
 typedef struct PwGemm {
-  const float *a, *b;
-  float* c;
+  const void *a, *b;
+  void* c;
+  int a_bf16, b_bf16, c_bf16; /* which are held as bfloat16, not float32 */
+  int rounded;                /* C float32, holding values rounded to bfloat16 */
   uint32_t* packed; /* B's panels: [B batch][N panel][K block][panel_pairs][NR] */
   int ta, tb;
   int64_t M, N, K, lda, ldb;
@@ -161,8 +185,8 @@ static void pw_gemm_pack_task(void* user, size_t t) {
   const PwGemm* g = (const PwGemm*)user;
   const int64_t kb = (int64_t)t % g->kblocks, panel = (int64_t)t / g->kblocks;
   const int64_t batch = panel / g->npanels, n0 = panel % g->npanels * PW_GEMM_NR, k0 = kb * PW_GEMM_KC;
-  pw_gemm_pack_b(g->packed + (int64_t)t * g->panel_pairs * PW_GEMM_NR, g->b + batch * g->K * g->N, g->ldb, g->tb, n0,
-                 pw_min64(g->N - n0, PW_GEMM_NR), k0, pw_min64(g->K - k0, PW_GEMM_KC));
+  pw_gemm_pack_b(g->packed + (int64_t)t * g->panel_pairs * PW_GEMM_NR, pw_at(g->b, batch * g->K * g->N, g->b_bf16),
+                 g->b_bf16, g->ldb, g->tb, n0, pw_min64(g->N - n0, PW_GEMM_NR), k0, pw_min64(g->K - k0, PW_GEMM_KC));
 }
 
 /* Task t: MC rows of one batch's C, over every N panel. */
@@ -176,12 +200,12 @@ static void pw_gemm_task(void* user, size_t t) {
     __atomic_store_n(g->out_of_memory, 1, __ATOMIC_RELAXED);
     return;
   }
-  const float* a = g->a + pw_gemm_batch_offset(g, g->a_strides, batch);
+  const void* a = pw_at(g->a, pw_gemm_batch_offset(g, g->a_strides, batch), g->a_bf16);
   const int64_t b_batch = pw_gemm_batch_offset(g, g->b_strides, batch) / (g->K * g->N);
-  float* c = g->c + batch * g->M * g->N;
+  char* c = (char*)g->c + batch * g->M * g->N * (g->c_bf16 ? 2 : 4);
   for (int64_t i = 0; i < tiles; ++i)
     for (int64_t kb = 0; kb < g->kblocks; ++kb)
-      pw_gemm_pack_a(pa + i * a_tile + kb * a_block, a, g->lda, g->ta, m0 + i * PW_GEMM_MR,
+      pw_gemm_pack_a(pa + i * a_tile + kb * a_block, a, g->a_bf16, g->lda, g->ta, m0 + i * PW_GEMM_MR,
                      pw_min64(mc - i * PW_GEMM_MR, PW_GEMM_MR), kb * PW_GEMM_KC,
                      pw_min64(g->K - kb * PW_GEMM_KC, PW_GEMM_KC));
   const int64_t b_block = g->panel_pairs * PW_GEMM_NR;
@@ -191,20 +215,22 @@ static void pw_gemm_task(void* user, size_t t) {
     const int64_t nr = pw_min64(g->N - j * PW_GEMM_NR, PW_GEMM_NR);
     for (int64_t i = 0; i < tiles; ++i) {
       const int64_t mr = pw_min64(mc - i * PW_GEMM_MR, PW_GEMM_MR);
-      float* tile = c + (m0 + i * PW_GEMM_MR) * g->N + j * PW_GEMM_NR;
+      void* tile = c + ((m0 + i * PW_GEMM_MR) * g->N + j * PW_GEMM_NR) * (g->c_bf16 ? 2 : 4);
       if (g->ta)
-        pw_gemm_tile_pairs(pa + i * a_tile, a_block, panel, b_block, g->kblocks, g->panel_pairs, last, tile, g->N, mr, nr);
+        pw_gemm_tile_pairs(pa + i * a_tile, a_block, panel, b_block, g->kblocks, g->panel_pairs, last, tile, g->c_bf16,
+                           g->rounded, g->N, mr, nr);
       else
-        pw_gemm_tile_rows(pa + i * a_tile, a_block, panel, b_block, g->kblocks, g->panel_pairs, last, tile, g->N, mr, nr);
+        pw_gemm_tile_rows(pa + i * a_tile, a_block, panel, b_block, g->kblocks, g->panel_pairs, last, tile, g->c_bf16,
+                          g->rounded, g->N, mr, nr);
     }
   }
   free(pa);
 }
 
 /* C = op(A) op(B) over broadcast batch axes (ONNX MatMul's, rank >= 2 each), op a transpose of
- * the last two axes where asked; float32 in and out. */
+ * the last two axes where asked; each of A, B and C float32 or bfloat16 as the op's types say. */
 static inline OrtStatus* pw_bf16_matmul(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def, int ta,
-                                        int tb) {
+                                        int tb, int rounded) {
   const PwKernel kernel = {api, def};
   const OrtValue *x, *y;
   int64_t ad[PW_MAX_RANK], bd[PW_MAX_RANK], cd[PW_MAX_RANK];
@@ -218,6 +244,10 @@ static inline OrtStatus* pw_bf16_matmul(const OrtApiTable* api, OrtKernelContext
   PwGemm g = {0};
   g.ta = ta;
   g.tb = tb;
+  g.a_bf16 = def->types[0] == PW_BF16;
+  g.b_bf16 = def->types[1] == PW_BF16;
+  g.c_bf16 = def->out_types && def->out_types[0] == PW_BF16;
+  g.rounded = rounded;
   g.M = ad[ar - 2 + ta];
   g.K = ad[ar - 1 - ta];
   g.N = bd[br - 1 - tb];
@@ -260,16 +290,16 @@ static inline OrtStatus* pw_bf16_matmul(const OrtApiTable* api, OrtKernelContext
   PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, cd, rank + 2, &output));
   void* data;
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)(output, &data));
-  g.c = (float*)data;
+  g.c = data;
   if (g.batches == 0 || g.M == 0 || g.N == 0) return NULL;
-  if (g.K == 0) {
-    memset(g.c, 0, (size_t)(g.batches * g.M * g.N) * sizeof(float));
+  if (g.K == 0) { /* zeros, in either type */
+    memset(g.c, 0, (size_t)(g.batches * g.M * g.N) * (g.c_bf16 ? 2 : 4));
     return NULL;
   }
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)x, &data));
-  g.a = (const float*)data;
+  g.a = data;
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)y, &data));
-  g.b = (const float*)data;
+  g.b = data;
   g.kblocks = (g.K + PW_GEMM_KC - 1) / PW_GEMM_KC;
   g.npanels = (g.N + PW_GEMM_NR - 1) / PW_GEMM_NR;
   g.panel_pairs = pw_min64(PW_GEMM_KP, (g.K + 1) / 2);
@@ -286,13 +316,15 @@ static inline OrtStatus* pw_bf16_matmul(const OrtApiTable* api, OrtKernelContext
   return status;
 }
 
-/* One op per operand layout: PW_BF16_MATMUL(name, TRANS_A, TRANS_B) defines name_compute and
- * the type lists; the unit's PW_KERNEL line names the op. */
-#define PW_BF16_MATMUL(name, TA, TB)                                                                    \
+/* One op per operand layout and types: PW_BF16_MATMUL(name, TRANS_A, TRANS_B, A's, B's and C's
+ * type: PW_FLOAT or PW_BF16, ROUND: a float32 C holds its values rounded to bfloat16) defines
+ * name_compute and the type lists; the unit's PW_KERNEL line names the op. */
+#define PW_BF16_MATMUL(name, TA, TB, A, B, C, ROUND)                                                        \
   static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
-    return pw_bf16_matmul(api, ctx, def, TA, TB);                                                          \
+    return pw_bf16_matmul(api, ctx, def, TA, TB, ROUND);                                                   \
   }                                                                                                         \
-  static const int name##_types[] = {PW_FLOAT, PW_FLOAT};                                                   \
+  static const int name##_types[] = {A, B};                                                                 \
+  static const int name##_out_types[] = {C};                                                                \
   static const int name##_none[] = {0, 0}
 
 #endif /* ORT_DYNAMO_BF16_GEMM_H */
