@@ -441,21 +441,31 @@ def _widened(value: ir.Value) -> list[ir.Node] | None:
     return readers
 
 
-def _result_form(result: ir.Value) -> tuple[str, list[ir.Value]]:
+def _result_form(result: ir.Value) -> tuple[str, list[ir.Value], ir.Value | None]:
     """How a bfloat16 product writes ``result`` (a MatMul's float32 output that is rounded to
-    bfloat16, ``_rounded_to_bfloat16``) and the values it then replaces: "b" bfloat16, the
-    rounding Casts' outputs; "r" float32 holding the rounded values, the outputs of the Casts
-    back to float32 that are all that reads them (no bfloat16 tensor is written); "f" the
-    float32 sums, ``result`` itself (a Linear's bias is added before the rounding)."""
-    casts = [use.node for use in result.uses()]
-    if not all(_op(n, "Cast") for n in casts):
-        return "f", [result]
-    rounded = [n.outputs[0] for n in casts]
+    bfloat16, ``_rounded_to_bfloat16``), the values it then replaces, and the bias it adds
+    first (a Linear's, ``_pointwise._bias_into_rounding``'s Add), if any. Forms: "b" bfloat16,
+    the rounding Casts' outputs; "r" float32 holding the rounded values, the outputs of the
+    Casts back to float32 that are all that reads them (no bfloat16 tensor is written); "f"
+    the float32 sums, ``result`` itself (its readers are not all Casts, or a bias is added in
+    some but not all)."""
+    readers, bias, sums = [use.node for use in result.uses()], None, result
+    add = readers[0] if len(readers) == 1 and _op(readers[0], "Add") else None
+    if add is not None and add.inputs[0] is result and _rank(add.inputs[1]) == 1 \
+            and add.inputs[1].dtype == ir.DataType.FLOAT and not add.outputs[0].is_graph_output():
+        bias, sums = add.inputs[1], add.outputs[0]
+        columns, width = _static_dims(bias), _static_dims(result)
+        if columns and width and columns[0] != width[-1]:
+            return "f", [result], None
+        readers = [use.node for use in sums.uses()]
+    if not readers or not all(_op(n, "Cast") for n in readers):
+        return "f", [result], None
+    rounded = [n.outputs[0] for n in readers]
     widening = [_widened(v) for v in rounded]
     form, targets = ("r", [n.outputs[0] for ns in widening for n in ns]) if all(widening) else ("b", rounded)
     if len(targets) > 1 and any(v.is_graph_output() for v in targets):
-        return "f", [result]
-    return form, targets
+        return "f", [result], None
+    return form, targets, bias
 
 
 def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
@@ -481,26 +491,28 @@ def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
             operands.append(_in_bfloat16(graph, operand, node) if _bfloat16_source(operand) else operand)
             transposed.append(swapped)
         result = node.outputs[0]
-        form, targets = _result_form(result)
+        form, targets, bias = _result_form(result)
         after = targets[0].uses()[0].node if len(targets) == 1 and len(targets[0].uses()) == 1 else None
-        if form != "f" and not targets[0].is_graph_output() and _op(after, "Transpose") \
+        if form != "f" and bias is None and not targets[0].is_graph_output() and _op(after, "Transpose") \
                 and _last_two_swapped(after, _rank(result)):
             # (A B)^T = B^T A^T: the product written in the layout the Transpose makes
             operands, transposed, targets = operands[::-1], [not t for t in transposed[::-1]], after.outputs
         types = [v.dtype == ir.DataType.BFLOAT16 for v in operands] + [form == "b"]
         layout = "".join("T" if t else "N" for t in transposed)
-        name = f"Bf16MatMul{layout}_{''.join('b' if bf16 else 'f' for bf16 in types)}{'r' if form == 'r' else ''}"
+        name = f"Bf16MatMul{layout}_{''.join('b' if bf16 else 'f' for bf16 in types)}{'r' if form == 'r' else ''}" \
+            + ("_bias" if bias is not None else "")
         pw_types = ["PW_BF16" if bf16 else "PW_FLOAT" for bf16 in types]
         kernels[name] = "\n".join([
             '#include "bf16_gemm.h"',
             f"PW_BF16_MATMUL({name}, {int(transposed[0])}, {int(transposed[1])}, {', '.join(pw_types)}, "
             f"{int(form == 'r')});",
-            f"PW_KERNEL({name}, 2, {name}_types, {name}_none, 1, {name}_none, 0, 0, 0, 0, {name}_compute, 0, "
+            f"PW_KERNEL({name}, {2 if bias is None else 3}, {name}_types, {name}_none, 1, {name}_none, 0, 0, 0, 0, "
+            f"{name}_compute, 0, "
             f"{name}_out_types);",
         ]) + "\n"
-        replaced = [node, *(n for v in targets for n in _chain_before(v))]
+        replaced = [node, *(use.node for use in result.uses()), *(n for v in targets for n in _chain_before(v))]
         replaced += [n for v in node.inputs for n in _chain_before(v)]
-        product = ir.node(name, operands, domain=DOMAIN)
+        product = ir.node(name, [*operands, *([bias] if bias is not None else [])], domain=DOMAIN)
         graph.insert_before(node, product)
         out = product.outputs[0]
         targets = sorted(targets, key=lambda v: not v.is_graph_output())  # at most one is

@@ -137,7 +137,7 @@ def test_a_bfloat16_product_is_the_exact_product_summed_in_float32_then_rounded(
 @pytest.mark.parametrize("reader, form", [
     ("float", "_bbfr"),     # only float32 ops read the rounded result: stored rounded, as float32
     ("bfloat16", "_bbb"),   # a bfloat16 op (a Concat) reads it: stored as bfloat16
-    ("bias", "_bbf"),       # a Linear's bias comes first: the float32 sums
+    ("bias", "_bbfr_bias"),  # a Linear's bias added to the float32 sums before the rounding
     ("transposed", "_bbfr"),  # read transposed: the operands multiplied the other way round
 ])
 def test_a_bfloat16_products_result_is_stored_as_its_readers_need_it(reader, form):
@@ -183,6 +183,14 @@ def test_empty_products_and_an_empty_inner_axis():
         assert "Bf16MatMulNN" in ops
         np.testing.assert_array_equal(_run(model, kernels, np.zeros(a_shape, np.float32), np.ones(b_shape, np.float32)),
                                       want)
+    bias = np.array([1.5, -2.0, 3.0, 0.25, 1e-3], np.float32)
+    model = _autocast_product((4, 0), (0, 5), reader="bias")
+    model.graph.inputs[2].shape = ir.Shape(["n"])  # as a graph of symbolic sizes may declare it
+    kernels, _ = _fused(model)
+    got = _run(model, kernels, np.zeros((4, 0), np.float32), np.zeros((0, 5), np.float32), bias=bias)
+    np.testing.assert_array_equal(got, np.broadcast_to(torch.from_numpy(bias).bfloat16().float().numpy(), (4, 5)))
+    with pytest.raises(Exception, match="Bf16MatMul.*the bias must have one value per output column"):
+        _run(model, kernels, np.zeros((4, 0), np.float32), np.zeros((0, 5), np.float32), bias=bias[:3])
 
 
 def test_only_autocasts_products_become_bfloat16_products():

@@ -121,8 +121,8 @@ static void pw_gemm_pack_a(uint32_t* restrict dst, const void* a, int bf16, int6
  * stay in registers across the blocks: C is written once. */
 #define PW_GEMM_TILE(name, A_PAIR)                                                                                 \
   static void name(const uint32_t* restrict pa, int64_t a_block, const uint32_t* restrict pb, int64_t b_block,    \
-                   int64_t kblocks, int64_t pairs, int64_t last, void* c, int c_bf16, int rounded, int64_t ldc,     \
-                   int64_t mr, int64_t nr) {                                                                       \
+                   int64_t kblocks, int64_t pairs, int64_t last, const float* bias, void* c, int c_bf16,           \
+                   int rounded, int64_t ldc, int64_t mr, int64_t nr) {                                             \
     __m512 acc[PW_GEMM_MR][2];                                                                                     \
     for (int r = 0; r < PW_GEMM_MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                              \
     for (int64_t kb = 0; kb < kblocks; ++kb, pa += a_block, pb += b_block) {                                       \
@@ -138,6 +138,13 @@ static void pw_gemm_pack_a(uint32_t* restrict dst, const void* a, int bf16, int6
       }                                                                                                            \
     }                                                                                                              \
     const __mmask16 m0 = pw_lanes(nr), m1 = pw_lanes(nr - 16);                                                     \
+    if (bias) { /* a Linear's: added to the float32 sums, before any rounding */                                   \
+      const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + 16);                \
+      for (int r = 0; r < PW_GEMM_MR; ++r) {                                                                       \
+        acc[r][0] = _mm512_add_ps(acc[r][0], b0);                                                                  \
+        acc[r][1] = _mm512_add_ps(acc[r][1], b1);                                                                  \
+      }                                                                                                            \
+    }                                                                                                              \
     for (int r = 0; r < mr; ++r) {                                                                                 \
       if (c_bf16) { /* rounded to nearest even, as eager's bfloat16 product is */                                  \
         uint16_t* row = (uint16_t*)c + r * ldc;                                                                    \
@@ -158,6 +165,7 @@ PW_GEMM_TILE(pw_gemm_tile_pairs, pa[p * PW_GEMM_MR + r])
 
 typedef struct PwGemm {
   const void *a, *b;
+  const float* bias; /* [N] or NULL */
   void* c;
   int a_bf16, b_bf16, c_bf16; /* which are held as bfloat16, not float32 */
   int rounded;                /* C float32, holding values rounded to bfloat16 */
@@ -201,7 +209,7 @@ static void pw_gemm_task(void* user, size_t t) {
     return;
   }
   const void* a = pw_at(g->a, pw_gemm_batch_offset(g, g->a_strides, batch), g->a_bf16);
-  const int64_t b_batch = pw_gemm_batch_offset(g, g->b_strides, batch) / (g->K * g->N);
+  const int64_t b_batch = g->K ? pw_gemm_batch_offset(g, g->b_strides, batch) / (g->K * g->N) : 0;
   char* c = (char*)g->c + batch * g->M * g->N * (g->c_bf16 ? 2 : 4);
   for (int64_t i = 0; i < tiles; ++i)
     for (int64_t kb = 0; kb < g->kblocks; ++kb)
@@ -213,15 +221,16 @@ static void pw_gemm_task(void* user, size_t t) {
   for (int64_t j = 0; j < g->npanels; ++j) {
     const uint32_t* panel = g->packed + (b_batch * g->npanels + j) * g->kblocks * b_block;
     const int64_t nr = pw_min64(g->N - j * PW_GEMM_NR, PW_GEMM_NR);
+    const float* bias = g->bias ? g->bias + j * PW_GEMM_NR : NULL;
     for (int64_t i = 0; i < tiles; ++i) {
       const int64_t mr = pw_min64(mc - i * PW_GEMM_MR, PW_GEMM_MR);
       void* tile = c + ((m0 + i * PW_GEMM_MR) * g->N + j * PW_GEMM_NR) * (g->c_bf16 ? 2 : 4);
       if (g->ta)
-        pw_gemm_tile_pairs(pa + i * a_tile, a_block, panel, b_block, g->kblocks, g->panel_pairs, last, tile, g->c_bf16,
-                           g->rounded, g->N, mr, nr);
+        pw_gemm_tile_pairs(pa + i * a_tile, a_block, panel, b_block, g->kblocks, g->panel_pairs, last, bias, tile,
+                           g->c_bf16, g->rounded, g->N, mr, nr);
       else
-        pw_gemm_tile_rows(pa + i * a_tile, a_block, panel, b_block, g->kblocks, g->panel_pairs, last, tile, g->c_bf16,
-                          g->rounded, g->N, mr, nr);
+        pw_gemm_tile_rows(pa + i * a_tile, a_block, panel, b_block, g->kblocks, g->panel_pairs, last, bias, tile,
+                          g->c_bf16, g->rounded, g->N, mr, nr);
     }
   }
   free(pa);
@@ -292,20 +301,28 @@ static inline OrtStatus* pw_bf16_matmul(const OrtApiTable* api, OrtKernelContext
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)(output, &data));
   g.c = data;
   if (g.batches == 0 || g.M == 0 || g.N == 0) return NULL;
-  if (g.K == 0) { /* zeros, in either type */
-    memset(g.c, 0, (size_t)(g.batches * g.M * g.N) * (g.c_bf16 ? 2 : 4));
-    return NULL;
-  }
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)x, &data));
   g.a = data;
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)y, &data));
   g.b = data;
+  if (def->n_in == 3) {
+    const OrtValue* z;
+    int64_t zd[PW_MAX_RANK];
+    size_t zr = 0;
+    PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 2, &z));
+    PW_TRY(pw_shape(api, z, zd, &zr));
+    if (zr != 1 || zd[0] != g.N) return pw_error(&kernel, "the bias must have one value per output column");
+    PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)z, &data));
+    g.bias = (const float*)data;
+  }
   g.kblocks = (g.K + PW_GEMM_KC - 1) / PW_GEMM_KC;
+  if (g.K == 0) g.kblocks = 1; /* one empty block: the tiles store zeros (plus the bias) */
   g.npanels = (g.N + PW_GEMM_NR - 1) / PW_GEMM_NR;
   g.panel_pairs = pw_min64(PW_GEMM_KP, (g.K + 1) / 2);
   g.mblocks = (g.M + PW_GEMM_MC - 1) / PW_GEMM_MC;
   const int64_t panels = g.b_batches * g.kblocks * g.npanels;
-  g.packed = (uint32_t*)aligned_alloc(64, (size_t)(panels * g.panel_pairs * PW_GEMM_NR) * sizeof(uint32_t));
+  g.packed = (uint32_t*)aligned_alloc(64, (size_t)(panels * (g.panel_pairs ? g.panel_pairs : 1) * PW_GEMM_NR) *
+                                              sizeof(uint32_t));
   if (!g.packed) return pw_error(&kernel, "out of memory for the packed operand");
   int out_of_memory = 0;
   g.out_of_memory = &out_of_memory;
@@ -323,8 +340,8 @@ static inline OrtStatus* pw_bf16_matmul(const OrtApiTable* api, OrtKernelContext
   static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
     return pw_bf16_matmul(api, ctx, def, TA, TB, ROUND);                                                   \
   }                                                                                                         \
-  static const int name##_types[] = {A, B};                                                                 \
+  static const int name##_types[] = {A, B, PW_FLOAT}; /* a third input: a float32 bias, [N] */            \
   static const int name##_out_types[] = {C};                                                                \
-  static const int name##_none[] = {0, 0}
+  static const int name##_none[] = {0, 0, 0}
 
 #endif /* ORT_DYNAMO_BF16_GEMM_H */
