@@ -3,6 +3,11 @@ shapes of the benchmark models' training steps, one process, same threads.
 
     .venv/bin/python benchmarks/gemm.py
     .venv/bin/python benchmarks/gemm.py --cold   # operands not in cache, as in a training step
+    .venv/bin/python benchmarks/gemm.py --bfloat16 [--cold]   # CPU autocast's products
+
+``--bfloat16``: bfloat16 operands and result, as under CPU autocast: ort_dynamo's bfloat16
+product (csrc/bf16_gemm.h, AVX512-BF16) against torch.mm on bfloat16 tensors (oneDNN), and
+against ORT's float32 FusedMatMul of the same values, which is what ran before it.
 
 ``--cold``: each call gets operands from a rotation of 6 copies and, before it (not timed), a
 32 MB write evicts the caches. In a training step most operands come from memory: saved
@@ -41,6 +46,31 @@ def _session(a_shape, b_shape, trans_a: int, trans_b: int) -> ort.InferenceSessi
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
+def _bf16_session(trans_a: int, trans_b: int) -> ort.InferenceSession:
+    """ort_dynamo's bfloat16 product as one op: bfloat16 in and out."""
+    import onnx_ir as ir
+
+    from ort_dynamo import _kernels, _op_kernels
+
+    name, unit = _op_kernels.bf16_matmul_kernel([bool(trans_a), bool(trans_b)], [True, True, True], False, False)
+    inputs = [ir.Value(name=n, type=ir.TensorType(ir.DataType.BFLOAT16), shape=ir.Shape(["r", "c"])) for n in "ab"]
+    node = ir.node(name, inputs, domain=_op_kernels.DOMAIN)
+    node.outputs[0].name, node.outputs[0].dtype = "y", ir.DataType.BFLOAT16
+    graph = ir.Graph(inputs, node.outputs, nodes=[node], opset_imports={"": 18, _op_kernels.DOMAIN: 1})
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.register_custom_ops_library(_kernels.library([unit]))
+    model = ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString()
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def _ort_values(tensors: list[torch.Tensor]) -> list:
+    from ort_dynamo.run import _wrap
+
+    return [ort.OrtValue(_wrap(t, t.data_ptr(), None)) for t in tensors]
+
+
 _EVICT = np.zeros(8 << 20, np.float32)  # 32 MB, more than this machine's last-level cache
 
 
@@ -62,7 +92,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--cold", action="store_true", help="operands from memory, not cache (see above)")
+    parser.add_argument("--bfloat16", action="store_true", help="CPU autocast's bfloat16 products (see above)")
     args = parser.parse_args()
+    if args.bfloat16:
+        return bfloat16_products(args)
     copies = 6 if args.cold else 1
     print(f"threads: {torch.get_num_threads()}, onnxruntime {ort.__version__}, torch {torch.__version__}, "
           f"operands {'cold' if args.cold else 'in cache'}")
@@ -84,6 +117,41 @@ def main() -> None:
                   f"ort {ort_ms:6.2f} ms ({gflop / ort_ms:3.0f} GF/s)  torch {torch_ms:6.2f} ms  "
                   f"ort/torch {ort_ms / torch_ms:.2f}")
     print(f"geometric mean ort/torch: {statistics.geometric_mean(ratios):.2f}")
+
+
+def bfloat16_products(args) -> None:
+    from ort_dynamo import _kernels
+
+    if not (_kernels.available() and _kernels.bfloat16_products()):
+        raise SystemExit("no C compiler targeting AVX512-BF16 here: no bfloat16 products to measure")
+    copies = 6 if args.cold else 1
+    print(f"threads: {torch.get_num_threads()}, onnxruntime {ort.__version__}, torch {torch.__version__}, "
+          f"operands {'cold' if args.cold else 'in cache'}, bfloat16")
+    ratios, before = [], []
+    for m, k, n in SHAPES:
+        for trans_a, trans_b in ((0, 0), (0, 1), (1, 0)):
+            a_shape, b_shape = ([k, m] if trans_a else [m, k]), ([n, k] if trans_b else [k, n])
+            a = [torch.randn(*a_shape).bfloat16() for _ in range(copies)]
+            b = [torch.randn(*b_shape).bfloat16() for _ in range(copies)]
+            ours, feeds = _bf16_session(trans_a, trans_b), list(zip(_ort_values(a), _ort_values(b)))
+            ours_ms = _median_ms(lambda i: ours.run_with_ort_values(["y"], dict(zip("ab", feeds[i % copies]))),
+                                 args.repeats, args.cold)
+            fp32 = _session(a_shape, b_shape, trans_a, trans_b)
+            a32, b32 = [x.float().numpy() for x in a], [x.float().numpy() for x in b]
+            fp32_ms = _median_ms(lambda i: fp32.run(None, {"a": a32[i % copies], "b": b32[i % copies]}),
+                                 args.repeats, args.cold)
+            ta = [x.t() if trans_a else x for x in a]
+            tb = [x.t() if trans_b else x for x in b]
+            torch_ms = _median_ms(lambda i: torch.mm(ta[i % copies], tb[i % copies]), args.repeats, args.cold)
+            ratios.append(ours_ms / torch_ms)
+            before.append(ours_ms / fp32_ms)
+            gflop = 2 * m * k * n / 1e6
+            print(f"M {m:5d} K {k:5d} N {n:5d} transA {trans_a} transB {trans_b}: "
+                  f"ours {ours_ms:6.2f} ms ({gflop / ours_ms:3.0f} GF/s)  torch bf16 {torch_ms:6.2f} ms "
+                  f"({gflop / torch_ms:3.0f})  ORT float32 {fp32_ms:6.2f} ms  ours/torch {ours_ms / torch_ms:.2f}  "
+                  f"ours/float32 {ours_ms / fp32_ms:.2f}")
+    print(f"geometric mean ours/torch: {statistics.geometric_mean(ratios):.2f}, "
+          f"ours/ORT float32: {statistics.geometric_mean(before):.2f}")
 
 
 if __name__ == "__main__":

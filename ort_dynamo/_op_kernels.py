@@ -35,7 +35,7 @@ import onnx_ir as ir
 
 from ._fusions import _int64_constant, _op, _scalar, _take_over, element_type
 
-__all__ = ["DOMAIN", "bf16_matmuls_as_kernels", "group_convs_as_kernels", "max_pools_as_kernels", "scatter_adds_along_last_axis",
+__all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "group_convs_as_kernels", "max_pools_as_kernels", "scatter_adds_along_last_axis",
            "slow_transposes_as_kernels"]
 
 #: The domain of the custom-op library (csrc/pointwise_runtime.c): these ops' and ``_pointwise``'s.
@@ -468,6 +468,22 @@ def _result_form(result: ir.Value) -> tuple[str, list[ir.Value], ir.Value | None
     return form, targets, bias
 
 
+def bf16_matmul_kernel(transposed: list[bool], bfloat16: list[bool], rounded: bool, bias: bool) -> tuple[str, str]:
+    """(op name, C unit) of a bfloat16 product (csrc/bf16_gemm.h): A and B ``transposed`` in
+    their last two axes or not; A, B and C held as ``bfloat16`` or as float32; a float32 C
+    ``rounded`` to bfloat16 values or the plain sums; a third input, a ``bias``, or not."""
+    layout = "".join("T" if t else "N" for t in transposed)
+    name = f"Bf16MatMul{layout}_{''.join('b' if b else 'f' for b in bfloat16)}{'r' if rounded else ''}" \
+        + ("_bias" if bias else "")
+    types = ", ".join("PW_BF16" if b else "PW_FLOAT" for b in bfloat16)
+    return name, "\n".join([
+        '#include "bf16_gemm.h"',
+        f"PW_BF16_MATMUL({name}, {int(transposed[0])}, {int(transposed[1])}, {types}, {int(rounded)});",
+        f"PW_KERNEL({name}, {3 if bias else 2}, {name}_types, {name}_none, 1, {name}_none, 0, 0, 0, 0, "
+        f"{name}_compute, 0, {name}_out_types);",
+    ]) + "\n"
+
+
 def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
     """Each MatMul of two bfloat16 values whose result is rounded to bfloat16 (CPU autocast's
     products, ``rewrite._compute_bfloat16_in_float32``) -> ``Bf16MatMul{N,T}{N,T}_{a}{b}{c}``:
@@ -498,18 +514,8 @@ def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
             # (A B)^T = B^T A^T: the product written in the layout the Transpose makes
             operands, transposed, targets = operands[::-1], [not t for t in transposed[::-1]], after.outputs
         types = [v.dtype == ir.DataType.BFLOAT16 for v in operands] + [form == "b"]
-        layout = "".join("T" if t else "N" for t in transposed)
-        name = f"Bf16MatMul{layout}_{''.join('b' if bf16 else 'f' for bf16 in types)}{'r' if form == 'r' else ''}" \
-            + ("_bias" if bias is not None else "")
-        pw_types = ["PW_BF16" if bf16 else "PW_FLOAT" for bf16 in types]
-        kernels[name] = "\n".join([
-            '#include "bf16_gemm.h"',
-            f"PW_BF16_MATMUL({name}, {int(transposed[0])}, {int(transposed[1])}, {', '.join(pw_types)}, "
-            f"{int(form == 'r')});",
-            f"PW_KERNEL({name}, {2 if bias is None else 3}, {name}_types, {name}_none, 1, {name}_none, 0, 0, 0, 0, "
-            f"{name}_compute, 0, "
-            f"{name}_out_types);",
-        ]) + "\n"
+        name, unit = bf16_matmul_kernel(transposed, types, form == "r", bias is not None)
+        kernels[name] = unit
         replaced = [node, *(use.node for use in result.uses()), *(n for v in targets for n in _chain_before(v))]
         replaced += [n for v in node.inputs for n in _chain_before(v)]
         product = ir.node(name, [*operands, *([bias] if bias is not None else [])], domain=DOMAIN)
