@@ -527,8 +527,38 @@ def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
             other.replace_all_uses_with(out)
         out.dtype = ir.DataType.BFLOAT16 if form == "b" else ir.DataType.FLOAT
         _remove_dead(graph, replaced)
+        if form == "b":
+            _reshape_before_widening(graph, out)
     return list(kernels.values())
 
+
+
+def _reshape_before_widening(graph: ir.Graph, value: ir.Value) -> None:
+    """``Reshape(Cast(value, to=float))`` -> ``Cast(Reshape(value))`` for bfloat16 ``value``
+    (a product's result that something also reads as bfloat16): the Reshape, free either way,
+    moves before the Cast, which then joins the kernel that reads the reshaped value instead
+    of being a pass of ORT's over the whole tensor. Through consecutive Reshapes."""
+    pending = [use.node for use in value.uses()]
+    while pending:
+        cast = pending.pop()
+        value = cast.inputs[0] if cast.inputs else None
+        if not _op(cast, "Cast") or cast.attributes.get_int("to", 0) != ir.DataType.FLOAT \
+                or cast.outputs[0].is_graph_output():
+            continue
+        readers = [u.node for u in cast.outputs[0].uses()]
+        if not readers or not all(_op(r, "Reshape") for r in readers):
+            continue
+        for reshape in readers:
+            viewed = ir.node("Reshape", [value, *reshape.inputs[1:]], attributes=dict(reshape.attributes))
+            widened = ir.node("Cast", [viewed.outputs[0]], attributes={"to": ir.DataType.FLOAT})
+            viewed.outputs[0].dtype, viewed.outputs[0].shape = ir.DataType.BFLOAT16, reshape.outputs[0].shape
+            widened.outputs[0].shape = reshape.outputs[0].shape
+            graph.insert_before(reshape, [viewed, widened])
+            _take_over(reshape.outputs[0], widened.outputs[0])
+            widened.outputs[0].dtype = ir.DataType.FLOAT
+            graph.remove(reshape, safe=True)
+            pending.append(widened)
+        graph.remove(cast, safe=True)
 
 
 def _remove_dead(graph: ir.Graph, nodes: list[ir.Node]) -> None:

@@ -251,3 +251,36 @@ def test_a_product_of_a_products_rounded_result_reads_it_as_stored():
     ab = (torch.from_numpy(a) @ torch.from_numpy(b)).bfloat16().float()
     want = (ab @ torch.from_numpy(c_in)).bfloat16().float().numpy()
     np.testing.assert_allclose(got, want, rtol=2 ** -6, atol=1e-5)
+
+
+@bf16_kernels
+def test_a_bfloat16_result_is_reshaped_before_it_is_widened_for_the_kernel_that_reads_it():
+    """Read as bfloat16 (here a Concat) and, through a Reshape, by float32 ops: the Reshape
+    takes the bfloat16 result, so the Cast after it joins the kernel that reads it rather than
+    being a pass of ORT's over the whole result (Llama's MLP: 0.96 of the step)."""
+    torch.manual_seed(0)
+    model = _autocast_product((1024, 40), (40, 48), reader="bfloat16")
+    graph = model.graph
+    rounded = next(n for n in graph if n.op_type == "Cast" and n.outputs[0].dtype == ir.DataType.BFLOAT16
+                   and n.inputs[0].producer() is not None and n.inputs[0].producer().op_type == "MatMul").outputs[0]
+    widened = _node("Cast", [rounded], ir.DataType.FLOAT, [1024, 48], to=ir.DataType.FLOAT)
+    shape = ir.Value(name="heads", const_value=ir.tensor(np.array([1024, 4, 12], dtype=np.int64)))
+    heads = _node("Reshape", [widened.outputs[0], shape], ir.DataType.FLOAT, [1024, 4, 12])
+    scaled = _node("Mul", [heads.outputs[0], heads.outputs[0]], ir.DataType.FLOAT, [1024, 4, 12])
+    scaled.outputs[0].name = "squares"
+    graph.register_initializer(shape)
+    graph.extend([widened, heads, scaled])
+    graph.outputs.append(scaled.outputs[0])
+    kernels, _ = _fused(model)
+    product = next(n for n in graph if n.op_type.startswith("Bf16MatMul"))
+    assert product.op_type == "Bf16MatMulNN_bbb"
+    assert {u.node.op_type for u in product.outputs[0].uses()} == {"Concat", "Reshape"}
+    assert not [n for n in graph if n.op_type == "Cast" and n.inputs[0].dtype == ir.DataType.BFLOAT16
+                and n.inputs[0].producer() is not None and n.inputs[0].producer().op_type == "Reshape"]
+    a, b = _bf16_values(1024, 40), _bf16_values(40, 48)
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library(kernels))
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    both, squares = session.run(None, {"a": a, "b": b})
+    np.testing.assert_array_equal(squares, (both[:, :48] ** 2).reshape(1024, 4, 12))
