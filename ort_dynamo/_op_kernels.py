@@ -404,10 +404,23 @@ def _rounded_to_bfloat16(value: ir.Value) -> bool:
     return True
 
 
-def _last_two_swapped(node: ir.Node | None, rank: int | None) -> bool:
-    """Whether ``node`` is a Transpose of the last two of ``rank`` axes."""
-    return _op(node, "Transpose") and rank is not None and rank >= 2 \
-        and list(node.attributes.get_ints("perm", [])) == [*range(rank - 2), rank - 1, rank - 2]
+def _through_transposes(value: ir.Value, rank: int) -> tuple[ir.Value, bool]:
+    """(the value the Transposes after ``value`` make, whether they swap its last two axes):
+    through each Transpose that is all that reads the value before it, as far as they compose
+    to a swap of the last two axes or to nothing (a weight's gradient is often ``t(t(g))``);
+    else (``value``, False)."""
+    found, perm = (value, False), list(range(rank))
+    while len(value.uses()) == 1 and not value.is_graph_output() and _op(value.uses()[0].node, "Transpose"):
+        after = list(value.uses()[0].node.attributes.get_ints("perm", []))
+        if sorted(after) != list(range(rank)):
+            break
+        perm = [perm[axis] for axis in after]
+        value = value.uses()[0].node.outputs[0]
+        if perm == list(range(rank)):
+            found = (value, False)
+        elif perm == [*range(rank - 2), rank - 1, rank - 2]:
+            found = (value, True)
+    return found
 
 
 def _without_transposes(value: ir.Value, rank: int) -> tuple[ir.Value, bool]:
@@ -508,11 +521,13 @@ def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
             transposed.append(swapped)
         result = node.outputs[0]
         form, targets, bias = _result_form(result)
-        after = targets[0].uses()[0].node if len(targets) == 1 and len(targets[0].uses()) == 1 else None
-        if form != "f" and bias is None and not targets[0].is_graph_output() and _op(after, "Transpose") \
-                and _last_two_swapped(after, _rank(result)):
-            # (A B)^T = B^T A^T: the product written in the layout the Transpose makes
-            operands, transposed, targets = operands[::-1], [not t for t in transposed[::-1]], after.outputs
+        rank = max(_rank(v) for v in node.inputs)  # the result's (the exporter may leave it unset)
+        if form != "f" and bias is None and len(targets) == 1 and not targets[0].is_graph_output():
+            value, swapped = _through_transposes(targets[0], rank)
+            if value is not targets[0]:
+                targets = [value]
+            if swapped:  # (A B)^T = B^T A^T: the product written in the layout the Transposes make
+                operands, transposed = operands[::-1], [not t for t in transposed[::-1]]
         types = [v.dtype == ir.DataType.BFLOAT16 for v in operands] + [form == "b"]
         name, unit = bf16_matmul_kernel(transposed, types, form == "r", bias is not None)
         kernels[name] = unit

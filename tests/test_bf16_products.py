@@ -40,7 +40,7 @@ def _autocast_product(a_shape, b_shape, transpose_a=False, transpose_b=False, op
     and read as float32 (``reader``: "float"), or first by a bfloat16 Concat with itself
     ("bfloat16"), or
     with a bias (input "bias") added before the rounding ("bias"), or read as float32 by a
-    Transpose of its last two axes ("transposed")."""
+    Transpose of its last two axes ("transposed"), or by two ("transposed twice")."""
     nodes, values = [], []
     b_perm = b_perm or (_last_two_swapped(len(b_shape)) if transpose_b else None)
     a_perm = _last_two_swapped(len(a_shape)) if transpose_a else None
@@ -68,7 +68,7 @@ def _autocast_product(a_shape, b_shape, transpose_a=False, transpose_b=False, op
             out_shape = [*out_shape[:-1], 2 * out_shape[-1]]
             nodes.append(_node("Concat", [nodes[-1].outputs[0]] * 2, ir.DataType.BFLOAT16, out_shape, axis=-1))
         nodes.append(_node("Cast", [nodes[-1].outputs[0]], ir.DataType.FLOAT, out_shape, to=ir.DataType.FLOAT))
-    if reader == "transposed":
+    for _ in range({"transposed": 1, "transposed twice": 2}.get(reader, 0)):
         out_shape = [*out_shape[:-2], out_shape[-1], out_shape[-2]]
         nodes.append(_node("Transpose", [nodes[-1].outputs[0]], ir.DataType.FLOAT, out_shape,
                            perm=_last_two_swapped(len(out_shape))))
@@ -139,6 +139,7 @@ def test_a_bfloat16_product_is_the_exact_product_summed_in_float32_then_rounded(
     ("bfloat16", "_bbb"),   # a bfloat16 op (a Concat) reads it: stored as bfloat16
     ("bias", "_bbfr_bias"),  # a Linear's bias added to the float32 sums before the rounding
     ("transposed", "_bbfr"),  # read transposed: the operands multiplied the other way round
+    ("transposed twice", "_bbfr"),  # t(t(c)), as a weight's gradient often is: c
 ])
 def test_a_bfloat16_products_result_is_stored_as_its_readers_need_it(reader, form):
     torch.manual_seed(0)
@@ -147,7 +148,8 @@ def test_a_bfloat16_products_result_is_stored_as_its_readers_need_it(reader, for
     kernels, _ = _fused(model)
     products = [n.op_type for n in model.graph if n.op_type.startswith("Bf16MatMul")]
     layout = "TT" if reader == "transposed" else "NN"
-    assert products == [f"Bf16MatMul{layout}{form}"] and "MatMul" not in [n.op_type for n in model.graph]
+    ops = [n.op_type for n in model.graph]
+    assert products == [f"Bf16MatMul{layout}{form}"] and "MatMul" not in ops and "Transpose" not in ops
     got = _run(model, kernels, a, b, **({"bias": bias} if reader == "bias" else {}))
     exact = torch.from_numpy(a).double() @ torch.from_numpy(b).double() + (bias if reader == "bias" else 0)
     want = exact.float().bfloat16().float()  # float32 sums then rounded: within a unit of this
