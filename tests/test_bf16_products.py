@@ -115,6 +115,7 @@ def _reference(a, b, transpose_a, transpose_b):
     ((2, 1, 19, 16), (3, 7, 16), False, True),  # batch axes that broadcast
     ((4, 33, 40), (40, 65), False, False),    # a Linear on 3-D input: all rows one product
     ((33, 40), (4, 40, 65), False, False),    # the same A for every batch
+    ((3, 8, 256), (3, 256, 6000), False, False),  # B packed in two chunks of columns (8 MB each at most)
 ])
 def test_a_bfloat16_product_is_the_exact_product_summed_in_float32_then_rounded(a_shape, b_shape, transpose_a,
                                                                                transpose_b):

@@ -10,7 +10,8 @@
  * rounding). The rewrite (ort_dynamo/_op_kernels.py) picks the op's types from what reads and
  * writes the product, and uses it only where the compiler targets AVX512-BF16 (-march=native).
  *
- * Blocking as in GotoBLAS: B packed once per call into panels of NR columns, in blocks of KC
+ * Blocking as in GotoBLAS: B packed once per call (in chunks of at most 8 MB: a vocabulary's
+ * projection would take tens of MB at once) into panels of NR columns, in blocks of KC
  * rows, as bfloat16 pairs along K (the instruction's operand layout); each task packs MC rows
  * of A and runs an MR x NR register tile over every panel, summing all of K in registers, so
  * that C is written once (summed block by block, C's reads and writes cost a sixth of a
@@ -33,6 +34,7 @@
 #define PW_GEMM_KC 256         /* K per block (bfloat16): a 12 x 256 A panel and a 256 x 32 B panel, 22 KB */
 #define PW_GEMM_KP (PW_GEMM_KC / 2)
 #define PW_GEMM_MC 48          /* rows of A a task packs per block: four tiles */
+#define PW_GEMM_PACKED (8 << 20) /* bytes of packed B at a time, at most (unless one panel needs more) */
 
 static const short pw_interleave16[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
@@ -169,10 +171,11 @@ typedef struct PwGemm {
   void* c;
   int a_bf16, b_bf16, c_bf16; /* which are held as bfloat16, not float32 */
   int rounded;                /* C float32, holding values rounded to bfloat16 */
-  uint32_t* packed; /* B's panels: [B batch][N panel][K block][panel_pairs][NR] */
+  uint32_t* packed; /* B's panels of this chunk: [B batch][N panel][K block][panel_pairs][NR] */
   int ta, tb;
   int64_t M, N, K, lda, ldb;
   int64_t kblocks, npanels, panel_pairs, mblocks;
+  int64_t first, chunk; /* the chunk of N panels packed and multiplied now: its first, its count */
   int64_t batches, b_batches; /* the output's, B's distinct ones */
   int64_t rank;               /* batch axes */
   int64_t dims[PW_MAX_RANK], a_strides[PW_MAX_RANK], b_strides[PW_MAX_RANK]; /* per batch axis; 0: broadcast */
@@ -192,12 +195,12 @@ static inline int64_t pw_gemm_batch_offset(const PwGemm* g, const int64_t* strid
 static void pw_gemm_pack_task(void* user, size_t t) {
   const PwGemm* g = (const PwGemm*)user;
   const int64_t kb = (int64_t)t % g->kblocks, panel = (int64_t)t / g->kblocks;
-  const int64_t batch = panel / g->npanels, n0 = panel % g->npanels * PW_GEMM_NR, k0 = kb * PW_GEMM_KC;
+  const int64_t batch = panel / g->chunk, n0 = (g->first + panel % g->chunk) * PW_GEMM_NR, k0 = kb * PW_GEMM_KC;
   pw_gemm_pack_b(g->packed + (int64_t)t * g->panel_pairs * PW_GEMM_NR, pw_at(g->b, batch * g->K * g->N, g->b_bf16),
                  g->b_bf16, g->ldb, g->tb, n0, pw_min64(g->N - n0, PW_GEMM_NR), k0, pw_min64(g->K - k0, PW_GEMM_KC));
 }
 
-/* Task t: MC rows of one batch's C, over every N panel. */
+/* Task t: MC rows of one batch's C, over the chunk's N panels. */
 static void pw_gemm_task(void* user, size_t t) {
   const PwGemm* g = (const PwGemm*)user;
   const int64_t batch = (int64_t)t / g->mblocks, m0 = (int64_t)t % g->mblocks * PW_GEMM_MC;
@@ -218,8 +221,8 @@ static void pw_gemm_task(void* user, size_t t) {
                      pw_min64(g->K - kb * PW_GEMM_KC, PW_GEMM_KC));
   const int64_t b_block = g->panel_pairs * PW_GEMM_NR;
   const int64_t last = (g->K - (g->kblocks - 1) * PW_GEMM_KC + 1) / 2;
-  for (int64_t j = 0; j < g->npanels; ++j) {
-    const uint32_t* panel = g->packed + (b_batch * g->npanels + j) * g->kblocks * b_block;
+  for (int64_t j = g->first; j < g->first + g->chunk; ++j) {
+    const uint32_t* panel = g->packed + (b_batch * g->chunk + j - g->first) * g->kblocks * b_block;
     const int64_t nr = pw_min64(g->N - j * PW_GEMM_NR, PW_GEMM_NR);
     const float* bias = g->bias ? g->bias + j * PW_GEMM_NR : NULL;
     for (int64_t i = 0; i < tiles; ++i) {
@@ -320,14 +323,21 @@ static inline OrtStatus* pw_bf16_matmul(const OrtApiTable* api, OrtKernelContext
   g.npanels = (g.N + PW_GEMM_NR - 1) / PW_GEMM_NR;
   g.panel_pairs = pw_min64(PW_GEMM_KP, (g.K + 1) / 2);
   g.mblocks = (g.M + PW_GEMM_MC - 1) / PW_GEMM_MC;
-  const int64_t panels = g.b_batches * g.kblocks * g.npanels;
-  g.packed = (uint32_t*)aligned_alloc(64, (size_t)(panels * (g.panel_pairs ? g.panel_pairs : 1) * PW_GEMM_NR) *
-                                              sizeof(uint32_t));
+  /* B packed a chunk of N panels at a time, at most PW_GEMM_PACKED bytes (a vocabulary's
+   * projection would take tens of MB at once) */
+  const int64_t panel_bytes = g.b_batches * g.kblocks * (g.panel_pairs ? g.panel_pairs : 1) * PW_GEMM_NR * 4;
+  g.chunk = pw_min64(g.npanels, PW_GEMM_PACKED / panel_bytes > 1 ? PW_GEMM_PACKED / panel_bytes : 1);
+  g.packed = (uint32_t*)aligned_alloc(64, (size_t)(g.chunk * panel_bytes));
   if (!g.packed) return pw_error(&kernel, "out of memory for the packed operand");
   int out_of_memory = 0;
   g.out_of_memory = &out_of_memory;
-  OrtStatus* status = pw_run_tasks(api, ctx, pw_gemm_pack_task, panels, &g);
-  if (!status) status = pw_run_tasks(api, ctx, pw_gemm_task, g.batches * g.mblocks, &g);
+  OrtStatus* status = NULL;
+  const int64_t all = g.npanels;
+  for (g.first = 0; g.first < all && !status; g.first += g.chunk) {
+    g.chunk = pw_min64(g.chunk, all - g.first);
+    status = pw_run_tasks(api, ctx, pw_gemm_pack_task, g.b_batches * g.kblocks * g.chunk, &g);
+    if (!status) status = pw_run_tasks(api, ctx, pw_gemm_task, g.batches * g.mblocks, &g);
+  }
   free(g.packed);
   if (!status && out_of_memory) return pw_error(&kernel, "out of memory for a packed operand");
   return status;
