@@ -18,9 +18,9 @@ CPU provider runs slowly (csrc/max_pool.h, csrc/pointwise_runtime.c):
   input gradients (a grouped ConvTranspose) and their weight gradients (the batch-1 grouped
   Conv ``decompositions._conv_weight_grad`` writes): ``TorchGroupConv_*`` (csrc/group_conv.h).
 - CPU autocast's matrix products: a MatMul of two bfloat16 values (Casts to float32, through
-  views) whose result is rounded to bfloat16, as eager computes it with oneDNN's AVX512-BF16
-  kernels, where ORT has only float32 GEMMs: ``Bf16MatMul{N,T}{N,T}`` (csrc/bf16_gemm.h), where
-  the compiler targets AVX512-BF16.
+  views) whose result is rounded to bfloat16, which eager computes with oneDNN's AVX512-BF16
+  kernels and ORT with float32 GEMMs only: ``Bf16MatMul*`` (csrc/bf16_gemm.h), where the
+  compiler targets AVX512-BF16.
 
 The portable ops stay in the model the session runs while the kernels compile, and wherever
 a pattern is not exactly the one described.
@@ -35,8 +35,8 @@ import onnx_ir as ir
 
 from ._fusions import _int64_constant, _op, _scalar, _take_over, element_type
 
-__all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "group_convs_as_kernels", "max_pools_as_kernels", "scatter_adds_along_last_axis",
-           "slow_transposes_as_kernels"]
+__all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "group_convs_as_kernels",
+           "max_pools_as_kernels", "scatter_adds_along_last_axis", "slow_transposes_as_kernels"]
 
 #: The domain of the custom-op library (csrc/pointwise_runtime.c): these ops' and ``_pointwise``'s.
 DOMAIN = "ort_dynamo.pointwise"
@@ -545,7 +545,6 @@ def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
         if form == "b":
             _reshape_before_widening(graph, out)
     return list(kernels.values())
-
 
 
 def _reshape_before_widening(graph: ir.Graph, value: ir.Value) -> None:
