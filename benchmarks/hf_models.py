@@ -164,7 +164,8 @@ def _float64_gradients(model, batch: dict) -> dict:
     return _gradients(wide)
 
 
-def measure(name: str, build, make_batch, steps: int, backend: str = "ort", float64: bool = False) -> str:
+def measure(name: str, build, make_batch, steps: int, backend: str = "ort", float64: bool = False,
+            autocast: bool = False) -> str:
     torch.manual_seed(0)
     model = build().train()
     batch = make_batch(model)
@@ -174,10 +175,11 @@ def measure(name: str, build, make_batch, steps: int, backend: str = "ort", floa
         options = {"save_onnx": True, "save_path": folder} if backend == "ort" else None
         compiled = torch.compile(copy.deepcopy(model), backend=backend, options=options)
 
-        def step(fn) -> tuple[float, float]:
+        def step(fn, bfloat16: bool = autocast) -> tuple[float, float]:
             fn.zero_grad(set_to_none=True)
             start = time.perf_counter()
-            loss = fn(**batch).loss
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfloat16):
+                loss = fn(**batch).loss
             loss.backward()
             return time.perf_counter() - start, loss.item()
 
@@ -187,6 +189,9 @@ def measure(name: str, build, make_batch, steps: int, backend: str = "ort", floa
         _, eager_loss = step(model)
         want, got = _gradients(model), _gradients(compiled)
         parity = f"loss diff {abs(loss - eager_loss):.0e}  grad diff {_difference(got, want):.0e}"
+        if autocast:  # the scale of bfloat16's rounding: eager under autocast against eager in float32
+            step(model, bfloat16=False)
+            parity += f" (eager bf16 vs float32 {_difference(want, _gradients(model)):.0e})"
         if float64:  # how far each float32 run is from the float64 one, and how far eager moves
             wide = _float64_gradients(model, batch)  # when its float inputs move by 1e-6
             nudged = {k: v * (1 + 1e-6 * torch.randn(v.shape, generator=torch.Generator().manual_seed(1)))
@@ -205,9 +210,10 @@ def measure(name: str, build, make_batch, steps: int, backend: str = "ort", floa
         for path in sorted(glob.glob(os.path.join(folder, "*.onnx"))):
             kind = "backward" if "backward" in os.path.basename(path) else "forward"
             for node in onnx.load(path).graph.node:
-                if node.op_type in INDEXED_OPS:
+                op = "Bf16MatMul" if node.op_type.startswith("Bf16MatMul") else node.op_type
+                if op in INDEXED_OPS or (autocast and op in ("Bf16MatMul", "MatMul", "Gemm")):
                     ops = counts.setdefault(kind, {})
-                    ops[node.op_type] = ops.get(node.op_type, 0) + 1
+                    ops[op] = ops.get(op, 0) + 1
     line = (f"{name:12s} {backend}/eager {statistics.median(ratios):.2f}  eager {statistics.median(eager_ms):6.1f} ms  "
             f"{parity}")
     if backend != "ort":
@@ -216,7 +222,7 @@ def measure(name: str, build, make_batch, steps: int, backend: str = "ort", floa
     indexed = "; ".join(f"{kind}: " + ", ".join(f"{n} {op}" for op, n in sorted(ops.items()))
                         for kind, ops in counts.items()) or "none"
     return (f"{line}  fallback nodes {report.fallback_nodes}  graph breaks {sum(report.graph_breaks.values())}  "
-            f"indexed ops: {indexed}")
+            f"{'indexed ops and products' if autocast else 'indexed ops'}: {indexed}")
 
 
 def heaviest_model_nodes(build, make_batch, top: int) -> list[tuple[float, str]]:
@@ -245,16 +251,19 @@ def main() -> None:
     parser.add_argument("--float64", action="store_true",
                         help="also compare both sides' gradients with a float64 eager run's, and eager's "
                              "on inputs moved by 1e-6 (how sensitive the model's gradient is)")
+    parser.add_argument("--autocast", action="store_true",
+                        help="both sides under torch.autocast(cpu, bfloat16); also counts the bfloat16 products "
+                             "and gives eager's bfloat16-against-float32 gradient difference for scale")
     args = parser.parse_args()
     unknown = [name for name in args.models if name not in configs]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; known: {', '.join(configs)}")
     warnings.simplefilter("ignore")
     print(f"torch {torch.__version__}, {os.cpu_count()} cores; sizes {SIZE}; forward + backward, median of "
-          f"{args.steps} interleaved steps")
+          f"{args.steps} interleaved steps{'; bfloat16 autocast' if args.autocast else ''}")
     for name in args.models or configs:
         try:
-            print(measure(name, *configs[name], args.steps, args.backend, args.float64), flush=True)
+            print(measure(name, *configs[name], args.steps, args.backend, args.float64, args.autocast), flush=True)
             if args.profile:
                 for ms, node in heaviest_model_nodes(*configs[name], args.profile):
                     print(f"      {ms:6.2f} ms  {node[:150]}", flush=True)
