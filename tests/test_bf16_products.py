@@ -36,11 +36,11 @@ def _autocast_product(a_shape, b_shape, transpose_a=False, transpose_b=False, op
                       b_perm=None, reader="float"):
     """The graph of ``a @ b`` as CPU autocast's look after ``rewrite``: each operand rounded to
     bfloat16 and widened back (``operands_bf16``), a Transpose of its last two axes where asked
-    (of ``b_perm``'s axes for b), a float32 MatMul, its result rounded to bfloat16 (``rounded``)
-    and read as float32 (``reader``: "float"), or first by a bfloat16 Concat with itself
-    ("bfloat16"), or
-    with a bias (input "bias") added before the rounding ("bias"), or read as float32 by a
-    Transpose of its last two axes ("transposed"), or by two ("transposed twice")."""
+    (of ``b_perm``'s axes for b), a float32 MatMul, and its result rounded to bfloat16
+    (``rounded``). ``reader``: "float", read as float32; "bfloat16", first by a bfloat16 Concat
+    of it with itself; "bias", with a bias (input "bias") added before the rounding;
+    "transposed", read as float32 by a Transpose of its last two axes; "transposed twice", by
+    two."""
     nodes, values = [], []
     b_perm = b_perm or (_last_two_swapped(len(b_shape)) if transpose_b else None)
     a_perm = _last_two_swapped(len(a_shape)) if transpose_a else None
