@@ -263,6 +263,16 @@ def _static(shape) -> bool:
     return shape is not None and all(isinstance(d, int) for d in shape.dims)
 
 
+def _bfloat16_ok_on_cpu(node: ir.Node) -> bool:
+    """Whether ORT's CPU kernel of ``node`` takes bfloat16 as it is. Its scatters do only
+    without a reduction (probed on onnxruntime 1.31: "BFloat16 data type is not supported with
+    ScatterND ... when reduction is 'add'"): a gather's gradient in a bfloat16 graph failed at
+    run time and its partition fell back to PyTorch."""
+    if node.op_type in ("ScatterND", "ScatterElements"):
+        return node.attributes.get_string("reduction", "none") == "none"
+    return node.op_type in _BF16_OK_ON_CPU
+
+
 def _compute_bfloat16_in_float32(graph: ir.Graph) -> None:
     """ORT's CPU EP lacks bf16 kernels for most ops. Do as eager does on CPU: compute each op
     in fp32 and round its result to bf16, so values match eager's op by op."""
@@ -278,7 +288,7 @@ def _compute_bfloat16_in_float32(graph: ir.Graph) -> None:
         elif node.op_type == "Cast":
             out.dtype = ir.DataType(node.attributes.get_int("to"))
     for node in list(graph):
-        if node.op_type in _BF16_OK_ON_CPU or node.domain not in ("", "ai.onnx"):
+        if _bfloat16_ok_on_cpu(node) or node.domain not in ("", "ai.onnx"):
             continue
         touches = [v for v in (*node.inputs, *node.outputs) if v is not None and v.dtype == bf16]
         if not touches:

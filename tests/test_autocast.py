@@ -96,3 +96,24 @@ def test_bf16_clamps_with_bounds_run_on_ort():
         out, expected = compiled(x), fn(x)
         assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
         assert torch.equal(torch.autograd.grad(out.sum(), x)[0], torch.autograd.grad(expected.sum(), x)[0])
+
+
+def test_a_bfloat16_gathers_gradient_runs_on_ort_though_its_scatter_add_has_no_bfloat16_kernel():
+    """ORT's CPU ScatterElements and ScatterND take bfloat16 only without a reduction: the
+    scatter-add of a gather's gradient (Falcon's, XLNet's and DeBERTa's under autocast) failed
+    at run time and its partition ran in PyTorch. It is computed in float32 and rounded, as the
+    ops ORT has no bfloat16 kernel for are."""
+    torch.manual_seed(0)
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    index = torch.randint(0, 32, (16, 24))  # repeated columns: their gradients add up
+
+    def fn(x, index):
+        return torch.gather(x * 2, 1, index).float().square().sum()
+
+    compiled = torch.compile(fn, backend="ort")
+    compiled(x, index).backward()
+    got, x.grad = x.grad.clone(), None
+    fn(x, index).backward()
+    assert ort_dynamo.report().fallback_nodes == 0, str(ort_dynamo.report())
+    # eager rounds each addition to bfloat16, ORT the float32 sum once
+    torch.testing.assert_close(got.float(), x.grad.float(), rtol=2 ** -6, atol=0)
