@@ -1381,8 +1381,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False) -> list[str
         for node in group.nodes:
             replace(node)
     graph.remove(replaced, safe=True)
-    if _op_kernels.slow_transposes_as_kernels(graph):
-        kernels.append(_op_kernels.TRANSPOSE_ROWS)
+    kernels += _op_kernels.slow_transposes_as_kernels(graph)
     _unfold_rotate_half(graph)
     if kernels:
         model.opset_imports[DOMAIN] = 1

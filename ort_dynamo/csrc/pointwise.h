@@ -198,10 +198,12 @@ PW_HIDDEN OrtStatus* pw_scatter_add_rows(const OrtApiTable* api, OrtKernelContex
 PW_HIDDEN OrtStatus* pw_scatter_add_last_axis(const OrtApiTable* api, OrtKernelContext* ctx,
                                               const struct PwKernelDef* def);
 
-/* out = Transpose(x, perm), x of 3 to 8 axes, perm an int64 input (a constant): blocks of the
- * last three output axes gathered at the input's strides, split over the intra-op threads. For
- * the permutations ORT moves element by element, or in blocks of a few floats, on one thread
- * (pixel shuffle, patches: einops' rearrangements, a patch convolution's weight gradient). */
+/* out = Transpose(x, perm), x of 3 to 8 axes (float32, or bfloat16 when the kernel's first
+ * type is PW_BF16), perm an int64 input (a constant): blocks of the last three output axes
+ * gathered at the input's strides, split over the intra-op threads. For the permutations ORT
+ * moves element by element, or in blocks of a few floats, on one thread (pixel shuffle,
+ * patches: einops' rearrangements, a patch convolution's weight gradient), and for bfloat16
+ * tensors, which ORT transposes at a third of the speed of float32 ones per byte. */
 PW_HIDDEN OrtStatus* pw_transpose(const OrtApiTable* api, OrtKernelContext* ctx, const struct PwKernelDef* def);
 PW_HIDDEN OrtStatus* pw_register(OrtSessionOptions* options, const OrtApiBase* base,
                                  const PwKernelDef* const* defs);

@@ -207,32 +207,43 @@ OrtStatus* pw_scatter_add_last_axis(const OrtApiTable* api, OrtKernelContext* ct
 }
 
 typedef struct PwTranspose {
-  const float* x;
-  float* out;
+  const void* x;
+  void* out;
   int64_t rank, dims[PW_MAX_RANK], strides[PW_MAX_RANK]; /* output dims, input strides per output axis */
   int64_t blocks, blocks_per_task;
 } PwTranspose;
 
-static void pw_transpose_task(void* user, size_t t) {
+/* Blocks b0..b1 of the last three output axes, elements of type T (float, or bfloat16 bits). */
+#define PW_TRANSPOSE_BLOCKS(T)                                                                  \
+  do {                                                                                          \
+    for (int64_t b = b0; b < b1; ++b) {                                                         \
+      int64_t base = 0, rest = b;                                                               \
+      for (int64_t d = r - 4; d >= 0; --d) {                                                    \
+        base += (rest % p->dims[d]) * p->strides[d];                                            \
+        rest /= p->dims[d];                                                                     \
+      }                                                                                         \
+      T* restrict o = (T*)p->out + b * C * A * B;                                               \
+      for (int64_t c = 0; c < C; ++c) {                                                         \
+        const T* restrict x = (const T*)p->x + base + c * sc;                                   \
+        for (int64_t a = 0; a < A; ++a, o += B)                                                 \
+          for (int64_t j = 0; j < B; ++j) o[j] = x[a * sa + j * sb];                            \
+      }                                                                                         \
+    }                                                                                           \
+  } while (0)
+
+static void pw_transpose_task(void* user, size_t t, int bf16) {
   const PwTranspose* p = (const PwTranspose*)user;
   const int64_t b0 = (int64_t)t * p->blocks_per_task;
   const int64_t b1 = b0 + p->blocks_per_task < p->blocks ? b0 + p->blocks_per_task : p->blocks;
   const int64_t r = p->rank, C = p->dims[r - 3], A = p->dims[r - 2], B = p->dims[r - 1];
   const int64_t sc = p->strides[r - 3], sa = p->strides[r - 2], sb = p->strides[r - 1];
-  for (int64_t b = b0; b < b1; ++b) {
-    int64_t base = 0, rest = b;
-    for (int64_t d = r - 4; d >= 0; --d) {
-      base += (rest % p->dims[d]) * p->strides[d];
-      rest /= p->dims[d];
-    }
-    float* restrict o = p->out + b * C * A * B;
-    for (int64_t c = 0; c < C; ++c) {
-      const float* restrict x = p->x + base + c * sc;
-      for (int64_t a = 0; a < A; ++a, o += B)
-        for (int64_t j = 0; j < B; ++j) o[j] = x[a * sa + j * sb];
-    }
-  }
+  if (bf16)
+    PW_TRANSPOSE_BLOCKS(uint16_t);
+  else
+    PW_TRANSPOSE_BLOCKS(float);
 }
+static void pw_transpose_float_task(void* user, size_t t) { pw_transpose_task(user, t, 0); }
+static void pw_transpose_bf16_task(void* user, size_t t) { pw_transpose_task(user, t, 1); }
 
 OrtStatus* pw_transpose(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) {
   const PwKernel k = {api, def};
@@ -267,12 +278,13 @@ OrtStatus* pw_transpose(const OrtApiTable* api, OrtKernelContext* ctx, const PwK
   if (numel == 0) return NULL;
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)input, &in_data));
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)(out, &out_data));
-  p.x = (const float*)in_data;
-  p.out = (float*)out_data;
+  p.x = in_data;
+  p.out = out_data;
   const int64_t block = p.dims[p.rank - 3] * p.dims[p.rank - 2] * p.dims[p.rank - 1];
   p.blocks = numel / block;
   p.blocks_per_task = pw_per_task(block);
-  return pw_run_tasks(api, ctx, pw_transpose_task, pw_task_count(p.blocks, p.blocks_per_task), &p);
+  return pw_run_tasks(api, ctx, def->types[0] == PW_BF16 ? pw_transpose_bf16_task : pw_transpose_float_task,
+                      pw_task_count(p.blocks, p.blocks_per_task), &p);
 }
 
 static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
