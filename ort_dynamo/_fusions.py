@@ -174,6 +174,13 @@ def _replace(graph: ir.Graph, old: list[ir.Value], new_node: ir.Node, before: ir
             _take_over(old_value, new_value)
 
 
+def _remove_if_dead(graph: ir.Graph, nodes) -> None:
+    """Remove those of ``nodes`` (in order) that are still in ``graph`` and read by nothing."""
+    for node in nodes:
+        if node.graph is not None and not any(v.uses() or v.is_graph_output() for v in node.outputs):
+            graph.remove(node, safe=True)
+
+
 def _take_over(old: ir.Value, new: ir.Value, suffix: str = "unfused",
                output_positions: dict[ir.Value, int] | None = None) -> None:
     """``new`` replaces ``old`` everywhere, graph outputs and name included; ``old`` keeps its

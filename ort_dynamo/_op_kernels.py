@@ -34,7 +34,7 @@ import math
 
 import onnx_ir as ir
 
-from ._fusions import _int64_constant, _op, _scalar, _take_over, element_type
+from ._fusions import _int64_constant, _op, _remove_if_dead, _scalar, _take_over, element_type
 
 __all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "group_convs_as_kernels",
            "max_pools_as_kernels", "scatter_adds_along_last_axis", "slow_transposes_as_kernels"]
@@ -546,8 +546,10 @@ def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
         types = [v.dtype == ir.DataType.BFLOAT16 for v in operands] + [form == "b"]
         name, unit = bf16_matmul_kernel(transposed, types, form == "r", bias is not None)
         kernels[name] = unit
-        replaced = [node, *(use.node for use in result.uses()), *(n for v in targets for n in _chain_before(v))]
-        replaced += [n for v in node.inputs for n in _chain_before(v)]
+        # What the product replaces, each reader before what it reads: the Casts and Transposes
+        # after the MatMul, the bias's Add, the MatMul, the views and Casts before it.
+        replaced = [*(n for v in targets for n in _chain_before(v)), *(use.node for use in result.uses()), node,
+                    *(n for v in node.inputs for n in _chain_before(v))]
         product = ir.node(name, [*operands, *([bias] if bias is not None else [])], domain=DOMAIN)
         graph.insert_before(node, product)
         out = product.outputs[0]
@@ -556,7 +558,7 @@ def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
         for other in targets[1:]:
             other.replace_all_uses_with(out)
         out.dtype = ir.DataType.BFLOAT16 if form == "b" else ir.DataType.FLOAT
-        _remove_dead(graph, replaced)
+        _remove_if_dead(graph, replaced)
         if form == "b":
             _reshape_before_widening(graph, out)
     return list(kernels.values())
@@ -588,17 +590,6 @@ def _reshape_before_widening(graph: ir.Graph, value: ir.Value) -> None:
             graph.remove(reshape, safe=True)
             pending.append(widened)
         graph.remove(cast, safe=True)
-
-
-def _remove_dead(graph: ir.Graph, nodes: list[ir.Node]) -> None:
-    """Those of ``nodes`` that nothing reads any more, until none is left to remove."""
-    removed = True
-    while removed:
-        removed = False
-        for node in nodes:
-            if node.graph is not None and not any(v.uses() or v.is_graph_output() for v in node.outputs):
-                graph.remove(node, safe=True)
-                removed = True
 
 
 def _chain_before(value: ir.Value) -> list[ir.Node]:

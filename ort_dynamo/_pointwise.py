@@ -27,6 +27,7 @@ import onnx_ir as ir
 from ._fusions import (_MS, _TANH_GELU_BETA, _TANH_GELU_KAPPA, _constant_tensor, _initializer, _int64_constant,
                        _ints, _is, _op, _other, _perm_keeping_last_axis, _scalar)
 from ._fusions import softmax_written_out as _softmax_written_out
+from ._fusions import _remove_if_dead
 from ._fusions import _take_over as _take_over_value
 from . import _op_kernels
 from ._op_kernels import DOMAIN
@@ -670,13 +671,6 @@ def _take_over(old: ir.Value, new: ir.Value, suffix: str, output_positions: dict
     inlined torchlib functions often have no type set."""
     _take_over_value(old, new, suffix, output_positions)
     new.dtype = ir.DataType.BFLOAT16 if old.dtype == ir.DataType.BFLOAT16 else ir.DataType.FLOAT
-
-
-def _remove_if_dead(graph: ir.Graph, nodes) -> None:
-    """Remove those of ``nodes`` (in order) that are still in ``graph`` and read by nothing."""
-    for node in nodes:
-        if node.graph is not None and not any(v.uses() or v.is_graph_output() for v in node.outputs):
-            graph.remove(node, safe=True)
 
 
 def _drop_if_unread(graph: ir.Graph, value: ir.Value) -> None:
