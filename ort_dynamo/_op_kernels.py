@@ -386,11 +386,11 @@ def _bfloat16_source(value: ir.Value | None) -> tuple[ir.Value, list[ir.Node]] |
     return None
 
 
-def _in_bfloat16(graph: ir.Graph, value: ir.Value, before: ir.Node) -> ir.Value:
-    """``value`` (which holds bfloat16 values) as a bfloat16 tensor: its views taken of the
-    bfloat16 value it was widened from, so that the product reads half the bytes, and the
-    kernel that rounds that value need not also write it widened."""
-    x, views = _bfloat16_source(value)
+def _in_bfloat16(graph: ir.Graph, source: tuple[ir.Value, list[ir.Node]], before: ir.Node) -> ir.Value:
+    """A value that holds bfloat16 values, given as its ``_bfloat16_source``, as a bfloat16
+    tensor: its views taken of the bfloat16 value it was widened from, so that the product
+    reads half the bytes, and the kernel that rounds that value need not also write it widened."""
+    x, views = source
     for view in views:
         step = ir.node(view.op_type, [x, *view.inputs[1:]], attributes=dict(view.attributes))
         step.outputs[0].dtype, step.outputs[0].shape = ir.DataType.BFLOAT16, view.outputs[0].shape
@@ -532,7 +532,8 @@ def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
         operands, transposed = [], []
         for value in node.inputs:
             operand, swapped = _without_transposes(value, _rank(value))
-            operands.append(_in_bfloat16(graph, operand, node) if _bfloat16_source(operand) else operand)
+            source = _bfloat16_source(operand)  # None: another product's float32 result
+            operands.append(_in_bfloat16(graph, source, node) if source else operand)
             transposed.append(swapped)
         result = node.outputs[0]
         form, targets, bias = _result_form(result)
