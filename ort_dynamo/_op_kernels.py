@@ -419,6 +419,15 @@ def _rounded_to_bfloat16(value: ir.Value) -> bool:
     return True
 
 
+def _swaps_last_two(perm: list[int]) -> bool | None:
+    """True if ``perm`` swaps the last two axes and keeps the others, False if it keeps every
+    axis, None otherwise: the composed Transposes a product folds in."""
+    rank = len(perm)
+    if perm == list(range(rank)):
+        return False
+    return True if perm == [*range(rank - 2), rank - 1, rank - 2] else None
+
+
 def _through_transposes(value: ir.Value, rank: int) -> tuple[ir.Value, bool]:
     """(the value the Transposes after ``value`` make, whether they swap its last two axes):
     through each Transpose that is all that reads the value before it, as far as they compose
@@ -431,10 +440,8 @@ def _through_transposes(value: ir.Value, rank: int) -> tuple[ir.Value, bool]:
             break
         perm = [perm[axis] for axis in after]
         value = value.uses()[0].node.outputs[0]
-        if perm == list(range(rank)):
-            found = (value, False)
-        elif perm == [*range(rank - 2), rank - 1, rank - 2]:
-            found = (value, True)
+        if (swapped := _swaps_last_two(perm)) is not None:
+            found = (value, swapped)
     return found
 
 
@@ -449,10 +456,8 @@ def _without_transposes(value: ir.Value, rank: int) -> tuple[ir.Value, bool]:
             break
         perm = [before[axis] for axis in perm]
         base = base.producer().inputs[0]
-        if perm == list(range(rank)):
-            found = (base, False)
-        elif perm == [*range(rank - 2), rank - 1, rank - 2]:
-            found = (base, True)
+        if (swapped := _swaps_last_two(perm)) is not None:
+            found = (base, swapped)
     return found
 
 
