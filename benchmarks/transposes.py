@@ -3,9 +3,12 @@ convolutional and attention layers give them; says which of them the pointwise s
 the kernel (``_op_kernels._moves_elementwise``).
 
     .venv/bin/python benchmarks/transposes.py
+    .venv/bin/python benchmarks/transposes.py --bfloat16   # bfloat16 tensors (CPU autocast's)
 
 Each session runs the one op 20 times after 3 warm-up runs, on the session's two intra-op
-threads, and checks its result against numpy's; prints the mean ms of each and ort/kernel.
+threads, and checks its result against numpy's (torch's for bfloat16); prints the mean ms of
+each and ort/kernel. ``--bfloat16`` also prints ORT's float32 Transpose of the same shape, and
+which of them the stage hands to ``TransposeRowsBf16`` (``_op_kernels._bfloat16_moves_slowly``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ort_dynamo import _kernels, _op_kernels, _pointwise  # noqa: E402
@@ -31,23 +35,28 @@ CASES = [
     ((8, 64, 32, 2, 32, 2), (0, 1, 3, 5, 2, 4), "pixel unshuffle's"),
     ((8, 32, 32, 2, 32, 2), (0, 2, 4, 1, 3, 5), "a 2x2 patch convolution's patches, blocks of 2"),
     ((8, 64, 32, 2, 32, 2), (0, 1, 2, 4, 3, 5), "two middle axes swap, blocks of 2"),
+    ((8, 128, 4, 64), (0, 2, 1, 3), "attention's heads, rows of 64"),
+    ((8, 4, 128, 64), (0, 1, 3, 2), "attention's k transposed"),
 ]
 
 
-def session(dims, perm, kernel: bool) -> ort.InferenceSession:
-    x = ir.Value(name="x", shape=ir.Shape(list(dims)), type=ir.TensorType(ir.DataType.FLOAT))
+def session(dims, perm, kernel: bool, bfloat16: bool = False) -> ort.InferenceSession:
+    dtype = ir.DataType.BFLOAT16 if bfloat16 else ir.DataType.FLOAT
+    x = ir.Value(name="x", shape=ir.Shape(list(dims)), type=ir.TensorType(dtype))
     so = ort.SessionOptions()
     so.intra_op_num_threads = 2
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as ort_dynamo's sessions
     if kernel:
         order = ir.Value(name="perm", const_value=ir.tensor(np.array(perm, dtype=np.int64)))
-        node = ir.node("TransposeRows", [x, order], domain=_pointwise.DOMAIN)
+        name, unit = ("TransposeRowsBf16", _op_kernels.TRANSPOSE_ROWS_BF16) if bfloat16 \
+            else ("TransposeRows", _op_kernels.TRANSPOSE_ROWS)
+        node = ir.node(name, [x, order], domain=_pointwise.DOMAIN)
         initializers, opsets = [order], {"": 18, _pointwise.DOMAIN: 1}
-        so.register_custom_ops_library(_kernels.library([_op_kernels.TRANSPOSE_ROWS]))
+        so.register_custom_ops_library(_kernels.library([unit]))
     else:
         node = ir.node("Transpose", [x], attributes={"perm": list(perm)})
         initializers, opsets = [], {"": 18}
-    node.outputs[0].name, node.outputs[0].dtype = "y", ir.DataType.FLOAT
+    node.outputs[0].name, node.outputs[0].dtype = "y", dtype
     graph = ir.Graph([x], node.outputs, nodes=[node], initializers=initializers, opset_imports=opsets)
     model = ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString()
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
@@ -63,7 +72,34 @@ def mean_ms(sess: ort.InferenceSession, x: np.ndarray, perm) -> float:
     return (time.perf_counter() - start) / 20 * 1e3
 
 
+def mean_ms_bf16(sess: ort.InferenceSession, x: torch.Tensor, perm) -> float:
+    from ort_dynamo.run import _wrap
+
+    feed = {"x": ort.OrtValue(_wrap(x, x.data_ptr(), None))}
+    for _ in range(3):
+        (y,) = sess.run_with_ort_values(["y"], feed)
+    assert torch.equal(torch.from_dlpack(y._ortvalue.to_dlpack()), x.permute(*perm))
+    start = time.perf_counter()
+    for _ in range(20):
+        sess.run_with_ort_values(["y"], feed)
+    return (time.perf_counter() - start) / 20 * 1e3
+
+
+def bfloat16_main() -> None:
+    print(f"onnxruntime {ort.__version__}; bfloat16; mean ms of 20 runs, two intra-op threads")
+    for dims, perm, what in CASES:
+        x = torch.randn(*dims, generator=torch.Generator().manual_seed(0))
+        float32 = mean_ms(session(dims, perm, False), x.numpy(), perm)
+        x = x.bfloat16()
+        theirs, ours = (mean_ms_bf16(session(dims, perm, kernel, True), x, perm) for kernel in (False, True))
+        chosen = "kernel" if _op_kernels._bfloat16_moves_slowly(list(dims), list(perm)) else "ORT"
+        print(f"{str(dims):22s} {str(perm):20s} ORT {theirs:6.2f} ms  kernel {ours:6.2f} ms  "
+              f"ORT/kernel {theirs / ours:5.2f}  taken by: {chosen:6s} (ORT's float32: {float32:6.2f} ms; {what})")
+
+
 def main() -> None:
+    if "--bfloat16" in sys.argv[1:]:
+        return bfloat16_main()
     print(f"onnxruntime {ort.__version__}; mean ms of 20 runs, two intra-op threads")
     for dims, perm, what in CASES:
         x = np.random.default_rng(0).standard_normal(dims, dtype=np.float32)

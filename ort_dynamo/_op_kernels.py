@@ -10,8 +10,8 @@ CPU provider runs slowly (csrc/max_pool.h, csrc/pointwise_runtime.c):
   ``ScatterAddLastAxis``, parallel over rows.
 - Transposes that move the innermost axis and more than one axis, or keep it but it is short,
   which ORT moves element by element (or a few floats at a time) on one thread (pixel shuffle and its gradient, einops' patch
-  rearrangements): ``TransposeRows``; and every bfloat16 Transpose, which ORT moves at a third
-  of its float32 speed per byte: ``TransposeRowsBf16``. (``decompositions`` writes pixel shuffle as such a
+  rearrangements): ``TransposeRows``; and bfloat16 Transposes where ORT's bfloat16 path is
+  slower still (attention's heads): ``TransposeRowsBf16``. (``decompositions`` writes pixel shuffle as such a
   transpose of static shapes.)
 
 - 2-D convolutions with one output channel per group, which ORT runs as an im2col and a GEMM
@@ -331,12 +331,21 @@ def _moves_elementwise(dims: list[int], perm: list[int]) -> bool:
     return True
 
 
+def _bfloat16_moves_slowly(dims: list[int], perm: list[int]) -> bool:
+    """Whether ORT's Transpose of a bfloat16 tensor is slower than ``TransposeRowsBf16``
+    (benchmarks/transposes.py --bfloat16): where its float32 one is (``_moves_elementwise``),
+    and also where the innermost axis stays innermost or only the last two axes swap
+    (attention's heads and k: ORT's bfloat16 path copies those rows slower than its float32
+    one does, 0.10-0.13 against 0.05-0.09 ms for [8, 128, 4, 64], half the bytes, in three
+    runs). Where the innermost axis moves elsewhere (NHWC to NCHW), ORT's is the faster."""
+    return _moves_elementwise(dims, perm) or perm[-1] == len(perm) - 1 or _swaps_last_two(perm) is True
+
+
 def slow_transposes_as_kernels(graph: ir.Graph) -> list[str]:
     """Transposes of static shapes that ORT moves slowly -> ``TransposeRows``: float32 ones it
-    would move element by element, and every bfloat16 one (ORT's bfloat16 Transpose moves a
-    third of the bytes a second its float32 one does: 0.155 against 0.096 ms for attention's
-    [8, 128, 4, 64] heads, half the bytes, in a scratch probe). Run after the pointwise groups:
-    a Transpose that only a group reads, the group reads at its strides instead. Returns the
+    would move element by element (``_moves_elementwise``), bfloat16 ones where its bfloat16
+    path is the slower (``_bfloat16_moves_slowly``). Run after the pointwise groups: a
+    Transpose that only a group reads, the group reads at its strides instead. Returns the
     kernels' C units."""
     units = []
     for node in list(graph):
@@ -348,7 +357,7 @@ def slow_transposes_as_kernels(graph: ir.Graph) -> list[str]:
         bfloat16 = element_type(x, _VIEWS) == ir.DataType.BFLOAT16
         if dims is None or not 3 <= len(dims) <= 8 or sorted(perm) != list(range(len(dims))) \
                 or not (bfloat16 or _is_float32(x)) or math.prod(dims) < _MIN_TRANSPOSED \
-                or not (bfloat16 or _moves_elementwise(dims, perm)) \
+                or not (_bfloat16_moves_slowly(dims, perm) if bfloat16 else _moves_elementwise(dims, perm)) \
                 or any(use.node.op_type in _READS_TRANSPOSED for use in node.outputs[0].uses()):
             continue
         name, unit = ("TransposeRowsBf16", TRANSPOSE_ROWS_BF16) if bfloat16 else ("TransposeRows", TRANSPOSE_ROWS)

@@ -202,8 +202,8 @@ PW_HIDDEN OrtStatus* pw_scatter_add_last_axis(const OrtApiTable* api, OrtKernelC
  * type is PW_BF16), perm an int64 input (a constant): blocks of the last three output axes
  * gathered at the input's strides, split over the intra-op threads. For the permutations ORT
  * moves element by element, or in blocks of a few floats, on one thread (pixel shuffle,
- * patches: einops' rearrangements, a patch convolution's weight gradient), and for bfloat16
- * tensors, which ORT transposes at a third of the speed of float32 ones per byte. */
+ * patches: einops' rearrangements, a patch convolution's weight gradient), and for the
+ * bfloat16 ones ORT moves slower than float32 (attention's heads; _op_kernels says which). */
 PW_HIDDEN OrtStatus* pw_transpose(const OrtApiTable* api, OrtKernelContext* ctx, const struct PwKernelDef* def);
 PW_HIDDEN OrtStatus* pw_register(OrtSessionOptions* options, const OrtApiBase* base,
                                  const PwKernelDef* const* defs);
