@@ -287,32 +287,3 @@ def test_a_bfloat16_result_is_reshaped_before_it_is_widened_for_the_kernel_that_
                                    providers=["CPUExecutionProvider"])
     both, squares = session.run(None, {"a": a, "b": b})
     np.testing.assert_array_equal(squares, (both[:, :48] ** 2).reshape(1024, 4, 12))
-
-
-@pytest.mark.skipif(not _kernels.available(), reason="no C compiler to build kernels with")
-@pytest.mark.parametrize("dims, perm, kernel", [
-    ((8, 128, 4, 64), (0, 2, 1, 3), True),   # attention's heads: ORT's float32 Transpose is fine here, its bfloat16 one slow
-    ((8, 4, 128, 64), (0, 1, 3, 2), True),   # k transposed
-    ((5, 7, 9, 64), (3, 0, 2, 1), True),     # every axis moves
-    ((8, 56, 56, 64), (0, 3, 1, 2), False),  # NHWC to NCHW: ORT's is the faster (benchmarks/transposes.py --bfloat16)
-])
-def test_a_bfloat16_transpose_runs_as_a_kernel_where_orts_is_slower(dims, perm, kernel):
-    """ORT's bfloat16 Transpose copies rows slower than its float32 one (attention's heads under
-    autocast): there, and where its float32 one is slow, the Transpose is a kernel."""
-    from ort_dynamo.run import _wrap
-
-    x = ir.Value(name="x", shape=ir.Shape(list(dims)), type=ir.TensorType(ir.DataType.BFLOAT16))
-    node = ir.node("Transpose", [x], attributes={"perm": list(perm)})
-    node.outputs[0].name, node.outputs[0].dtype = "y", ir.DataType.BFLOAT16
-    model = ir.Model(ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 18}), ir_version=10)
-    kernels = _pointwise.fuse_pointwise(model)
-    assert [n.op_type for n in model.graph] == ["TransposeRowsBf16" if kernel else "Transpose"]
-    if not kernel:
-        return
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(_kernels.library(kernels))
-    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
-                                   providers=["CPUExecutionProvider"])
-    data = torch.randn(*dims).bfloat16()
-    (out,) = session.run_with_ort_values(["y"], {"x": ort.OrtValue(_wrap(data, data.data_ptr(), None))})
-    assert torch.equal(torch.from_dlpack(out._ortvalue.to_dlpack()), data.permute(*perm))

@@ -1125,6 +1125,20 @@ def test_pixel_shuffle_and_its_gradient_move_rows_in_one_kernel(tmp_path):
         assert "TransposeRows" in ops and "Transpose" not in ops and "DepthToSpace" not in ops, ops
 
 
+def _one_transpose(dims, perm, dtype):
+    """A model of one Transpose, after the pointwise stage: its op types and a session."""
+    x = ir.Value(name="x", shape=ir.Shape(list(dims)), type=ir.TensorType(dtype))
+    node = ir.node("Transpose", [x], attributes={"perm": list(perm)})
+    node.outputs[0].name, node.outputs[0].dtype = "y", dtype
+    model = ir.Model(ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 18}), ir_version=10)
+    kernels = _pointwise.fuse_pointwise(model)
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library(kernels))
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    return [n.op_type for n in model.graph], session
+
+
 @pytest.mark.parametrize("dims, perm, kernel", [
     ((8, 16, 2, 2, 32, 32), (0, 1, 4, 2, 5, 3), True),     # pixel shuffle
     ((4, 3, 8, 16, 8, 16), (0, 2, 4, 3, 5, 1), True),      # patches with channels last (einops)
@@ -1138,20 +1152,30 @@ def test_pixel_shuffle_and_its_gradient_move_rows_in_one_kernel(tmp_path):
     ((8, 1, 128, 1, 64), (0, 3, 4, 1, 2), False),          # the same through sizes of 1
 ])
 def test_transposes_ort_moves_element_by_element_run_as_kernels(dims, perm, kernel):
-    x = ir.Value(name="x", shape=ir.Shape(list(dims)), type=ir.TensorType(ir.DataType.FLOAT))
-    node = ir.node("Transpose", [x], attributes={"perm": list(perm)})
-    node.outputs[0].name = "y"
-    model = ir.Model(ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 18}), ir_version=10)
-    kernels = _pointwise.fuse_pointwise(model)
-    assert ("TransposeRows" in [n.op_type for n in model.graph]) == kernel
+    ops, session = _one_transpose(dims, perm, ir.DataType.FLOAT)
+    assert ("TransposeRows" in ops) == kernel
     if not kernel:
         return
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(_kernels.library(kernels))
-    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
-                                   providers=["CPUExecutionProvider"])
     data = np.random.randn(*dims).astype(np.float32)
     np.testing.assert_array_equal(session.run(None, {"x": data})[0], data.transpose(perm))
+
+
+@pytest.mark.parametrize("dims, perm, kernel", [
+    ((8, 128, 4, 64), (0, 2, 1, 3), True),   # attention's heads: ORT's float32 Transpose is fine here, its bfloat16 one slow
+    ((8, 4, 128, 64), (0, 1, 3, 2), True),   # k transposed
+    ((5, 7, 9, 64), (3, 0, 2, 1), True),     # every axis moves
+    ((8, 56, 56, 64), (0, 3, 1, 2), False),  # NHWC to NCHW: ORT's is the faster (benchmarks/transposes.py --bfloat16)
+])
+def test_a_bfloat16_transpose_runs_as_a_kernel_where_orts_is_slower(dims, perm, kernel):
+    """ORT's bfloat16 Transpose copies rows slower than its float32 one (attention's heads under
+    autocast): there, and where its float32 one is slow, the Transpose is a kernel."""
+    from ort_dynamo.run import _wrap
+
+    ops, session = _one_transpose(dims, perm, ir.DataType.BFLOAT16)
+    assert ops == ["TransposeRowsBf16" if kernel else "Transpose"]
+    data = torch.randn(*dims).bfloat16()
+    (out,) = session.run_with_ort_values(["y"], {"x": ort.OrtValue(_wrap(data, data.data_ptr(), None))})
+    assert torch.equal(torch.from_dlpack(out._ortvalue.to_dlpack()), data.permute(*perm))
 
 
 def test_transpose_kernel_rejects_a_perm_that_is_no_permutation():
