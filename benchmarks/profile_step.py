@@ -5,6 +5,11 @@ and the rest (torch's profiler).
 
     .venv/bin/python benchmarks/profile_step.py --model llama
     .venv/bin/python benchmarks/profile_step.py --model bert --autocast   # under bfloat16 autocast
+    python3 benchmarks/profile_step.py --device cuda --model gpt2-124m     # GPU machine (autocast)
+
+On CUDA ORT's node times are launch times (stock builds have no CUDA profiling), so there it
+says where ORT placed each node (the CPU provider's nodes, and the copies ORT added to reach
+them) and eager's GPU kernel time per kind.
 """
 
 from __future__ import annotations
@@ -29,25 +34,31 @@ import ort_dynamo  # noqa: E402
 from ort_dynamo import run as run_stage  # noqa: E402
 
 
-def phase_times(name: str, backend: str, steps: int, autocast: bool = False) -> dict:
+def _now(device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def phase_times(name: str, backend: str, steps: int, autocast: bool = False, device: str = "cpu") -> dict:
     """Mean wall ms of forward, backward and optimizer step, after 3 warm-up steps."""
-    model, batch = build(name, "cpu")
+    model, batch = build(name, device)
     _, fn = compiled_copy(model, backend)
     opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
     for _ in range(3):
-        train_step(fn, opt, batch, "cpu", autocast)
+        train_step(fn, opt, batch, device, autocast)
     ort_dynamo.wait_for_kernels()
     totals = collections.Counter()
     for _ in range(steps):
-        t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        t0 = _now(device)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             loss = fn(**batch).loss
-        t1 = time.perf_counter()
+        t1 = _now(device)
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = _now(device)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
+        t3 = _now(device)
         totals.update(forward=t1 - t0, backward=t2 - t1, optimizer=t3 - t2)
     return {k: v / steps * 1e3 for k, v in totals.items()}
 
@@ -100,26 +111,30 @@ def heaviest_ort_nodes(make_step, steps: int = 10, top: int = 6) -> list[tuple[f
     return sorted(((statistics.median(times) / 1e3, key[1]) for key, times in ran.items()), reverse=True)[:top]
 
 
-def ort_kernel_profile(name: str, steps: int, folder: str, autocast: bool = False) -> tuple:
+def ort_kernel_profile(name: str, steps: int, folder: str, autocast: bool = False, device: str = "cpu") -> tuple:
     with profiled_sessions(folder) as runners:
         torch._dynamo.reset()  # compile again, into profiled sessions
-        model, batch = build(name, "cpu")
+        model, batch = build(name, device)
         _, fn = compiled_copy(model, "ort")
         opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
-        train_step(fn, opt, batch, "cpu", autocast)
+        train_step(fn, opt, batch, device, autocast)
         ort_dynamo.wait_for_kernels()  # the kernels' sessions replace the interim ones from here
         for _ in range(steps):
-            train_step(fn, opt, batch, "cpu", autocast)
+            train_step(fn, opt, batch, device, autocast)
         # Only the sessions that ran these steps (not the interim ones the kernels replaced).
         paths = [session.end_profiling() for runner in runners for session, *_ in runner._sessions.values()]
     per_op, calls, per_node = collections.Counter(), collections.Counter(), collections.Counter()
     session = collections.Counter()
+    placed = collections.Counter()  # (provider, op) -> nodes, counted once per session
     per_gemm = collections.defaultdict(lambda: [0.0, 0.0])  # operand shapes -> [ms, FLOP] per step
     for path in paths:
         with open(path) as fh:
             events = json.load(fh)
         # Per run of this session: one without kernels to wait for also ran the warm-up step.
         runs = max(1, sum(1 for e in events if e.get("cat") == "Session" and e["name"] == "model_run"))
+        nodes = {e["name"]: e["args"] for e in events
+                 if e.get("cat") == "Node" and e["name"].endswith("_kernel_time") and "provider" in e["args"]}
+        placed.update((args["provider"], args["op_name"]) for args in nodes.values())
         for event in events:
             if event.get("cat") == "Session" and event["name"] == "model_run":
                 session["ms"] += event["dur"] / 1e3 / runs
@@ -139,27 +154,29 @@ def ort_kernel_profile(name: str, steps: int, folder: str, autocast: bool = Fals
                     entry = per_gemm[f"{op} {a} x {b} -> {out}"]
                     entry[0] += ms
                     entry[1] += flop
-    return per_op, calls, per_node, session, per_gemm
+    return per_op, calls, per_node, session, per_gemm, placed
 
 
-def eager_profile(name: str, steps: int, autocast: bool = False) -> dict:
-    """Eager's step per kind of ATen op (torch's profiler, self CPU ms per step): its GEMMs,
-    its fused attention, and all the rest. Eager does the same products as ORT, so this says
-    how much of eager's step ORT could shrink at all."""
+def eager_profile(name: str, steps: int, autocast: bool = False, device: str = "cpu") -> dict:
+    """Eager's step per kind of ATen op (torch's profiler, self ms per step on ``device``): its
+    GEMMs, its fused attention, and all the rest. Eager does the same products as ORT, so this
+    says how much of eager's step ORT could shrink at all."""
     from torch.profiler import ProfilerActivity, profile
 
-    model, batch = build(name, "cpu")
+    model, batch = build(name, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for _ in range(3):
-        train_step(model, opt, batch, "cpu", autocast)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train_step(model, opt, batch, device, autocast)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
         for _ in range(steps):
-            train_step(model, opt, batch, "cpu", autocast)
+            train_step(model, opt, batch, device, autocast)
     kinds = collections.Counter()
     for event in prof.key_averages():
         kind = ("gemm" if event.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
                 else "attention" if event.key.startswith("aten::_scaled_dot_product") else "rest")
-        kinds[kind] += event.self_cpu_time_total / 1e3 / steps
+        own = event.self_device_time_total if device == "cuda" else event.self_cpu_time_total
+        kinds[kind] += own / 1e3 / steps
     return kinds
 
 
@@ -173,24 +190,35 @@ def _gemm_flop(args: dict) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="llama", choices=MODELS)
+    parser.add_argument("--model", default="llama", choices=MODELS + ("gpt2-124m",))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--autocast", action="store_true", help="train under torch.autocast(bfloat16)")
     parser.add_argument("--phase-backends", default="eager,ort",
                         help="comma-separated backends whose phase times to measure, each in turn")
     args = parser.parse_args()
+    args.autocast = args.autocast or args.device == "cuda"
     _steady_malloc()  # as train_step.py: no backend pays page faults for another's frees
     for backend in args.phase_backends.split(","):
-        t = phase_times(args.model, backend, args.steps, args.autocast)
+        t = phase_times(args.model, backend, args.steps, args.autocast, args.device)
         print(f"{backend:9s} forward {t['forward']:6.1f} ms  backward {t['backward']:6.1f} ms  "
               f"optimizer {t['optimizer']:5.1f} ms  total {sum(t.values()):6.1f} ms")
-    kinds = eager_profile(args.model, args.steps, args.autocast)
-    print(f"eager per step (torch's profiler): GEMMs {kinds['gemm']:.1f} ms, fused attention "
+    kinds = eager_profile(args.model, args.steps, args.autocast, args.device)
+    print(f"eager per step (torch's profiler, {args.device} time): GEMMs {kinds['gemm']:.1f} ms, fused attention "
           f"{kinds['attention']:.1f} ms, the rest {kinds['rest']:.1f} ms, of {sum(kinds.values()):.1f} ms")
     with tempfile.TemporaryDirectory() as folder:
-        per_op, calls, per_node, session, per_gemm = ort_kernel_profile(args.model, args.steps, folder,
-                                                                         args.autocast)
+        per_op, calls, per_node, session, per_gemm, placed = ort_kernel_profile(
+            args.model, args.steps, folder, args.autocast, args.device)
+    providers = collections.Counter()
+    for (provider, _), count in placed.items():
+        providers[provider] += count
+    print("ORT's nodes per provider (all sessions): "
+          + ", ".join(f"{provider} {count}" for provider, count in providers.most_common()))
+    if args.device == "cuda":
+        off = [f"{op} {count}" for (provider, op), count in placed.most_common() if provider != "CUDAExecutionProvider"]
+        copies = sum(count for (_, op), count in placed.items() if op.startswith("Memcpy"))
+        print(f"  not on CUDA: {', '.join(off) or 'none'}; copies ORT added: {copies}")
     print(f"ORT per step: {session['runs']:.0f} session runs taking {session['ms']:.1f} ms, of which "
           f"kernels {sum(per_op.values()):.1f} ms (profiling adds overhead)")
     if session["gemm_ms"]:

@@ -70,6 +70,11 @@ class LogLevel(str, enum.Enum):
     ERROR = "ERROR"
     FATAL = "FATAL"
 
+    def to_onnxruntime(self) -> int:
+        """ORT's log severity (0 verbose .. 4 fatal), mapped as ORTModule mapped it: ORT's
+        own warnings only from INFO down, so that WARNING stays quiet."""
+        return {"VERBOSE": 0, "INFO": 2, "WARNING": 3, "ERROR": 3, "FATAL": 4}[self.value]
+
     def to_logging(self) -> int:
         return {
             "VERBOSE": logging.DEBUG,
@@ -98,8 +103,10 @@ class OrtOptions:
         FallbackPolicy.DEFAULT,
         "What may fall back to PyTorch (see docs/fallback.md); `DISABLE` raises instead.",
         "ORTMODULE_FALLBACK_POLICY")
-    log_level: LogLevel = _field(LogLevel.WARNING, "Level of the `ort_dynamo` python logger.",
-                                 "ORTMODULE_LOG_LEVEL")
+    log_level: LogLevel = _field(
+        LogLevel.WARNING, "Level of the `ort_dynamo` python logger and of ONNX Runtime's session "
+        "logs, as ORTModule's: VERBOSE shows ORT's node placements, INFO its warnings.",
+        "ORTMODULE_LOG_LEVEL")
     save_onnx: bool = _field(False, "Write each exported ONNX model and its FX graph as text.",
                              "DebugOptions.save_onnx")
     onnx_prefix: str = _field("ort_dynamo", "File name prefix of saved models.",

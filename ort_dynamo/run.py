@@ -59,7 +59,7 @@ def session_options(options: OrtOptions, device_type: str = "cpu", kernel_librar
         so.use_deterministic_compute = True
     if options.intra_op_num_threads:
         so.intra_op_num_threads = options.intra_op_num_threads
-    so.log_severity_level = 3
+    so.log_severity_level = options.log_level.to_onnxruntime()
     if device_type == "cpu":
         # A memory pattern pre-allocates each run's peak as one block; in the shared arena
         # these blocks fragment it (5-20 MB more per training process, no speed gained).

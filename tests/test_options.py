@@ -83,6 +83,18 @@ def test_log_level_drives_python_logging(caplog):
     logging.getLogger("ort_dynamo").setLevel(logging.WARNING)
 
 
+def test_log_level_verbose_shows_onnxruntimes_node_placements_and_warning_keeps_it_quiet(capfd):
+    """ORT logs from C++ to the process's stderr: where it put each node is what to read when
+    a CUDA graph is slower than expected (nodes left on the CPU provider, copies added)."""
+    for level in ("VERBOSE", "WARNING"):
+        torch._dynamo.reset()
+        torch.compile(torch.nn.Linear(2, 2), backend="ort", options={"log_level": level})(torch.randn(1, 2))
+        logged = capfd.readouterr().err
+        assert ("All nodes placed on [CPUExecutionProvider]" in logged) == (level == "VERBOSE"), level
+    assert [LogLevel(v).to_onnxruntime() for v in ("VERBOSE", "INFO", "WARNING", "ERROR", "FATAL")] == [0, 2, 3, 3, 4]
+    logging.getLogger("ort_dynamo").setLevel(logging.WARNING)
+
+
 def test_same_options_give_the_same_backend_object():
     from ort_dynamo.capture import _backend_for
     from ort_dynamo.options import resolve_options

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/performance.md "GPU", as one call on the lent GPU machine, in the
 # order they matter: environment, the CUDA tests, the training-step benchmark (GPT-2 124M,
-# bf16 autocast), per-call overhead, ort with PyTorch's attention kernels, then peak memory. Each step has its own time limit
+# bf16 autocast), where ORT placed GPT-2's nodes, per-call overhead, ort with PyTorch's attention
+# kernels, then peak memory. Each step has its own time limit
 # inside one budget, so a slow or hung step still leaves the others' results.
 #
 #   bash tools/gpu_check.sh [budget-seconds]      # default 420; run from the repository root
@@ -48,13 +49,14 @@ mkdir -p "$site/ort_dynamo_checkout-0.dist-info"
 printf 'Metadata-Version: 2.1\nName: ort_dynamo_checkout\nVersion: 0\n' >"$site/ort_dynamo_checkout-0.dist-info/METADATA"
 printf '[torch_dynamo_backends]\nort = ort_dynamo.capture:ort_backend\n' >"$site/ort_dynamo_checkout-0.dist-info/entry_points.txt"
 
-step info 60 python3 -m ort_dynamo info
+step info 45 python3 -m ort_dynamo info
 step cuda-tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests -rs
-step train-step 270 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
-  --backends eager,inductor,ort,aot_eager --steps 20 --warmup 3 --json "$out/train-step.json"
-step call-overhead 60 python3 benchmarks/call_overhead.py --device cuda --calls 500
-step torch-attention 150 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
+step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
+  --backends eager,inductor,ort,aot_eager --steps 20 --warmup 3
+step placement 120 python3 benchmarks/profile_step.py --device cuda --model gpt2-124m --steps 3
+step call-overhead 45 python3 benchmarks/call_overhead.py --device cuda --calls 500
+step torch-attention 120 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort,ort_torch_attention --steps 20 --warmup 3
-step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
+step memory 150 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort --steps 5 --warmup 2 --memory
 say "== done in ${SECONDS}s"
