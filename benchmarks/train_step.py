@@ -118,35 +118,20 @@ class _NanoGPT(torch.nn.Module):
 MODELS = ("gpt2", "bert", "llama", "nanogpt")
 
 
-def ort_with_torch_attention(gm, example_inputs):
-    """ort with ``F.scaled_dot_product_attention`` left to AOTAutograd instead of written out
-    as products and a softmax on ORT: on CUDA, PyTorch's flash or memory-efficient kernels then
-    run between ORT partitions (the report lists them, with why). A variant for the GPU machine
-    to measure (docs/performance.md "GPU"), not an option: on CPU torch's flash op is still
-    decomposed onto ORT, so it trains as ort does."""
-    from ort_dynamo import lower
-
-    sdpa = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
-    saved = {f: lower._DYNAMO_REWRITES.pop(f) for f in sdpa}  # one function under two names
-    try:  # the rewrite is read while the backend lowers this graph, before AOTAutograd traces it
-        return ort_dynamo.ort_backend(gm, example_inputs)
-    finally:
-        lower._DYNAMO_REWRITES.update(saved)
-
-
 def compiled_copy(model, backend: str, cache_dir: str = "", copy_model: bool = True):
     """``backend`` is a torch.compile backend name, "eager", "ort_keep" (ort with
     memory_opt_level=0: every activation autograd saves is kept), "ort_recompute" (level 1,
-    ort's default since 2026-11-24) or "ort_torch_attention" (``ort_with_torch_attention``).
+    ort's default since 2026-11-24) or "ort_math_attention" (ort with ``cuda_torch_attention=False``:
+    on CUDA, attention written out on ORT instead of PyTorch's fused kernels; on CPU the same as ort).
     ``copy_model=False`` compiles ``model`` itself."""
     clone = copy.deepcopy(model) if copy_model else model
     if backend == "eager":
         return clone, clone
-    if backend == "ort_torch_attention":
-        return clone, torch.compile(clone, backend=ort_with_torch_attention)
     options = {}
     if backend in ORT_LEVELS:
         backend, options = "ort", {"memory_opt_level": ORT_LEVELS[backend]}
+    if backend == "ort_math_attention":
+        backend, options = "ort", {"cuda_torch_attention": False}
     if backend == "ort" and cache_dir:
         options["cache_dir"] = cache_dir
     kwargs = {"options": options} if options else {}
@@ -365,7 +350,7 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,bert,llama")
     parser.add_argument("--backends", default="eager,inductor,ort,aot_eager",
                         help="comma-separated: eager, inductor, aot_eager, ort, ort_keep, ort_recompute, "
-                             "ort_torch_attention")
+                             "ort_math_attention")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)

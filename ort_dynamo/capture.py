@@ -47,8 +47,10 @@ class OrtBackend:
         if kwargs:
             raise OptionsError(f"OrtBackend takes its options at construction, got {sorted(kwargs)}")
         options = self.options
+        device = _device_type(example_inputs)
         lower_stage.lower_graph(gm, fuse=options.enable_compute_optimizer and not options.deterministic_compute,
-                                recompute_attention=options.memory_opt_level >= 1)
+                                recompute_attention=options.memory_opt_level >= 1,
+                                torch_attention=device == "cuda" and options.cuda_torch_attention)
         compiler = functools.partial(compile_graph, options=self.options)
         kwargs = {}
         if self.options.memory_opt_level >= 1:
@@ -60,7 +62,7 @@ class OrtBackend:
                 inference_compiler=functools.partial(compiler, kind="inference"),
                 decompositions=lower_stage.decomposition_table(
                     self.options.opset, self.options.cache_dir,
-                    rewrite_stage.pointwise_kernels_apply(options, _device_type(example_inputs))),
+                    rewrite_stage.pointwise_kernels_apply(options, device)),
                 **kwargs,
             )(gm, example_inputs)
 
@@ -181,7 +183,9 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptio
     graph_report.outputs = len(output_node.args[0]) if isinstance(output_node.args[0], (tuple, list)) else 1
     with graph_report.stage("partition"):
         segments = options.backward_segments if kind == "backward" else 1
-        parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report, known, segments)
+        kept = lower_stage.TORCH_ATTENTION if options.cuda_torch_attention else frozenset()
+        parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report, known, segments,
+                                          kept)
     if graph_key and known is None:
         cache_stage.store_json(options.cache_dir, graph_key, "verdicts", parts.verdicts)
     split = parts.module

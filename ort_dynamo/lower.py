@@ -258,6 +258,15 @@ _DYNAMO_REWRITES = {
     torch.grid_sampler_2d: grid_sampler_2d_math,
     torch.grid_sampler_3d: grid_sampler_3d_math,
 }
+_SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
+#: PyTorch's fused CUDA attention kernels, forward and backward: what SDPA becomes on CUDA when
+#: left to AOTAutograd. Kept in PyTorch by design (option ``cuda_torch_attention``).
+TORCH_ATTENTION = frozenset(getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_efficient_attention_forward", "_efficient_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward") if hasattr(aten, name))
 #: What ``memory_opt_level=1`` writes attention as instead.
 _RECOMPUTING = {sdpa_math: sdpa_recomputed, multi_head_attention_math: multi_head_attention_recomputed}
 try:  # defines the torch_nn custom ops (torch versions with F.linear_cross_entropy)
@@ -274,12 +283,15 @@ for _name, _math in (("_linear_cross_entropy_batch_chunked", linear_cross_entrop
         pass
 
 
-def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True, recompute_attention: bool = False) -> int:
+def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True, recompute_attention: bool = False,
+                torch_attention: bool = False) -> int:
     """Replace torch-level calls that would leave ORT-less backward kernels, and (``fuse``)
     tanh-GELU written out in Python by one ``F.gelu`` call, a LayerNorm over channels between
     two permutes by one in place, and an STFT's magnitude by real arithmetic. With
     ``recompute_attention`` (``memory_opt_level=1``), attention's backward recomputes its
-    probabilities instead of keeping them. Returns the count."""
+    probabilities instead of keeping them. With ``torch_attention`` (CUDA), scaled dot-product
+    attention is left to AOTAutograd, which gives PyTorch's fused kernels (``TORCH_ATTENTION``).
+    Returns the count."""
     replaced = 0
     for module in gm.modules():
         if not isinstance(module, torch.fx.GraphModule):
@@ -287,7 +299,8 @@ def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True, recompute_attention
         changed = (_tanh_gelu_as_one_op(module.graph) + _layer_norm_over_channels_in_place(module.graph)
                    + _stft_magnitudes_in_real_arithmetic(module.graph)) if fuse else 0
         for node in module.graph.nodes:
-            if node.op == "call_function" and node.target in _DYNAMO_REWRITES:
+            if node.op == "call_function" and node.target in _DYNAMO_REWRITES and not (
+                    torch_attention and node.target in _SDPA):
                 node.target = _DYNAMO_REWRITES[node.target]
                 if recompute_attention:
                     node.target = _RECOMPUTING.get(node.target, node.target)

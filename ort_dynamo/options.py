@@ -150,6 +150,12 @@ class OrtOptions:
         "graph, its inputs, the options and the package versions; a damaged entry is rebuilt, and "
         "a folder that cannot be read or written (read-only, full) only warns: compiling goes on "
         "without it.", "ORTMODULE_CACHE_DIR")
+    cuda_torch_attention: bool = _field(
+        True, "On CUDA, `scaled_dot_product_attention` stays in PyTorch's fused kernels (flash, "
+        "memory-efficient or cuDNN attention) between ORT partitions, listed in the report as kept "
+        "in PyTorch by design, not as fallbacks: stock ONNX Runtime has no attention backward, and "
+        "its products and softmax written out were slower (docs/performance.md, GPU). False: "
+        "attention runs on ORT written out, as on CPU.", "")
     shared_cpu_arena: bool = _field(
         True, "All CPU sessions of the process allocate from one ORT arena, registered by ort_dynamo "
         "(it replaces a CPU allocator the application registered with "

@@ -130,14 +130,14 @@ def _split_off_output_views(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 class _OnnxSupport(OperatorSupportBase):
     def __init__(self, registry: Callable, known: dict[str, str] | None,
-                 host_views: set[torch.fx.Node] = frozenset()) -> None:
+                 by_design: set[torch.fx.Node] = frozenset()) -> None:
         from torch.onnx._internal.exporter import _dispatching
 
         self._dispatch = _dispatching.dispatch
         self._registry = registry  # called only when a node needs torchlib's verdict
         self._known = known or {}  # verdicts of an identical graph, from the on-disk cache
         self.verdicts: dict[torch.fx.Node, str] = {}  # node -> "" if supported, else the reason
-        self.host_views = host_views  # taken in PyTorch by design, not fallbacks
+        self.by_design = by_design  # taken in PyTorch by design, not fallbacks
 
     def reason(self, node: torch.fx.Node) -> str:
         if node in self.verdicts:
@@ -145,6 +145,8 @@ class _OnnxSupport(OperatorSupportBase):
         if node.target is operator.getitem:
             source = node.args[0]
             verdict = self.reason(source) if isinstance(source, torch.fx.Node) else "not a tensor"
+        elif node in self.by_design:
+            verdict = "kept in PyTorch by design"
         elif not is_compute(node):
             verdict = "not a tensor computation"
         elif not isinstance(node.target, torch._ops.OpOverload):
@@ -174,7 +176,7 @@ class _OnnxSupport(OperatorSupportBase):
         return verdict
 
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
-        return node.op == "call_function" and node not in self.host_views and self.reason(node) == ""
+        return node.op == "call_function" and node not in self.by_design and self.reason(node) == ""
 
 
 _ACCUMULATING_INDEX_PUT = {_aten.index_put.default, _aten._unsafe_index_put.default}
@@ -203,7 +205,7 @@ def _short(message: str) -> str:
 
 def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPolicy,
               graph_report: GraphReport, known: dict[str, str] | None = None,
-              segments: int = 1) -> Partitioned:
+              segments: int = 1, kept: frozenset = frozenset()) -> Partitioned:
     """Split ``gm`` into ORT-bound submodules (``fused_N``) and PyTorch nodes.
 
     ``registry`` is called (once) only if a node needs torchlib's verdict: ``known`` verdicts
@@ -211,12 +213,18 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     Records each node left in PyTorch, with its reason and source line, in ``graph_report``.
     Raises ``UnsupportedOpError`` if that is not allowed by ``policy``.
     Each ORT partition is cut into up to ``segments`` consecutive runs (see ``_in_segments``).
+    Nodes of the ``kept`` ops stay in PyTorch by design (faster there): reported as such, never
+    refused by ``policy``.
     """
     host_views = _split_off_output_views(gm)
-    support = _OnnxSupport(registry, known, host_views)
+    in_pytorch = host_views | {node for node in gm.graph.nodes if node.target in kept}
+    support = _OnnxSupport(registry, known, in_pytorch)
     unsupported = []
     for node in gm.graph.nodes:
-        if not is_compute(node) or node in host_views:
+        if node.target in kept:
+            graph_report.kept.append(FallbackNode(graph_report.name, node.name, str(node.target),
+                                                  _KEPT_REASON, user_source(node)))
+        if not is_compute(node) or node in in_pytorch:
             continue
         reason = support.reason(node)
         if reason:
@@ -241,8 +249,8 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     graph_report.torch_nodes += len(unsupported)
 
     partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
-    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n not in host_views]
-    if all(support.is_node_supported(None, n) for n in calls):
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n not in in_pytorch]
+    if in_pytorch <= host_views and all(support.is_node_supported(None, n) for n in calls):
         # Everything runs on ORT (the usual case): one partition, reading only the graph's
         # inputs, so no cycle to look for (the proposal's search is 0.05 s of BERT's first step).
         proposed = [Partition(id=0, nodes=calls)] if calls else []
@@ -260,6 +268,9 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     verdicts = {node.name: reason for node, reason in support.verdicts.items() if is_compute(node)}
     return Partitioned(fused, names, verdicts)
 
+
+_KEPT_REASON = ("PyTorch's fused CUDA attention, kept by design (option cuda_torch_attention): "
+                "stock ONNX Runtime has no attention backward")
 
 #: Below this many nodes a segment's ORT run costs more than the memory it frees.
 _MIN_SEGMENT_NODES = 32

@@ -40,6 +40,8 @@ class GraphReport:
     torch_nodes: int = 0
     partitions: int = 0
     fallbacks: list[FallbackNode] = dataclasses.field(default_factory=list)
+    #: Nodes kept in PyTorch by design because they are faster there (not counted as fallbacks).
+    kept: list[FallbackNode] = dataclasses.field(default_factory=list)
     stage_seconds: dict[str, float] = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
     sessions: int = 0
     exports: int = 0
@@ -112,6 +114,11 @@ class Report:
         return [f for g in self.graphs for f in g.fallbacks]
 
     @property
+    def kept_nodes(self) -> int:
+        """Nodes kept in PyTorch by design (faster there), not counted in ``fallback_nodes``."""
+        return sum(len(g.kept) for g in self.graphs)
+
+    @property
     def sessions(self) -> int:
         return sum(g.sessions for g in self.graphs)
 
@@ -134,14 +141,17 @@ class Report:
         return {
             "ort_nodes": self.ort_nodes,
             "fallback_nodes": self.fallback_nodes,
+            "kept_nodes": self.kept_nodes,
             "sessions": self.sessions,
             "exports": self.exports,
             "kernels": self.kernels,
             "graph_breaks": self.graph_breaks,
             "recompute_failures": self.recompute_failures,
             "graphs": [
-                {f.name: getattr(g, f.name) for f in dataclasses.fields(g) if f.name not in ("fallbacks", "stage_seconds")}
-                | {"stage_seconds": dict(g.stage_seconds), "fallbacks": [dataclasses.asdict(f) for f in g.fallbacks]}
+                {f.name: getattr(g, f.name) for f in dataclasses.fields(g)
+                 if f.name not in ("fallbacks", "kept", "stage_seconds")}
+                | {"stage_seconds": dict(g.stage_seconds), "fallbacks": [dataclasses.asdict(f) for f in g.fallbacks],
+                   "kept": [dataclasses.asdict(f) for f in g.kept]}
                 for g in self.graphs
             ],
         }
@@ -181,6 +191,10 @@ def format_report(data: dict, path: str = "") -> str:
     if failures:
         lines.append("memory_opt_level=1 kept every activation of a graph (min-cut failed):")
         lines += [f"  {reason}" for reason in failures]
+    kept = collections.Counter((f["op"], f["reason"]) for g in graphs for f in g.get("kept", []))
+    if kept:
+        lines.append("kept in PyTorch by design (faster there; not fallbacks):")
+        lines += [f"  {n} x {op}: {reason}" for (op, reason), n in kept.items()]
     fallbacks = [FallbackNode(**f) for g in graphs for f in g.get("fallbacks", [])]
     if fallbacks:
         lines.append("fell back to PyTorch:")

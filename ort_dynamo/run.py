@@ -128,7 +128,9 @@ def providers_for(device: torch.device, options: OrtOptions) -> list:
                 "CUDA tensors need the CUDA execution provider, which this onnxruntime lacks "
                 f"(providers: {available}). Install onnxruntime-gpu instead of onnxruntime "
                 "(see docs/gpu.md).")
-        cuda = {"device_id": str(device.index or 0), "has_user_compute_stream": "1", **dict(torch_settings(device))}
+        cuda = {"has_user_compute_stream": "1", **dict(torch_settings(device))}
+        if device.index:  # 0 is the provider's default; naming it makes ORT 1.31 warn per session
+            cuda["device_id"] = str(device.index)
         return [("CUDAExecutionProvider", cuda), "CPUExecutionProvider"]
     if device.type != "cpu":
         raise OrtRuntimeError(f"tensors on {device} are not supported by ort_dynamo (CPU and CUDA only)")

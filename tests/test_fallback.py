@@ -1,5 +1,6 @@
 """Ops without an ONNX lowering: reported fallback by default, a named error with DISABLE."""
 
+import json
 import operator
 
 import pytest
@@ -211,3 +212,64 @@ def test_cuda_attention_kernels_run_in_pytorch_because_torchlib_fakes_their_logs
     partition(torch.fx.GraphModule(torch.nn.Module(), graph), lambda: None, FallbackPolicy.DEFAULT, report)
     assert [(f.op, f.reason) for f in report.fallbacks] == [
         (str(target), "torchlib's lowering returns a logsumexp of zeros, which this op's backward reads")]
+
+
+def test_cuda_attention_kept_by_design_is_neither_a_fallback_nor_refused_by_the_policy():
+    """On CUDA (option cuda_torch_attention), PyTorch's fused attention stays in PyTorch because it
+    is faster there: the report lists it as kept by design, fallback_policy=DISABLE does not
+    refuse it, and the work on either side of it runs on ORT in its own partition."""
+    from ort_dynamo.export import onnx_registry
+    from ort_dynamo.lower import TORCH_ATTENTION
+    from ort_dynamo.partition import partition
+    from ort_dynamo.report import GraphReport, Report, format_report
+
+    graph = torch.fx.Graph()
+    q, k, v = (graph.placeholder(name) for name in "qkv")
+    for node in (q, k, v):
+        node.meta["val"] = torch.empty(2, 4, 8, 16)
+    scaled = graph.call_function(torch.ops.aten.mul.Tensor, (q, 2.0))
+    scaled.meta["val"] = torch.empty(2, 4, 8, 16)
+    target = torch.ops.aten._scaled_dot_product_flash_attention.default
+    attention = graph.call_function(target, (scaled, k, v))
+    attention.meta["val"] = (torch.empty(2, 4, 8, 16), torch.empty(2, 4, 8), torch.empty(()), torch.empty(()))
+    first = graph.call_function(operator.getitem, (attention, 0))
+    first.meta["val"] = torch.empty(2, 4, 8, 16)
+    out = graph.call_function(torch.ops.aten.mul.Tensor, (first, 3.0))
+    out.meta["val"] = torch.empty(2, 4, 8, 16)
+    graph.output((out,))
+    report = GraphReport(name="forward_0", kind="forward")
+    parts = partition(torch.fx.GraphModule(torch.nn.Module(), graph), lambda: onnx_registry(18),
+                      FallbackPolicy.DISABLE, report, kept=TORCH_ATTENTION)
+    assert report.fallbacks == [] and report.torch_nodes == 0
+    assert [(f.op, "kept by design" in f.reason) for f in report.kept] == [(str(target), True)]
+    assert len(parts.ort_submodules) == 2 and report.ort_nodes == 2  # the two multiplications
+    whole = Report()
+    whole.graphs.append(report)
+    assert whole.kept_nodes == 1 and whole.fallback_nodes == 0
+    assert "kept in PyTorch by design" in format_report(whole.to_dict())
+    json.dumps(whole.to_dict())  # saved reports stay JSON
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("torch_attention", [True, False])
+def test_attention_trains_like_eager_kept_in_pytorch_on_cuda_and_on_ort_otherwise(device, torch_attention):
+    """cuda_torch_attention (default on): on CUDA, attention forward and backward are PyTorch's
+    fused kernels, kept by design even under fallback_policy=DISABLE; off, or on CPU, attention is
+    written out on ORT. Either way, eager's gradients."""
+    q = torch.randn(2, 4, 8, 16, device=device, requires_grad=True)
+
+    def fn(q):
+        return F.scaled_dot_product_attention(q, q * 2, q, is_causal=True).sum()
+
+    ort_dynamo.reset()
+    options = {"cuda_torch_attention": torch_attention, "fallback_policy": "DISABLE"}
+    torch.compile(fn, backend="ort", options=options)(q).backward()
+    got, q.grad = q.grad, None
+    fn(q).backward()
+    torch.testing.assert_close(got, q.grad, rtol=1e-4, atol=1e-5)
+    report = ort_dynamo.report()
+    assert report.fallback_nodes == 0 and report.ort_nodes > 0, report
+    if device == "cuda" and torch_attention:
+        assert {g.kind for g in report.graphs if g.kept} == {"forward", "backward"}, report
+    else:
+        assert report.kept_nodes == 0, report

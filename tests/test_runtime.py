@@ -446,6 +446,21 @@ def test_a_cuda_session_follows_pytorchs_tf32_and_cudnn_benchmark_settings(monke
     assert run_stage.torch_settings(torch.device("cpu")) == ()
 
 
+def test_a_cuda_provider_names_its_device_only_when_it_is_not_the_first(monkeypatch):
+    """ORT 1.31 warns once per session ("No registered plugin EP device found") when device_id
+    is given, so it is given only where it is not the provider's default, 0."""
+    from ort_dynamo import run as run_stage
+
+    monkeypatch.setattr(run_stage, "compute_stream", lambda device: 1111)
+    monkeypatch.setattr(run_stage.ort, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    options = ort_dynamo.OrtOptions()
+    first = dict(run_stage.providers_for(torch.device("cuda", 0), options)[0][1])
+    second = dict(run_stage.providers_for(torch.device("cuda", 1), options)[0][1])
+    assert "device_id" not in first and second["device_id"] == "1"
+    assert first["user_compute_stream"] == second["user_compute_stream"] == "1111"
+
+
 def test_an_onnxruntime_older_than_the_tested_one_is_refused(monkeypatch):
     """Before 1.25, ORT's CPU kernels answer an integer division by zero with SIGFPE: the
     process, and the training state in it, would be gone; 1.25 still pools some windows

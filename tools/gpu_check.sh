@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/performance.md "GPU", as one call on the lent GPU machine, in the
 # order they matter: environment, the CUDA tests, the training-step benchmark (GPT-2 124M,
-# bf16 autocast), where ORT placed GPT-2's nodes, per-call overhead, ort with PyTorch's attention
-# kernels, then peak memory. Each step has its own time limit
+# bf16 autocast), whether the host runs ahead of the GPU, where ORT placed GPT-2's nodes, per-call overhead, ort with attention written out
+# on ORT (not PyTorch's fused kernels), then peak memory. Each step has its own time limit
 # inside one budget, so a slow or hung step still leaves the others' results.
 #
-#   bash tools/gpu_check.sh [budget-seconds]      # default 420; run from the repository root
+#   bash tools/gpu_check.sh [budget-seconds [step...]]   # default 420, all steps; from the repository root
+#   bash tools/gpu_check.sh 250 cuda-tests host-ahead train-step   # only these (a second, shorter call)
 #
 # Needs onnxruntime-gpu installed into /tmp/ortsite (../shared/device/README.md, steps 1-3).
-# Writes summary.txt and one log per step to $OUT (the device tool's folder), or ./gpu-check.
+# Writes summary.txt (each step's tail) and logs.tgz (each step's whole log, packed after each
+# step: the device tool brings back at most 8 files) to $OUT, or ./gpu-check.
 set -u
 out="${OUT:-gpu-check}"
-mkdir -p "$out"
+mkdir -p "$out/logs"
 budget="${1:-420}"
+only=" ${*:2} "
 site=/tmp/ortsite
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 summary="$out/summary.txt"
@@ -24,6 +27,7 @@ say() { echo "$*" | tee -a "$summary"; }
 step() {
   local name=$1 limit=$2
   shift 2
+  [[ "$only" == "  " || "$only" == *" $name "* ]] || return 0
   local left=$((budget - SECONDS))
   ((left < limit)) && limit=$left
   if ((limit < 30)); then
@@ -32,10 +36,11 @@ step() {
   fi
   say "== $name (limit ${limit}s): $*"
   local began=$SECONDS
-  timeout -k 10 "$limit" "$@" >"$out/$name.txt" 2>&1
+  timeout -k 10 "$limit" "$@" >"$out/logs/$name.txt" 2>&1
   local rc=$?
-  tail -n 25 "$out/$name.txt" | tee -a "$summary"
+  tail -n 25 "$out/logs/$name.txt" | tee -a "$summary"
   say "== $name: exit $rc in $((SECONDS - began))s$([ $rc -ge 124 ] && echo ' (time limit)')"
+  tar czf "$out/logs.tgz" -C "$out" logs
 }
 
 say "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
@@ -53,10 +58,12 @@ step info 45 python3 -m ort_dynamo info
 step cuda-tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests -rs
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,inductor,ort,aot_eager --steps 20 --warmup 3
+step host-ahead 60 python3 benchmarks/host_ahead.py
 step placement 120 python3 benchmarks/profile_step.py --device cuda --model gpt2-124m --steps 3
 step call-overhead 45 python3 benchmarks/call_overhead.py --device cuda --calls 500
-step torch-attention 120 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
-  --backends eager,ort,ort_torch_attention --steps 20 --warmup 3
+step math-attention 120 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
+  --backends eager,ort,ort_math_attention --steps 20 --warmup 3
 step memory 150 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort --steps 5 --warmup 2 --memory
 say "== done in ${SECONDS}s"
+rm -rf "$out/logs"

@@ -1,0 +1,115 @@
+"""Whether the host runs ahead of the GPU across ORT runs, as it does in eager (GPU machine).
+
+    python3 benchmarks/host_ahead.py
+
+A chain of 20 float32 4096x4096 products with tanh takes the GPU tens of milliseconds. Right
+after a call returns, the work should still be queued on PyTorch's stream; if it is done, the
+call waited for the device. Checked for eager, for ort_dynamo, and for plain ORT sessions made
+with ort_dynamo's settings and one setting changed each, to find which one makes a run wait.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import torch
+
+import ort_dynamo
+from ort_dynamo import run as run_stage
+from ort_dynamo.options import OrtOptions
+
+C = run_stage.C
+SIZE, LAYERS = 4096, 20
+
+
+def heavy(x):
+    for _ in range(LAYERS):
+        x = torch.tanh(x @ x)
+    return x
+
+
+def heavy_model() -> bytes:
+    nodes, name = [], "x"
+    for i in range(LAYERS):
+        nodes += [oh.make_node("MatMul", [name, name], [f"m{i}"]), oh.make_node("Tanh", [f"m{i}"], [f"t{i}"])]
+        name = f"t{i}"
+    graph = oh.make_graph(nodes, "heavy", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [SIZE, SIZE])],
+                          [oh.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [SIZE, SIZE])])
+    return oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)], ir_version=9).SerializeToString()
+
+
+def ahead(call, x, calls: int = 4) -> tuple[list[bool], float]:
+    """Whether the stream still had work right after each call (after a synchronized start),
+    and the median host milliseconds a call took."""
+    pending, host = [], []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call(x)
+        host.append((time.perf_counter() - start) * 1e3)
+        pending.append(not torch.cuda.current_stream().query())
+    torch.cuda.synchronize()
+    return pending, sorted(host)[len(host) // 2]
+
+
+def plain_session(variant: str):
+    """A session made as ort_dynamo makes one, with ``variant`` changed; returns a call."""
+    device = torch.device("cuda")
+    options = OrtOptions()
+    so = run_stage.session_options(options, "cuda")
+    providers = run_stage.providers_for(device, options)
+    cuda = dict(providers[0][1])
+    run_options = run_stage.run_options(device)
+    if variant == "no memory pattern":
+        so.enable_mem_pattern = False
+    elif variant == "no user stream":
+        cuda.pop("user_compute_stream")
+        cuda["has_user_compute_stream"] = "0"
+    elif variant == "synchronizing run options":
+        run_options = C.RunOptions()
+    elif variant == "no env allocators":
+        so.add_session_config_entry("session.use_env_allocators", "0")
+    sess = run_stage.ort.InferenceSession(heavy_model(), so, providers=[("CUDAExecutionProvider", cuda),
+                                                                        "CPUExecutionProvider"])
+    where = run_stage.ort_device(device)
+    out_name = sess.get_outputs()[0].name
+
+    def call(x):
+        inputs = C.OrtValueVector()
+        inputs.push_back_batch([x], [x.data_ptr()], [run_stage._NUMPY_DTYPES[x.dtype]], [x.shape], [where])
+        outputs = C.OrtValueVector()
+        sess._sess.run_with_ortvaluevector(run_options, ["x"], inputs, [out_name], outputs, [where])
+        return outputs.to_dlpacks(torch._C._from_dlpack)[0]
+
+    if variant == "io binding":
+        binding = sess.io_binding()
+
+        def call(x):  # noqa: F811 - the IOBinding path instead
+            binding.bind_input("x", "cuda", 0, np.float32, [SIZE, SIZE], x.data_ptr())
+            binding.bind_output(out_name, "cuda")
+            sess._sess.run_with_iobinding(binding._iobinding, run_options)
+    return call
+
+
+def main() -> None:
+    x = torch.randn(SIZE, SIZE, device="cuda") / 64
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, onnxruntime {run_stage.ort.__version__}")
+    rows = [("eager", heavy), ("ort_dynamo", torch.compile(heavy, backend="ort"))]
+    rows += [(f"plain session: {v}", plain_session(v)) for v in
+             ("as ort_dynamo", "no memory pattern", "no user stream", "synchronizing run options",
+              "no env allocators", "io binding")]
+    for name, call in rows:
+        try:
+            call(x)  # compile, make sessions
+            pending, host_ms = ahead(call, x)
+            print(f"{name:40s} host ran ahead after each call: {pending}  host {host_ms:6.2f} ms per call")
+        except Exception as exc:  # noqa: BLE001 - a diagnostic: report and go on
+            print(f"{name:40s} failed: {type(exc).__name__}: {str(exc)[:200]}")
+    print(ort_dynamo.report())
+
+
+if __name__ == "__main__":
+    main()
