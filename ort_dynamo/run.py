@@ -6,10 +6,11 @@ ORT allocates outputs, which come back to PyTorch through DLPack. Nothing goes v
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -23,8 +24,9 @@ from .options import FallbackPolicy, OrtOptions
 from .partition import is_compute
 from .report import GraphReport
 
-__all__ = ["OrtRunner", "session_options", "providers_for", "torch_settings", "compute_stream", "run_options",
-           "ort_device", "onnxruntime_problem", "MIN_ONNXRUNTIME", "OrtRuntimeError"]
+__all__ = ["OrtRunner", "session_options", "providers_for", "torch_settings", "compute_stream",
+           "ordered_with_pytorch", "run_options", "ort_device", "onnxruntime_problem", "MIN_ONNXRUNTIME",
+           "OrtRuntimeError"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -162,10 +164,39 @@ def _tf32_matmuls() -> bool:
 
 
 def compute_stream(device: torch.device) -> int:
-    """PyTorch's current stream on ``device`` (0 on CPU). A CUDA session runs on the stream it
-    was made with, so sessions are kept per stream: run on another, a session would read its
-    inputs before PyTorch's work on that stream had written them."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    """The CUDA stream ORT runs on (0 on CPU): PyTorch's current stream, or ours
+    (``_bridge_stream``) where that is PyTorch's legacy default stream. A CUDA session runs on
+    the stream it was made with, so sessions are kept per stream: run on another, a session
+    would read its inputs before PyTorch's work on that stream had written them."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.current_stream(device).cuda_stream or _bridge_stream(device).cuda_stream
+
+
+@functools.lru_cache(None)
+def _bridge_stream(device: torch.device) -> "torch.cuda.Stream":
+    """ort_dynamo's stream on ``device`` for runs called on PyTorch's legacy default stream.
+    That stream's handle is 0, which ORT takes for "no stream given": it then runs on a
+    non-blocking stream of its own that nothing orders with PyTorch's work (seen on an H200:
+    the host came back before the GPU was done, and PyTorch's stream was idle)."""
+    return torch.cuda.Stream(device)
+
+
+@contextlib.contextmanager
+def ordered_with_pytorch(device: torch.device) -> Iterator[None]:
+    """Around each run. Where ORT runs on ``_bridge_stream``, that stream first waits for the
+    work PyTorch queued before (which writes the inputs), and PyTorch's stream then waits for
+    the run (its later work reads the outputs, and may reuse the inputs' memory). Events
+    only: the host never waits. Elsewhere ORT runs on PyTorch's stream itself: nothing to do."""
+    if device.type != "cuda" or torch.cuda.current_stream(device).cuda_stream:
+        yield
+        return
+    pytorchs, ours = torch.cuda.current_stream(device), _bridge_stream(device)
+    ours.wait_stream(pytorchs)
+    try:
+        yield
+    finally:
+        pytorchs.wait_stream(ours)
 
 
 def run_options(device: torch.device) -> "C.RunOptions":
@@ -310,8 +341,9 @@ class OrtRunner:
             for t, pointer in zip(tensors, pointers):
                 inputs.push_back(_wrap(t, pointer, where))
         outputs = C.OrtValueVector()
-        sess._sess.run_with_ortvaluevector(options, exported.input_names, inputs,
-                                           exported.output_names, outputs, out_devices)
+        with ordered_with_pytorch(device):
+            sess._sess.run_with_ortvaluevector(options, exported.input_names, inputs,
+                                               exported.output_names, outputs, out_devices)
         self.report.runs += 1
         results = outputs.to_dlpacks(torch._C._from_dlpack)
         for i, want in enumerate(exported.output_dtypes):

@@ -122,13 +122,17 @@ def test_a_graph_called_on_a_side_stream_runs_there_and_matches():
     assert ort_dynamo.report().graphs[0].sessions >= 2  # one per stream
 
 
+def _heavy(x):
+    """Tens of milliseconds of GPU work on a 4096x4096 input."""
+    for _ in range(20):
+        x = torch.tanh(x @ x)
+    return x
+
+
 def test_an_ort_run_leaves_the_host_ahead_of_the_gpu():
     """No run waits for the device: right after a heavy compiled call returns, its work is still
     queued on PyTorch's stream, as after an eager call."""
-    def heavy(x):
-        for _ in range(20):
-            x = torch.tanh(x @ x)
-        return x
+    heavy = _heavy
 
     compiled = torch.compile(heavy, backend="ort")
     x = torch.randn(4096, 4096, device="cuda") / 64
@@ -138,3 +142,23 @@ def test_an_ort_run_leaves_the_host_ahead_of_the_gpu():
     pending = not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
     assert pending, "the compiled call returned only after the GPU had finished its work"
+
+
+def test_on_pytorchs_default_stream_ort_waits_for_its_inputs_and_pytorch_for_its_outputs():
+    """PyTorch's legacy default stream has the handle 0, which ORT takes for "none" and replaces
+    by a non-blocking stream of its own (benchmarks/host_ahead.py, H200). Without events between
+    the two, ORT would read an input PyTorch is still computing, and PyTorch an output ORT is."""
+    assert torch.cuda.current_stream().cuda_stream == 0  # the case under test
+    x = torch.randn(4096, 4096, device="cuda") / 64
+    reads = torch.compile(lambda y: y * 2 + 1, backend="ort")
+    writes = torch.compile(_heavy, backend="ort")
+    reads(x), writes(x)  # compiled, sessions made
+    torch.cuda.synchronize()
+    y = _heavy(x)  # queued on PyTorch's stream, tens of milliseconds
+    got = reads(y)  # ORT must wait for y
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got, y * 2 + 1)
+    torch.cuda.synchronize()
+    total = writes(x).sum()  # PyTorch must wait for ORT's output
+    torch.testing.assert_close(total, _heavy(x).sum(), rtol=1e-4, atol=1e-3)
+    _cuda_only()
