@@ -63,7 +63,7 @@ step placement 120 python3 benchmarks/profile_step.py --device cuda --model gpt2
 step call-overhead 45 python3 benchmarks/call_overhead.py --device cuda --calls 500
 step math-attention 120 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort,ort_math_attention --steps 20 --warmup 3
-step memory 150 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
+step memory 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort --steps 5 --warmup 2 --memory
 say "== done in ${SECONDS}s"
 rm -rf "$out/logs"
