@@ -153,10 +153,13 @@ def make_optimizer(backend: str, model, args):
     return torch.optim.AdamW(model.parameters(), fused=True, **hyper)
 
 
-def train_step(fn, opt, batch, device, autocast):
+def train_step(fn, opt, batch, device, autocast, losses: list | None = None):
+    """One step; its seconds. ``losses``: the step's loss is appended (a tensor: no wait)."""
     start = time.perf_counter()
     with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
         loss = fn(**batch).loss
+    if losses is not None:
+        losses.append(loss.detach())
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -173,18 +176,20 @@ def bench_model(name, args) -> dict:
     for backend in args.backends:
         clone, fn = compiled_copy(model, backend)
         runners[backend] = (fn, make_optimizer(backend, clone, args))
-    first, times = {}, {b: [] for b in runners}
+    first, times, losses = {}, {b: [] for b in runners}, {b: [] for b in runners}
     for step in range(args.warmup + args.steps):
         if step == max(args.warmup, 1):
             ort_dynamo.wait_for_kernels()  # steady state: the background compiler is done
         for backend, (fn, opt) in runners.items():
-            seconds = train_step(fn, opt, batch, args.device, autocast)
+            seconds = train_step(fn, opt, batch, args.device, autocast, losses[backend])
             if step == 0:
                 first[backend] = seconds
             elif step >= args.warmup:
                 times[backend].append(seconds)
     result = {"model": name, "ms": {b: statistics.median(t) * 1e3 for b, t in times.items()},
-              "first_s": first, "fallback_nodes": ort_dynamo.report().fallback_nodes}
+              "first_s": first, "fallback_nodes": ort_dynamo.report().fallback_nodes,
+              # Each backend trains its own copy on the same batch: the losses should stay together.
+              "last_loss": {b: float(l[-1]) for b, l in losses.items()}}
     if args.memory:
         result["peak_mb"] = {b: peak_memory_mb(name, b, args) for b in args.backends}
         result["peak_mb_warm"] = {b: peak_memory_mb(name, b, args, warm=True) for b in args.backends}
@@ -401,6 +406,7 @@ def main() -> None:
         print(f"{'':10s} first step: " + " ".join(f"{b} {f[b]:.1f}s" for b in args.backends)
               + (f" | ort/aot_eager {f['ort'] / f['aot_eager']:.2f}" if "aot_eager" in f and "ort" in f else "")
               + f" | ort fallback nodes {r['fallback_nodes']}")
+        print(f"{'':10s} loss at the last step: " + " ".join(f"{b} {v:.4f}" for b, v in r["last_loss"].items()))
         if "peak_mb" in r:
             p = r["peak_mb"]
             w = r["peak_mb_warm"]
