@@ -526,6 +526,21 @@ def bf16_matmul_kernel(transposed: list[bool], bfloat16: list[bool], rounded: bo
     ]) + "\n"
 
 
+def f32_matmul_kernel(transposed: list[bool], bias: bool) -> tuple[str, str]:
+    """(op name, C unit) of a float32 product of ort_dynamo's own (csrc/bf16_gemm.h's blocking
+    with FMA): A and B ``transposed`` in their last two axes or not; a third input, a ``bias``,
+    or not. Built where the bfloat16 products are (the same header). Not yet used by the
+    rewrite: ``benchmarks/gemm.py --ours`` measures it against ORT's own float32 product."""
+    layout = "".join("T" if t else "N" for t in transposed)
+    name = f"F32MatMul{layout}" + ("_bias" if bias else "")
+    return name, "\n".join([
+        '#include "bf16_gemm.h"',
+        f"PW_F32_MATMUL({name}, {int(transposed[0])}, {int(transposed[1])});",
+        f"PW_KERNEL({name}, {3 if bias else 2}, {name}_types, {name}_none, 1, {name}_none, 0, 0, 0, 0, "
+        f"{name}_compute, 0, {name}_out_types);",
+    ]) + "\n"
+
+
 def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
     """Each MatMul of two bfloat16 values whose result is rounded to bfloat16 (CPU autocast's
     products, ``rewrite._compute_bfloat16_in_float32``) -> ``Bf16MatMul{N,T}{N,T}_{a}{b}{c}``:

@@ -287,3 +287,42 @@ def test_a_bfloat16_result_is_reshaped_before_it_is_widened_for_the_kernel_that_
                                    providers=["CPUExecutionProvider"])
     both, squares = session.run(None, {"a": a, "b": b})
     np.testing.assert_array_equal(squares, (both[:, :48] ** 2).reshape(1024, 4, 12))
+
+
+def _f32_product_session(transposed, bias=False):
+    """ort_dynamo's float32 product (``F32MatMul*``) as a one-node model; ``bias``: a third input."""
+    from ort_dynamo import _op_kernels
+
+    name, unit = _op_kernels.f32_matmul_kernel(list(transposed), bias)
+    inputs = [ir.Value(name=n, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([f"{n}{i}" for i in range(r)]))
+              for n, r in (("a", 4), ("b", 3), ("bias", 1))[:3 if bias else 2]]
+    node = ir.node(name, inputs, domain=_op_kernels.DOMAIN)
+    node.outputs[0].name, node.outputs[0].dtype = "c", ir.DataType.FLOAT
+    graph = ir.Graph(inputs, node.outputs, nodes=[node], opset_imports={"": 18, _op_kernels.DOMAIN: 1})
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library([unit]))
+    return ort.InferenceSession(ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+@bf16_kernels
+@pytest.mark.parametrize("transposed", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize("m, k, n", [(13, 300, 45), (48, 256, 64), (30, 1, 33), (5, 0, 7)])
+def test_our_float32_product_is_the_float32_product_over_broadcast_batches(transposed, m, k, n):
+    """F32MatMul (not used by the rewrite yet; benchmarks/gemm.py --ours measures it): float32
+    products summed in float32, over K blocks and tails, partial tiles and panels, a batch axis
+    broadcast from each side, and an empty K (zeros plus the bias)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((2, 1, k, m) if transposed[0] else (2, 1, m, k)).astype(np.float32)
+    b = rng.standard_normal((3, n, k) if transposed[1] else (3, k, n)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    got = _f32_product_session(transposed, bias=True).run(None, {"a": a, "b": b, "bias": bias})[0]
+    a64 = np.swapaxes(a, -1, -2) if transposed[0] else a
+    b64 = np.swapaxes(b, -1, -2) if transposed[1] else b
+    want = np.matmul(a64.astype(np.float64), b64.astype(np.float64)) + bias
+    assert got.shape == (2, 3, m, n)
+    # float32 sums of k products: within k float32 roundings of the exact sums' magnitude
+    scale = np.matmul(np.abs(a64).astype(np.float64), np.abs(b64).astype(np.float64)) + np.abs(bias)
+    assert np.all(np.abs(got - want) <= (k + 2) * np.finfo(np.float32).eps * scale + 1e-30)
+    plain = _f32_product_session(transposed).run(None, {"a": a, "b": b})[0]
+    np.testing.assert_allclose(plain, got - bias, rtol=0, atol=1e-5 * (1 + np.abs(want).max()))

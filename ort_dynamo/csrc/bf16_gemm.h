@@ -165,16 +165,80 @@ static void pw_gemm_pack_a(uint32_t* restrict dst, const void* a, int bf16, int6
 PW_GEMM_TILE(pw_gemm_tile_rows, pa[r * PW_GEMM_KP + p])
 PW_GEMM_TILE(pw_gemm_tile_pairs, pa[p * PW_GEMM_MR + r])
 
+/* Float32 products (`exact`: the float32 ops, F32MatMul*): the same blocking with one K value
+ * per unit instead of a pair, FMA instead of VDPBF16PS. B's panels as [k][NR] floats; a tile of
+ * A as [row][KC] (rows of A in memory) or [k][MR] (A transposed). */
+static void pw_gemm_pack_b_f32(float* restrict dst, const float* b, int64_t ldb, int tb, int64_t n0, int64_t nr,
+                               int64_t k0, int64_t kc) {
+  if (!tb) {
+    const __mmask16 m0 = pw_lanes(nr), m1 = pw_lanes(nr - 16);
+    for (int64_t k = 0; k < kc; ++k) {
+      const float* row = b + (k0 + k) * ldb + n0;
+      _mm512_storeu_ps(dst + k * PW_GEMM_NR, _mm512_maskz_loadu_ps(m0, row));
+      _mm512_storeu_ps(dst + k * PW_GEMM_NR + 16, _mm512_maskz_loadu_ps(m1, row + 16));
+    }
+    return;
+  }
+  for (int64_t c = 0; c < PW_GEMM_NR; ++c) { /* a column of B is a row in memory */
+    const float* col = b + (n0 + c) * ldb + k0;
+    for (int64_t k = 0; k < kc; ++k) dst[k * PW_GEMM_NR + c] = c < nr ? col[k] : 0.0f;
+  }
+}
+
+static void pw_gemm_pack_a_f32(float* restrict dst, const float* a, int64_t lda, int ta, int64_t m0, int64_t mr,
+                               int64_t k0, int64_t kc) {
+  if (!ta) {
+    for (int64_t r = 0; r < PW_GEMM_MR; ++r)
+      for (int64_t q = 0; q < kc; q += 16)
+        _mm512_storeu_ps(dst + r * PW_GEMM_KC + q,
+                         r < mr ? _mm512_maskz_loadu_ps(pw_lanes(kc - q), a + (m0 + r) * lda + k0 + q)
+                                : _mm512_setzero_ps());
+    return;
+  }
+  for (int64_t k = 0; k < kc; ++k)
+    _mm512_mask_storeu_ps(dst + k * PW_GEMM_MR, (__mmask16)((1u << PW_GEMM_MR) - 1),
+                          _mm512_maskz_loadu_ps(pw_lanes(mr), a + (k0 + k) * lda + m0));
+}
+
+#define PW_GEMM_TILE_F32(name, A_AT)                                                                           \
+  static void name(const float* restrict pa, int64_t a_block, const float* restrict pb, int64_t b_block,       \
+                   int64_t kblocks, int64_t kc, int64_t last, const float* bias, float* c, int64_t ldc,        \
+                   int64_t mr, int64_t nr) {                                                                   \
+    __m512 acc[PW_GEMM_MR][2];                                                                                 \
+    for (int r = 0; r < PW_GEMM_MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                          \
+    for (int64_t kb = 0; kb < kblocks; ++kb, pa += a_block, pb += b_block) {                                   \
+      const int64_t n = kb == kblocks - 1 ? last : kc;                                                         \
+      for (int64_t k = 0; k < n; ++k) {                                                                        \
+        const __m512 b0 = _mm512_loadu_ps(pb + k * PW_GEMM_NR), b1 = _mm512_loadu_ps(pb + k * PW_GEMM_NR + 16); \
+        _Pragma("GCC unroll 12") for (int r = 0; r < PW_GEMM_MR; ++r) {                                        \
+          const __m512 x = _mm512_set1_ps(A_AT);                                                               \
+          acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);                                                       \
+          acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);                                                       \
+        }                                                                                                      \
+      }                                                                                                        \
+    }                                                                                                          \
+    const __mmask16 m0 = pw_lanes(nr), m1 = pw_lanes(nr - 16);                                                 \
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();                            \
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();                       \
+    for (int r = 0; r < mr; ++r) {                                                                             \
+      _mm512_mask_storeu_ps(c + r * ldc, m0, _mm512_add_ps(acc[r][0], b0));                                    \
+      _mm512_mask_storeu_ps(c + r * ldc + 16, m1, _mm512_add_ps(acc[r][1], b1));                               \
+    }                                                                                                          \
+  }
+PW_GEMM_TILE_F32(pw_gemm_tile_rows_f32, pa[r * PW_GEMM_KC + k])
+PW_GEMM_TILE_F32(pw_gemm_tile_cols_f32, pa[k * PW_GEMM_MR + r])
+
 typedef struct PwGemm {
   const void *a, *b;
   const float* bias; /* [N] or NULL */
   void* c;
   int a_bf16, b_bf16, c_bf16; /* which are held as bfloat16, not float32 */
   int rounded;                /* C float32, holding values rounded to bfloat16 */
-  uint32_t* packed; /* B's panels of this chunk: [B batch][N panel][K block][panel_pairs][NR] */
+  int exact;                  /* float32 products (all of A, B, C float32): K units are values, not pairs */
+  uint32_t* packed; /* B's panels of this chunk: [B batch][N panel][K block][panel_pairs][NR] (floats if exact) */
   int ta, tb;
   int64_t M, N, K, lda, ldb;
-  int64_t kblocks, npanels, panel_pairs, mblocks;
+  int64_t kblocks, npanels, panel_pairs, mblocks; /* panel_pairs: K units (pairs, or values if exact) per block */
   int64_t first, chunk; /* the chunk of N panels packed and multiplied now: its first, its count */
   int64_t batches, b_batches; /* the output's, B's distinct ones */
   int64_t rank;               /* batch axes */
@@ -196,6 +260,11 @@ static void pw_gemm_pack_task(void* user, size_t t) {
   const PwGemm* g = (const PwGemm*)user;
   const int64_t kb = (int64_t)t % g->kblocks, panel = (int64_t)t / g->kblocks;
   const int64_t batch = panel / g->chunk, n0 = (g->first + panel % g->chunk) * PW_GEMM_NR, k0 = kb * PW_GEMM_KC;
+  if (g->exact) {
+    pw_gemm_pack_b_f32((float*)g->packed + (int64_t)t * g->panel_pairs * PW_GEMM_NR, (const float*)g->b + batch * g->K * g->N,
+                       g->ldb, g->tb, n0, pw_min64(g->N - n0, PW_GEMM_NR), k0, pw_min64(g->K - k0, PW_GEMM_KC));
+    return;
+  }
   pw_gemm_pack_b(g->packed + (int64_t)t * g->panel_pairs * PW_GEMM_NR, pw_at(g->b, batch * g->K * g->N, g->b_bf16),
                  g->b_bf16, g->ldb, g->tb, n0, pw_min64(g->N - n0, PW_GEMM_NR), k0, pw_min64(g->K - k0, PW_GEMM_KC));
 }
@@ -205,7 +274,7 @@ static void pw_gemm_task(void* user, size_t t) {
   const PwGemm* g = (const PwGemm*)user;
   const int64_t batch = (int64_t)t / g->mblocks, m0 = (int64_t)t % g->mblocks * PW_GEMM_MC;
   const int64_t mc = pw_min64(g->M - m0, PW_GEMM_MC), tiles = (mc + PW_GEMM_MR - 1) / PW_GEMM_MR;
-  const int64_t a_block = PW_GEMM_MR * PW_GEMM_KP, a_tile = g->kblocks * a_block;
+  const int64_t a_block = PW_GEMM_MR * (g->exact ? PW_GEMM_KC : PW_GEMM_KP), a_tile = g->kblocks * a_block;
   uint32_t* pa = (uint32_t*)aligned_alloc(64, (size_t)(tiles * a_tile) * sizeof(uint32_t));
   if (!pa) {
     __atomic_store_n(g->out_of_memory, 1, __ATOMIC_RELAXED);
@@ -215,12 +284,17 @@ static void pw_gemm_task(void* user, size_t t) {
   const int64_t b_batch = g->K ? pw_gemm_batch_offset(g, g->b_strides, batch) / (g->K * g->N) : 0;
   char* c = (char*)g->c + batch * g->M * g->N * (g->c_bf16 ? 2 : 4);
   for (int64_t i = 0; i < tiles; ++i)
-    for (int64_t kb = 0; kb < g->kblocks; ++kb)
-      pw_gemm_pack_a(pa + i * a_tile + kb * a_block, a, g->a_bf16, g->lda, g->ta, m0 + i * PW_GEMM_MR,
-                     pw_min64(mc - i * PW_GEMM_MR, PW_GEMM_MR), kb * PW_GEMM_KC,
-                     pw_min64(g->K - kb * PW_GEMM_KC, PW_GEMM_KC));
-  const int64_t b_block = g->panel_pairs * PW_GEMM_NR;
-  const int64_t last = (g->K - (g->kblocks - 1) * PW_GEMM_KC + 1) / 2;
+    for (int64_t kb = 0; kb < g->kblocks; ++kb) {
+      const int64_t rows = pw_min64(mc - i * PW_GEMM_MR, PW_GEMM_MR), kc = pw_min64(g->K - kb * PW_GEMM_KC, PW_GEMM_KC);
+      if (g->exact)
+        pw_gemm_pack_a_f32((float*)(pa + i * a_tile + kb * a_block), (const float*)a, g->lda, g->ta,
+                           m0 + i * PW_GEMM_MR, rows, kb * PW_GEMM_KC, kc);
+      else
+        pw_gemm_pack_a(pa + i * a_tile + kb * a_block, a, g->a_bf16, g->lda, g->ta, m0 + i * PW_GEMM_MR, rows,
+                       kb * PW_GEMM_KC, kc);
+    }
+  const int64_t b_block = g->panel_pairs * PW_GEMM_NR, tail = g->K - (g->kblocks - 1) * PW_GEMM_KC;
+  const int64_t last = g->exact ? tail : (tail + 1) / 2;
   for (int64_t j = g->first; j < g->first + g->chunk; ++j) {
     const uint32_t* panel = g->packed + (b_batch * g->chunk + j - g->first) * g->kblocks * b_block;
     const int64_t nr = pw_min64(g->N - j * PW_GEMM_NR, PW_GEMM_NR);
@@ -228,7 +302,11 @@ static void pw_gemm_task(void* user, size_t t) {
     for (int64_t i = 0; i < tiles; ++i) {
       const int64_t mr = pw_min64(mc - i * PW_GEMM_MR, PW_GEMM_MR);
       void* tile = c + ((m0 + i * PW_GEMM_MR) * g->N + j * PW_GEMM_NR) * (g->c_bf16 ? 2 : 4);
-      if (g->ta)
+      if (g->exact)
+        (g->ta ? pw_gemm_tile_cols_f32 : pw_gemm_tile_rows_f32)(
+            (const float*)(pa + i * a_tile), a_block, (const float*)panel, b_block, g->kblocks, g->panel_pairs, last,
+            bias, (float*)tile, g->N, mr, nr);
+      else if (g->ta)
         pw_gemm_tile_pairs(pa + i * a_tile, a_block, panel, b_block, g->kblocks, g->panel_pairs, last, bias, tile,
                            g->c_bf16, g->rounded, g->N, mr, nr);
       else
@@ -242,7 +320,7 @@ static void pw_gemm_task(void* user, size_t t) {
 /* C = op(A) op(B) over broadcast batch axes (ONNX MatMul's, rank >= 2 each), op a transpose of
  * the last two axes where asked; each of A, B and C float32 or bfloat16 as the op's types say. */
 static inline OrtStatus* pw_bf16_matmul(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def, int ta,
-                                        int tb, int rounded) {
+                                        int tb, int rounded, int exact) {
   const PwKernel kernel = {api, def};
   const OrtValue *x, *y;
   int64_t ad[PW_MAX_RANK], bd[PW_MAX_RANK], cd[PW_MAX_RANK];
@@ -260,6 +338,7 @@ static inline OrtStatus* pw_bf16_matmul(const OrtApiTable* api, OrtKernelContext
   g.b_bf16 = def->types[1] == PW_BF16;
   g.c_bf16 = def->out_types && def->out_types[0] == PW_BF16;
   g.rounded = rounded;
+  g.exact = exact;
   g.M = ad[ar - 2 + ta];
   g.K = ad[ar - 1 - ta];
   g.N = bd[br - 1 - tb];
@@ -321,7 +400,7 @@ static inline OrtStatus* pw_bf16_matmul(const OrtApiTable* api, OrtKernelContext
   g.kblocks = (g.K + PW_GEMM_KC - 1) / PW_GEMM_KC;
   if (g.K == 0) g.kblocks = 1; /* one empty block: the tiles store zeros (plus the bias) */
   g.npanels = (g.N + PW_GEMM_NR - 1) / PW_GEMM_NR;
-  g.panel_pairs = pw_min64(PW_GEMM_KP, (g.K + 1) / 2);
+  g.panel_pairs = exact ? pw_min64(PW_GEMM_KC, g.K) : pw_min64(PW_GEMM_KP, (g.K + 1) / 2);
   g.mblocks = (g.M + PW_GEMM_MC - 1) / PW_GEMM_MC;
   /* B packed a chunk of N panels at a time, at most PW_GEMM_PACKED bytes (a vocabulary's
    * projection would take tens of MB at once) */
@@ -348,10 +427,19 @@ static inline OrtStatus* pw_bf16_matmul(const OrtApiTable* api, OrtKernelContext
  * name_compute and the type lists; the unit's PW_KERNEL line names the op. */
 #define PW_BF16_MATMUL(name, TA, TB, A, B, C, ROUND)                                                        \
   static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
-    return pw_bf16_matmul(api, ctx, def, TA, TB, ROUND);                                                   \
+    return pw_bf16_matmul(api, ctx, def, TA, TB, ROUND, 0);                                                \
   }                                                                                                         \
   static const int name##_types[] = {A, B, PW_FLOAT}; /* a third input: a float32 bias, [N] */            \
   static const int name##_out_types[] = {C};                                                                \
+  static const int name##_none[] = {0, 0, 0}
+
+/* PW_F32_MATMUL(name, TRANS_A, TRANS_B): float32 A, B and C, float32 products. */
+#define PW_F32_MATMUL(name, TA, TB)                                                                         \
+  static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
+    return pw_bf16_matmul(api, ctx, def, TA, TB, 0, 1);                                                    \
+  }                                                                                                         \
+  static const int name##_types[] = {PW_FLOAT, PW_FLOAT, PW_FLOAT};                                         \
+  static const int name##_out_types[] = {PW_FLOAT};                                                         \
   static const int name##_none[] = {0, 0, 0}
 
 #endif /* ORT_DYNAMO_BF16_GEMM_H */
