@@ -529,8 +529,8 @@ def bf16_matmul_kernel(transposed: list[bool], bfloat16: list[bool], rounded: bo
 def f32_matmul_kernel(transposed: list[bool], bias: bool) -> tuple[str, str]:
     """(op name, C unit) of a float32 product of ort_dynamo's own (csrc/bf16_gemm.h's blocking
     with FMA): A and B ``transposed`` in their last two axes or not; a third input, a ``bias``,
-    or not. Built where the bfloat16 products are (the same header). Not yet used by the
-    rewrite: ``benchmarks/gemm.py --ours`` measures it against ORT's own float32 product."""
+    or not. Built where the bfloat16 products are (the same header); ``f32_matmuls_as_kernels``
+    says where it replaces ORT's (``benchmarks/gemm.py --ours`` compares the two)."""
     layout = "".join("T" if t else "N" for t in transposed)
     name = f"F32MatMul{layout}" + ("_bias" if bias else "")
     return name, "\n".join([
@@ -539,6 +539,42 @@ def f32_matmul_kernel(transposed: list[bool], bias: bool) -> tuple[str, str]:
         f"PW_KERNEL({name}, {3 if bias else 2}, {name}_types, {name}_none, 1, {name}_none, 0, 0, 0, 0, "
         f"{name}_compute, 0, {name}_out_types);",
     ]) + "\n"
+
+
+#: The shortest inner dimension our float32 product takes: at K=1024 it beat ORT's (A's rows in
+#: memory), at K=256 it did not (``benchmarks/gemm.py --ours``).
+F32_MIN_K = 512
+
+
+def f32_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
+    """Each float32 MatMul whose inner dimension is static and at least ``F32_MIN_K``, A's rows in
+    memory (not a Transpose's) -> ``F32MatMulN{N,T}``, a Transpose of B's last two axes folded
+    in. Where A is transposed (weight gradients) ORT's product was as fast. ``supported()``: as
+    for the bfloat16 products (the same header). Returns the kernels' C units."""
+    found = []
+    for node in graph:
+        if not (_op(node, "MatMul") and len(node.inputs) == 2
+                and all(v is not None and v.dtype == ir.DataType.FLOAT and (_rank(v) or 0) >= 2 for v in node.inputs)):
+            continue
+        a, b = node.inputs
+        inner = a.shape[-1]
+        if not (isinstance(inner, int) and inner >= F32_MIN_K) or _without_transposes(a, _rank(a))[1]:
+            continue
+        found.append(node)
+    if not found or not supported():
+        return []
+    kernels = {}
+    for node in found:
+        a, b = node.inputs
+        operand, swapped = _without_transposes(b, _rank(b))
+        name, unit = f32_matmul_kernel([False, swapped], False)
+        kernels[name] = unit
+        product = ir.node(name, [a, operand], domain=DOMAIN)
+        graph.insert_before(node, product)
+        _take_over(node.outputs[0], product.outputs[0])
+        product.outputs[0].dtype = ir.DataType.FLOAT
+        _remove_if_dead(graph, [node, *_chain_before(b)])
+    return list(kernels.values())
 
 
 def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:

@@ -1291,8 +1291,8 @@ def _transposed_writes(outputs: list[ir.Value], rank: int):
 
 def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False) -> list[str]:
     """Replace elementwise groups of ``model``'s main graph by ``ort_dynamo.pointwise`` nodes,
-    and CPU autocast's products by bfloat16 ones where ``bfloat16_products()`` says the
-    compiler can build them. Returns each new kernel's C code (an empty list if nothing was
+    and, where ``bfloat16_products()`` says the compiler can build them, CPU autocast's products
+    by bfloat16 ones and float32 products with a long inner dimension by ours. Returns each new kernel's C code (an empty list if nothing was
     fused)."""
     graph = model.graph
     _expand_softmax(graph, _Graph())
@@ -1305,6 +1305,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False) -> list[str
     _widen_before_views(graph)  # after the passes above, which add views
     _bias_into_rounding(graph)
     kernels = _op_kernels.bf16_matmuls_as_kernels(graph, bfloat16_products)
+    kernels += _op_kernels.f32_matmuls_as_kernels(graph, bfloat16_products)
     into_zeros = _scatter_add_rows(graph, _Graph())
     kernels += [_SCATTER_ADD_ROWS] if not all(into_zeros) else []
     kernels += [_SCATTER_ADD_ROWS_TO_ZEROS] if any(into_zeros) else []

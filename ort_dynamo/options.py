@@ -142,8 +142,8 @@ class OrtOptions:
         "machine's C compiler, once, cached on disk) as an ORT custom-op library; without a compiler "
         "they run as ORT's separate kernels. Also hand-written kernels for single ops ORT's CPU "
         "provider runs slowly (max pooling with indices, depthwise convolutions and their gradients, "
-        "slow transposes), and CPU autocast's bfloat16 matrix products where the CPU has AVX512-BF16 "
-        "(`python -m ort_dynamo info` says). FusedAdam's update too (there only the environment "
+        "slow transposes), and, where the CPU has AVX512-BF16 (`python -m ort_dynamo info` says), CPU "
+        "autocast's bfloat16 matrix products and float32 ones with a long inner dimension. FusedAdam's update too (there only the environment "
         "variable applies: optimizers take no options).", "")
     cache_dir: str = _field(
         "", "Folder of an on-disk cache of exported models; empty = off. Entries are keyed by the "

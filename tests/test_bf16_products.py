@@ -4,7 +4,8 @@ Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` a product's operands are b
 result is rounded to bfloat16. ORT's CPU provider has float32 GEMMs only, so the exported graph
 multiplies the operands as float32 between Casts; where the compiler targets AVX512-BF16 that
 MatMul becomes a ``Bf16MatMul`` kernel, which multiplies with the instruction eager's oneDNN
-kernels use and sums in float32.
+kernels use and sums in float32. Built from the same code, float32 products with a long inner
+dimension become ``F32MatMul`` kernels (the end of this file).
 """
 import numpy as np
 import onnx_ir as ir
@@ -326,3 +327,30 @@ def test_our_float32_product_is_the_float32_product_over_broadcast_batches(trans
     assert np.all(np.abs(got - want) <= (k + 2) * np.finfo(np.float32).eps * scale + 1e-30)
     plain = _f32_product_session(transposed).run(None, {"a": a, "b": b})[0]
     np.testing.assert_allclose(plain, got - bias, rtol=0, atol=1e-5 * (1 + np.abs(want).max()))
+
+
+@bf16_kernels
+@pytest.mark.parametrize("a_shape, b_shape, transpose_a, transpose_b, ours", [
+    ((64, 600), (600, 40), False, False, "F32MatMulNN"),
+    ((2, 64, 600), (40, 600), False, True, "F32MatMulNT"),  # a Linear's weight, its Transpose folded in
+    ((600, 64), (600, 40), True, False, None),    # A transposed (a weight gradient): ORT's was as fast
+    ((64, 256), (256, 40), False, False, None),   # K=256: ORT's was faster
+])
+def test_a_float32_product_with_a_long_inner_dimension_is_ours_where_it_measured_faster(
+        a_shape, b_shape, transpose_a, transpose_b, ours):
+    """Float32 MatMuls with a static K of at least F32_MIN_K and A's rows in memory become
+    F32MatMul (``benchmarks/gemm.py --ours``); the others stay ORT's. Either way the float32
+    product, summed in float32."""
+    torch.manual_seed(0)
+    model = _autocast_product(a_shape, b_shape, transpose_a, transpose_b, operands_bf16=False, rounded=False)
+    kernels, ops = _fused(model)
+    if ours:
+        assert ours in ops and "MatMul" not in ops and "Transpose" not in ops, ops
+    else:
+        assert "MatMul" in ops and not any(op.startswith("F32MatMul") for op in ops), ops
+    a, b = torch.randn(*a_shape).numpy(), torch.randn(*b_shape).numpy()
+    got = _run(model, kernels, a, b)
+    exact, magnitude = _reference(a, b, transpose_a, transpose_b)
+    assert np.all(np.abs(got - exact) <= (a_shape[-2 if transpose_a else -1] + 2) * np.finfo(np.float32).eps * magnitude)
+    assert _fused(_autocast_product(a_shape, b_shape, transpose_a, transpose_b, operands_bf16=False, rounded=False),
+                  supported=False)[1].count("MatMul") == 1  # no AVX512-BF16 compiler: ORT's product
