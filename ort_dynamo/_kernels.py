@@ -243,7 +243,8 @@ def describe() -> str:
         return "no: " + ("no C compiler (install gcc, or set CC)" if _compiler() is None
                          else "the compiler or onnxruntime refused a probe library (see the log)")
     compiler, version, flags, libs = _toolchain()
-    products = "bfloat16 products" if bfloat16_products() else "no bfloat16 products (no AVX512-BF16 here)"
+    products = ("bfloat16 and float32 products" if bfloat16_products()
+                else "no products of its own (no AVX512-BF16 here)")
     return f"yes ({version}; {'with' if '-lmvec' in libs else 'without'} libmvec; {products})"
 
 
