@@ -70,6 +70,34 @@ def _bf16_session(trans_a: int, trans_b: int, float32: bool = False) -> ort.Infe
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
+def _cases():
+    """(m, k, n, trans_a, trans_b, A's shape, B's shape) of each product measured."""
+    for m, k, n in SHAPES:
+        for trans_a, trans_b in ((0, 0), (0, 1), (1, 0)):
+            yield m, k, n, trans_a, trans_b, ([k, m] if trans_a else [m, k]), ([n, k] if trans_b else [k, n])
+
+
+def _header(args, what: str = "") -> int:
+    """Prints the run's settings; returns how many copies of the operands to rotate through."""
+    print(f"threads: {torch.get_num_threads()}, onnxruntime {ort.__version__}, torch {torch.__version__}, "
+          f"operands {'cold' if args.cold else 'in cache'}{what}")
+    return 6 if args.cold else 1
+
+
+def _operands(make, a_shape, b_shape, trans_a: int, trans_b: int, copies: int) -> tuple[list, list, list, list]:
+    """``copies`` of A and of B, each made by ``make(shape)``, and their views as ``torch.mm`` takes them."""
+    a, b = [make(a_shape) for _ in range(copies)], [make(b_shape) for _ in range(copies)]
+    return a, b, [x.t() if trans_a else x for x in a], [x.t() if trans_b else x for x in b]
+
+
+def _row(case, ms: dict, ratios: str) -> None:
+    """One product's line: its sizes and layout, each contender's ms and GF/s, the ratios."""
+    m, k, n, trans_a, trans_b = case
+    gflop = 2 * m * k * n / 1e6
+    timings = "  ".join(f"{name} {t:6.2f} ms ({gflop / t:3.0f} GF/s)" for name, t in ms.items())
+    print(f"M {m:5d} K {k:5d} N {n:5d} transA {trans_a} transB {trans_b}: {timings}  {ratios}")
+
+
 def _ort_values(tensors: list[torch.Tensor]) -> list:
     from ort_dynamo.run import _wrap
 
@@ -99,33 +127,26 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="operands from memory, not cache (see above)")
     parser.add_argument("--bfloat16", action="store_true", help="CPU autocast's bfloat16 products (see above)")
     parser.add_argument("--ours", action="store_true",
-                        help="float32: ort_dynamo's own product (not used by the rewrite yet) against ORT's, "
-                             "the calls interleaved")
+                        help="float32: ort_dynamo's own product (what the rewrite uses where K >= 512) against "
+                             "ORT's, the calls interleaved")
     args = parser.parse_args()
     if args.bfloat16:
         return bfloat16_products(args)
     if args.ours:
         return our_float32_products(args)
-    copies = 6 if args.cold else 1
-    print(f"threads: {torch.get_num_threads()}, onnxruntime {ort.__version__}, torch {torch.__version__}, "
-          f"operands {'cold' if args.cold else 'in cache'}")
+    copies = _header(args)
     ratios = []
-    for m, k, n in SHAPES:
-        for trans_a, trans_b in ((0, 0), (0, 1), (1, 0)):
-            a_shape, b_shape = ([k, m] if trans_a else [m, k]), ([n, k] if trans_b else [k, n])
-            a = [np.random.randn(*a_shape).astype(np.float32) for _ in range(copies)]
-            b = [np.random.randn(*b_shape).astype(np.float32) for _ in range(copies)]
-            session = _session(a_shape, b_shape, trans_a, trans_b)
-            ort_ms = _median_ms(lambda i: session.run(None, {"a": a[i % copies], "b": b[i % copies]}),
-                                args.repeats, args.cold)
-            ta = [torch.from_numpy(x).t() if trans_a else torch.from_numpy(x) for x in a]
-            tb = [torch.from_numpy(x).t() if trans_b else torch.from_numpy(x) for x in b]
-            torch_ms = _median_ms(lambda i: torch.mm(ta[i % copies], tb[i % copies]), args.repeats, args.cold)
-            ratios.append(ort_ms / torch_ms)
-            gflop = 2 * m * k * n / 1e6
-            print(f"M {m:5d} K {k:5d} N {n:5d} transA {trans_a} transB {trans_b}: "
-                  f"ort {ort_ms:6.2f} ms ({gflop / ort_ms:3.0f} GF/s)  torch {torch_ms:6.2f} ms  "
-                  f"ort/torch {ort_ms / torch_ms:.2f}")
+    for m, k, n, trans_a, trans_b, a_shape, b_shape in _cases():
+        a = [np.random.randn(*a_shape).astype(np.float32) for _ in range(copies)]
+        b = [np.random.randn(*b_shape).astype(np.float32) for _ in range(copies)]
+        session = _session(a_shape, b_shape, trans_a, trans_b)
+        ort_ms = _median_ms(lambda i: session.run(None, {"a": a[i % copies], "b": b[i % copies]}),
+                            args.repeats, args.cold)
+        ta = [torch.from_numpy(x).t() if trans_a else torch.from_numpy(x) for x in a]
+        tb = [torch.from_numpy(x).t() if trans_b else torch.from_numpy(x) for x in b]
+        torch_ms = _median_ms(lambda i: torch.mm(ta[i % copies], tb[i % copies]), args.repeats, args.cold)
+        ratios.append(ort_ms / torch_ms)
+        _row((m, k, n, trans_a, trans_b), {"ort": ort_ms, "torch": torch_ms}, f"ort/torch {ort_ms / torch_ms:.2f}")
     print(f"geometric mean ort/torch: {statistics.geometric_mean(ratios):.2f}")
 
 
@@ -152,32 +173,22 @@ def our_float32_products(args) -> None:
     if not (_kernels.available() and _kernels.bfloat16_products()):
         raise SystemExit("ort_dynamo's float32 product is built with its bfloat16 one: no C compiler targeting "
                          "AVX512-BF16 here")
-    copies = 6 if args.cold else 1
-    print(f"threads: {torch.get_num_threads()}, onnxruntime {ort.__version__}, torch {torch.__version__}, "
-          f"operands {'cold' if args.cold else 'in cache'}, float32, ours against ORT's (MLAS), calls interleaved")
+    copies = _header(args, ", float32, ours against ORT's (MLAS), calls interleaved")
     ratios = []
-    for m, k, n in SHAPES:
-        for trans_a, trans_b in ((0, 0), (0, 1), (1, 0)):
-            a_shape, b_shape = ([k, m] if trans_a else [m, k]), ([n, k] if trans_b else [k, n])
-            a = [torch.randn(*a_shape) for _ in range(copies)]
-            b = [torch.randn(*b_shape) for _ in range(copies)]
-            ours, feeds = _bf16_session(trans_a, trans_b, float32=True), list(zip(_ort_values(a), _ort_values(b)))
-            theirs = _session(a_shape, b_shape, trans_a, trans_b)
-            ta = [x.t() if trans_a else x for x in a]
-            tb = [x.t() if trans_b else x for x in b]
-            got = ours.run_with_ort_values(["y"], dict(zip("ab", feeds[0])))[0].numpy()
-            want = torch.mm(ta[0].double(), tb[0].double()).numpy()
-            error = float(np.abs(got - want).max() / np.abs(want).max())
-            ours_ms, ort_ms, torch_ms = _interleaved_ms(
-                [lambda i: ours.run_with_ort_values(["y"], dict(zip("ab", feeds[i % copies]))),
-                 lambda i: theirs.run(None, {"a": a[i % copies].numpy(), "b": b[i % copies].numpy()}),
-                 lambda i: torch.mm(ta[i % copies], tb[i % copies])], args.repeats, args.cold)
-            ratios.append(ours_ms / ort_ms)
-            gflop = 2 * m * k * n / 1e6
-            print(f"M {m:5d} K {k:5d} N {n:5d} transA {trans_a} transB {trans_b}: "
-                  f"ours {ours_ms:6.2f} ms ({gflop / ours_ms:3.0f} GF/s)  ORT {ort_ms:6.2f} ms "
-                  f"({gflop / ort_ms:3.0f})  torch {torch_ms:6.2f} ms ({gflop / torch_ms:3.0f})  "
-                  f"ours/ORT {ours_ms / ort_ms:.2f}  error {error:.1e}")
+    for m, k, n, trans_a, trans_b, a_shape, b_shape in _cases():
+        a, b, ta, tb = _operands(lambda shape: torch.randn(*shape), a_shape, b_shape, trans_a, trans_b, copies)
+        ours, feeds = _bf16_session(trans_a, trans_b, float32=True), list(zip(_ort_values(a), _ort_values(b)))
+        theirs = _session(a_shape, b_shape, trans_a, trans_b)
+        got = ours.run_with_ort_values(["y"], dict(zip("ab", feeds[0])))[0].numpy()
+        want = torch.mm(ta[0].double(), tb[0].double()).numpy()
+        error = float(np.abs(got - want).max() / np.abs(want).max())
+        ours_ms, ort_ms, torch_ms = _interleaved_ms(
+            [lambda i: ours.run_with_ort_values(["y"], dict(zip("ab", feeds[i % copies]))),
+             lambda i: theirs.run(None, {"a": a[i % copies].numpy(), "b": b[i % copies].numpy()}),
+             lambda i: torch.mm(ta[i % copies], tb[i % copies])], args.repeats, args.cold)
+        ratios.append(ours_ms / ort_ms)
+        _row((m, k, n, trans_a, trans_b), {"ours": ours_ms, "ORT": ort_ms, "torch": torch_ms},
+             f"ours/ORT {ours_ms / ort_ms:.2f}  error {error:.1e}")
     print(f"geometric mean ours/ORT: {statistics.geometric_mean(ratios):.2f}")
 
 
@@ -186,32 +197,23 @@ def bfloat16_products(args) -> None:
 
     if not (_kernels.available() and _kernels.bfloat16_products()):
         raise SystemExit("no C compiler targeting AVX512-BF16 here: no bfloat16 products to measure")
-    copies = 6 if args.cold else 1
-    print(f"threads: {torch.get_num_threads()}, onnxruntime {ort.__version__}, torch {torch.__version__}, "
-          f"operands {'cold' if args.cold else 'in cache'}, bfloat16")
+    copies = _header(args, ", bfloat16")
     ratios, before = [], []
-    for m, k, n in SHAPES:
-        for trans_a, trans_b in ((0, 0), (0, 1), (1, 0)):
-            a_shape, b_shape = ([k, m] if trans_a else [m, k]), ([n, k] if trans_b else [k, n])
-            a = [torch.randn(*a_shape).bfloat16() for _ in range(copies)]
-            b = [torch.randn(*b_shape).bfloat16() for _ in range(copies)]
-            ours, feeds = _bf16_session(trans_a, trans_b), list(zip(_ort_values(a), _ort_values(b)))
-            ours_ms = _median_ms(lambda i: ours.run_with_ort_values(["y"], dict(zip("ab", feeds[i % copies]))),
-                                 args.repeats, args.cold)
-            fp32 = _session(a_shape, b_shape, trans_a, trans_b)
-            a32, b32 = [x.float().numpy() for x in a], [x.float().numpy() for x in b]
-            fp32_ms = _median_ms(lambda i: fp32.run(None, {"a": a32[i % copies], "b": b32[i % copies]}),
-                                 args.repeats, args.cold)
-            ta = [x.t() if trans_a else x for x in a]
-            tb = [x.t() if trans_b else x for x in b]
-            torch_ms = _median_ms(lambda i: torch.mm(ta[i % copies], tb[i % copies]), args.repeats, args.cold)
-            ratios.append(ours_ms / torch_ms)
-            before.append(ours_ms / fp32_ms)
-            gflop = 2 * m * k * n / 1e6
-            print(f"M {m:5d} K {k:5d} N {n:5d} transA {trans_a} transB {trans_b}: "
-                  f"ours {ours_ms:6.2f} ms ({gflop / ours_ms:3.0f} GF/s)  torch bf16 {torch_ms:6.2f} ms "
-                  f"({gflop / torch_ms:3.0f})  ORT float32 {fp32_ms:6.2f} ms  ours/torch {ours_ms / torch_ms:.2f}  "
-                  f"ours/float32 {ours_ms / fp32_ms:.2f}")
+    for m, k, n, trans_a, trans_b, a_shape, b_shape in _cases():
+        a, b, ta, tb = _operands(lambda shape: torch.randn(*shape).bfloat16(), a_shape, b_shape, trans_a, trans_b,
+                                 copies)
+        ours, feeds = _bf16_session(trans_a, trans_b), list(zip(_ort_values(a), _ort_values(b)))
+        ours_ms = _median_ms(lambda i: ours.run_with_ort_values(["y"], dict(zip("ab", feeds[i % copies]))),
+                             args.repeats, args.cold)
+        fp32 = _session(a_shape, b_shape, trans_a, trans_b)
+        a32, b32 = [x.float().numpy() for x in a], [x.float().numpy() for x in b]
+        fp32_ms = _median_ms(lambda i: fp32.run(None, {"a": a32[i % copies], "b": b32[i % copies]}),
+                             args.repeats, args.cold)
+        torch_ms = _median_ms(lambda i: torch.mm(ta[i % copies], tb[i % copies]), args.repeats, args.cold)
+        ratios.append(ours_ms / torch_ms)
+        before.append(ours_ms / fp32_ms)
+        _row((m, k, n, trans_a, trans_b), {"ours": ours_ms, "torch bf16": torch_ms, "ORT float32": fp32_ms},
+             f"ours/torch {ours_ms / torch_ms:.2f}  ours/float32 {ours_ms / fp32_ms:.2f}")
     print(f"geometric mean ours/torch: {statistics.geometric_mean(ratios):.2f}, "
           f"ours/ORT float32: {statistics.geometric_mean(before):.2f}")
 
