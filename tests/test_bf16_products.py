@@ -351,6 +351,7 @@ def test_a_float32_product_with_a_long_inner_dimension_is_ours_where_it_measured
     a, b = torch.randn(*a_shape).numpy(), torch.randn(*b_shape).numpy()
     got = _run(model, kernels, a, b)
     exact, magnitude = _reference(a, b, transpose_a, transpose_b)
-    assert np.all(np.abs(got - exact) <= (a_shape[-2 if transpose_a else -1] + 2) * np.finfo(np.float32).eps * magnitude)
+    inner = a_shape[-2 if transpose_a else -1]
+    assert np.all(np.abs(got - exact) <= (inner + 2) * np.finfo(np.float32).eps * magnitude)
     assert _fused(_autocast_product(a_shape, b_shape, transpose_a, transpose_b, operands_bf16=False, rounded=False),
                   supported=False)[1].count("MatMul") == 1  # no AVX512-BF16 compiler: ORT's product

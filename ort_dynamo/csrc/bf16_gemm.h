@@ -18,6 +18,10 @@
  * Each output element is summed in the same order whatever the threads: results do not depend
  * on the thread count.
  *
+ * The same driver multiplies float32 matrices exactly (F32MatMul*, `exact`): one K value per
+ * unit instead of a pair, FMA instead of VDPBF16PS. The rewrite uses it for the products with a
+ * long inner dimension, where ORT's (MLAS) was slower (benchmarks/gemm.py --ours).
+ *
  * Part of ort_dynamo; MIT licensed.
  */
 #ifndef ORT_DYNAMO_BF16_GEMM_H
@@ -261,8 +265,9 @@ static void pw_gemm_pack_task(void* user, size_t t) {
   const int64_t kb = (int64_t)t % g->kblocks, panel = (int64_t)t / g->kblocks;
   const int64_t batch = panel / g->chunk, n0 = (g->first + panel % g->chunk) * PW_GEMM_NR, k0 = kb * PW_GEMM_KC;
   if (g->exact) {
-    pw_gemm_pack_b_f32((float*)g->packed + (int64_t)t * g->panel_pairs * PW_GEMM_NR, (const float*)g->b + batch * g->K * g->N,
-                       g->ldb, g->tb, n0, pw_min64(g->N - n0, PW_GEMM_NR), k0, pw_min64(g->K - k0, PW_GEMM_KC));
+    pw_gemm_pack_b_f32((float*)g->packed + (int64_t)t * g->panel_pairs * PW_GEMM_NR,
+                       (const float*)g->b + batch * g->K * g->N, g->ldb, g->tb, n0, pw_min64(g->N - n0, PW_GEMM_NR),
+                       k0, pw_min64(g->K - k0, PW_GEMM_KC));
     return;
   }
   pw_gemm_pack_b(g->packed + (int64_t)t * g->panel_pairs * PW_GEMM_NR, pw_at(g->b, batch * g->K * g->N, g->b_bf16),
