@@ -46,7 +46,7 @@ def _session(a_shape, b_shape, trans_a: int, trans_b: int) -> ort.InferenceSessi
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _bf16_session(trans_a: int, trans_b: int, float32: bool = False) -> ort.InferenceSession:
+def _our_session(trans_a: int, trans_b: int, float32: bool = False) -> ort.InferenceSession:
     """ort_dynamo's bfloat16 product as one op: bfloat16 in and out; or (``float32``) its float32
     product, float32 in and out."""
     import onnx_ir as ir
@@ -177,7 +177,7 @@ def our_float32_products(args) -> None:
     ratios = []
     for m, k, n, trans_a, trans_b, a_shape, b_shape in _cases():
         a, b, ta, tb = _operands(lambda shape: torch.randn(*shape), a_shape, b_shape, trans_a, trans_b, copies)
-        ours, feeds = _bf16_session(trans_a, trans_b, float32=True), list(zip(_ort_values(a), _ort_values(b)))
+        ours, feeds = _our_session(trans_a, trans_b, float32=True), list(zip(_ort_values(a), _ort_values(b)))
         theirs = _session(a_shape, b_shape, trans_a, trans_b)
         got = ours.run_with_ort_values(["y"], dict(zip("ab", feeds[0])))[0].numpy()
         want = torch.mm(ta[0].double(), tb[0].double()).numpy()
@@ -202,7 +202,7 @@ def bfloat16_products(args) -> None:
     for m, k, n, trans_a, trans_b, a_shape, b_shape in _cases():
         a, b, ta, tb = _operands(lambda shape: torch.randn(*shape).bfloat16(), a_shape, b_shape, trans_a, trans_b,
                                  copies)
-        ours, feeds = _bf16_session(trans_a, trans_b), list(zip(_ort_values(a), _ort_values(b)))
+        ours, feeds = _our_session(trans_a, trans_b), list(zip(_ort_values(a), _ort_values(b)))
         ours_ms = _median_ms(lambda i: ours.run_with_ort_values(["y"], dict(zip("ab", feeds[i % copies]))),
                              args.repeats, args.cold)
         fp32 = _session(a_shape, b_shape, trans_a, trans_b)

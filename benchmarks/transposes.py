@@ -48,8 +48,7 @@ def session(dims, perm, kernel: bool, bfloat16: bool = False) -> ort.InferenceSe
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as ort_dynamo's sessions
     if kernel:
         order = ir.Value(name="perm", const_value=ir.tensor(np.array(perm, dtype=np.int64)))
-        name, unit = ("TransposeRowsBf16", _op_kernels.TRANSPOSE_ROWS_BF16) if bfloat16 \
-            else ("TransposeRows", _op_kernels.TRANSPOSE_ROWS)
+        name, unit = _op_kernels.transpose_rows_kernel(bfloat16)
         node = ir.node(name, [x, order], domain=_pointwise.DOMAIN)
         initializers, opsets = [order], {"": 18, _pointwise.DOMAIN: 1}
         so.register_custom_ops_library(_kernels.library([unit]))

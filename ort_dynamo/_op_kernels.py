@@ -36,8 +36,9 @@ import onnx_ir as ir
 
 from ._fusions import _int64_constant, _op, _remove_if_dead, _scalar, _take_over, element_type
 
-__all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "group_convs_as_kernels",
-           "max_pools_as_kernels", "scatter_adds_along_last_axis", "slow_transposes_as_kernels"]
+__all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels",
+           "group_convs_as_kernels", "max_pools_as_kernels", "scatter_adds_along_last_axis",
+           "slow_transposes_as_kernels", "transpose_rows_kernel"]
 
 #: The domain of the custom-op library (csrc/pointwise_runtime.c): these ops' and ``_pointwise``'s.
 DOMAIN = "ort_dynamo.pointwise"
@@ -341,6 +342,11 @@ def _bfloat16_moves_slowly(dims: list[int], perm: list[int]) -> bool:
     return _moves_elementwise(dims, perm) or perm[-1] == len(perm) - 1 or _swaps_last_two(perm) is True
 
 
+def transpose_rows_kernel(bfloat16: bool) -> tuple[str, str]:
+    """(op name, C unit) of the Transpose kernel for float32 or ``bfloat16`` tensors."""
+    return ("TransposeRowsBf16", TRANSPOSE_ROWS_BF16) if bfloat16 else ("TransposeRows", TRANSPOSE_ROWS)
+
+
 def slow_transposes_as_kernels(graph: ir.Graph) -> list[str]:
     """Transposes of static shapes that ORT moves slowly -> ``TransposeRows``: float32 ones it
     would move element by element (``_moves_elementwise``), bfloat16 ones where its bfloat16
@@ -360,7 +366,7 @@ def slow_transposes_as_kernels(graph: ir.Graph) -> list[str]:
                 or not (_bfloat16_moves_slowly(dims, perm) if bfloat16 else _moves_elementwise(dims, perm)) \
                 or any(use.node.op_type in _READS_TRANSPOSED for use in node.outputs[0].uses()):
             continue
-        name, unit = ("TransposeRowsBf16", TRANSPOSE_ROWS_BF16) if bfloat16 else ("TransposeRows", TRANSPOSE_ROWS)
+        name, unit = transpose_rows_kernel(bfloat16)
         kernel = ir.node(name, [x, _int64_constant(graph, f"{node.outputs[0].name}_perm", perm)], domain=DOMAIN)
         graph.insert_before(node, kernel)
         _take_over(node.outputs[0], kernel.outputs[0])
@@ -514,16 +520,11 @@ def bf16_matmul_kernel(transposed: list[bool], bfloat16: list[bool], rounded: bo
     """(op name, C unit) of a bfloat16 product (csrc/bf16_gemm.h): A and B ``transposed`` in
     their last two axes or not; A, B and C held as ``bfloat16`` or as float32; a float32 C
     ``rounded`` to bfloat16 values or the plain sums; a third input, a ``bias``, or not."""
-    layout = "".join("T" if t else "N" for t in transposed)
-    name = f"Bf16MatMul{layout}_{''.join('b' if b else 'f' for b in bfloat16)}{'r' if rounded else ''}" \
-        + ("_bias" if bias else "")
+    name = f"Bf16MatMul{_layout(transposed)}_{''.join('b' if b else 'f' for b in bfloat16)}" \
+        + ("r" if rounded else "") + ("_bias" if bias else "")
     types = ", ".join("PW_BF16" if b else "PW_FLOAT" for b in bfloat16)
-    return name, "\n".join([
-        '#include "bf16_gemm.h"',
-        f"PW_BF16_MATMUL({name}, {int(transposed[0])}, {int(transposed[1])}, {types}, {int(rounded)});",
-        f"PW_KERNEL({name}, {3 if bias else 2}, {name}_types, {name}_none, 1, {name}_none, 0, 0, 0, 0, "
-        f"{name}_compute, 0, {name}_out_types);",
-    ]) + "\n"
+    return name, _product_unit(name, f"PW_BF16_MATMUL({name}, {int(transposed[0])}, {int(transposed[1])}, "
+                                     f"{types}, {int(rounded)})", bias)
 
 
 def f32_matmul_kernel(transposed: list[bool], bias: bool) -> tuple[str, str]:
@@ -531,11 +532,19 @@ def f32_matmul_kernel(transposed: list[bool], bias: bool) -> tuple[str, str]:
     with FMA): A and B ``transposed`` in their last two axes or not; a third input, a ``bias``,
     or not. Built where the bfloat16 products are (the same header); ``f32_matmuls_as_kernels``
     says where it replaces ORT's (``benchmarks/gemm.py --ours`` compares the two)."""
-    layout = "".join("T" if t else "N" for t in transposed)
-    name = f"F32MatMul{layout}" + ("_bias" if bias else "")
-    return name, "\n".join([
+    name = f"F32MatMul{_layout(transposed)}" + ("_bias" if bias else "")
+    return name, _product_unit(name, f"PW_F32_MATMUL({name}, {int(transposed[0])}, {int(transposed[1])})", bias)
+
+
+def _layout(transposed: list[bool]) -> str:
+    return "".join("T" if t else "N" for t in transposed)
+
+
+def _product_unit(name: str, definition: str, bias: bool) -> str:
+    """The C unit of one product op of csrc/bf16_gemm.h: its macro ``definition``, its kernel line."""
+    return "\n".join([
         '#include "bf16_gemm.h"',
-        f"PW_F32_MATMUL({name}, {int(transposed[0])}, {int(transposed[1])});",
+        definition + ";",
         f"PW_KERNEL({name}, {3 if bias else 2}, {name}_types, {name}_none, 1, {name}_none, 0, 0, 0, 0, "
         f"{name}_compute, 0, {name}_out_types);",
     ]) + "\n"

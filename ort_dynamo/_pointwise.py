@@ -25,9 +25,8 @@ import numpy as np
 import onnx_ir as ir
 
 from ._fusions import (_MS, _TANH_GELU_BETA, _TANH_GELU_KAPPA, _constant_tensor, _initializer, _int64_constant,
-                       _ints, _is, _op, _other, _perm_keeping_last_axis, _scalar)
+                       _ints, _is, _op, _other, _perm_keeping_last_axis, _remove_if_dead, _scalar)
 from ._fusions import softmax_written_out as _softmax_written_out
-from ._fusions import _remove_if_dead
 from ._fusions import _take_over as _take_over_value
 from . import _op_kernels
 from ._op_kernels import DOMAIN
@@ -1292,8 +1291,8 @@ def _transposed_writes(outputs: list[ir.Value], rank: int):
 def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False) -> list[str]:
     """Replace elementwise groups of ``model``'s main graph by ``ort_dynamo.pointwise`` nodes,
     and, where ``bfloat16_products()`` says the compiler can build them, CPU autocast's products
-    by bfloat16 ones and float32 products with a long inner dimension by ours. Returns each new kernel's C code (an empty list if nothing was
-    fused)."""
+    by bfloat16 ones and float32 products with a long inner dimension by ours. Returns each new
+    kernel's C code (an empty list if nothing was fused)."""
     graph = model.graph
     _expand_softmax(graph, _Graph())
     _mark_softmax_written_out(graph)

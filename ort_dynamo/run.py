@@ -182,15 +182,22 @@ def _bridge_stream(device: torch.device) -> "torch.cuda.Stream":
     return torch.cuda.Stream(device)
 
 
-@contextlib.contextmanager
-def ordered_with_pytorch(device: torch.device) -> Iterator[None]:
+_UNORDERED = contextlib.nullcontext()
+
+
+def ordered_with_pytorch(device: torch.device) -> contextlib.AbstractContextManager:
     """Around each run. Where ORT runs on ``_bridge_stream``, that stream first waits for the
     work PyTorch queued before (which writes the inputs), and PyTorch's stream then waits for
     the run (its later work reads the outputs, and may reuse the inputs' memory). Events
-    only: the host never waits. Elsewhere ORT runs on PyTorch's stream itself: nothing to do."""
+    only: the host never waits. Elsewhere (CPU, or any other stream, which ORT runs on itself)
+    nothing to do: one shared null context, no generator made per call."""
     if device.type != "cuda" or torch.cuda.current_stream(device).cuda_stream:
-        yield
-        return
+        return _UNORDERED
+    return _bridged(device)
+
+
+@contextlib.contextmanager
+def _bridged(device: torch.device) -> Iterator[None]:
     pytorchs, ours = torch.cuda.current_stream(device), _bridge_stream(device)
     ours.wait_stream(pytorchs)
     try:

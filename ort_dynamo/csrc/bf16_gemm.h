@@ -427,24 +427,18 @@ static inline OrtStatus* pw_bf16_matmul(const OrtApiTable* api, OrtKernelContext
   return status;
 }
 
-/* One op per operand layout and types: PW_BF16_MATMUL(name, TRANS_A, TRANS_B, A's, B's and C's
- * type: PW_FLOAT or PW_BF16, ROUND: a float32 C holds its values rounded to bfloat16) defines
- * name_compute and the type lists; the unit's PW_KERNEL line names the op. */
-#define PW_BF16_MATMUL(name, TA, TB, A, B, C, ROUND)                                                        \
+/* One op per operand layout and types: PW_MATMUL_OP(name, TRANS_A, TRANS_B, A's, B's and C's
+ * type: PW_FLOAT or PW_BF16, ROUND: a float32 C holds its values rounded to bfloat16, EXACT:
+ * float32 products) defines name_compute and the type lists; the unit's PW_KERNEL line names
+ * the op. */
+#define PW_MATMUL_OP(name, TA, TB, A, B, C, ROUND, EXACT)                                                   \
   static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
-    return pw_bf16_matmul(api, ctx, def, TA, TB, ROUND, 0);                                                \
+    return pw_bf16_matmul(api, ctx, def, TA, TB, ROUND, EXACT);                                            \
   }                                                                                                         \
   static const int name##_types[] = {A, B, PW_FLOAT}; /* a third input: a float32 bias, [N] */            \
   static const int name##_out_types[] = {C};                                                                \
   static const int name##_none[] = {0, 0, 0}
-
-/* PW_F32_MATMUL(name, TRANS_A, TRANS_B): float32 A, B and C, float32 products. */
-#define PW_F32_MATMUL(name, TA, TB)                                                                         \
-  static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
-    return pw_bf16_matmul(api, ctx, def, TA, TB, 0, 1);                                                    \
-  }                                                                                                         \
-  static const int name##_types[] = {PW_FLOAT, PW_FLOAT, PW_FLOAT};                                         \
-  static const int name##_out_types[] = {PW_FLOAT};                                                         \
-  static const int name##_none[] = {0, 0, 0}
+#define PW_BF16_MATMUL(name, TA, TB, A, B, C, ROUND) PW_MATMUL_OP(name, TA, TB, A, B, C, ROUND, 0)
+#define PW_F32_MATMUL(name, TA, TB) PW_MATMUL_OP(name, TA, TB, PW_FLOAT, PW_FLOAT, PW_FLOAT, 0, 1)
 
 #endif /* ORT_DYNAMO_BF16_GEMM_H */
