@@ -271,7 +271,10 @@ def _coerce_fields(opts: OrtOptions) -> None:
     for f in dataclasses.fields(opts):
         value = getattr(opts, f.name)
         if f.type == "bool":
-            put(f.name, _parse_bool(value))
+            try:
+                put(f.name, _parse_bool(value))
+            except OptionsError:
+                raise OptionsError(f"{f.name} must be a boolean (1/0/true/false), got {value!r}") from None
         elif f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
             raise OptionsError(f"{f.name} must be an int, got {value!r}")
         elif f.type == "str" and not isinstance(value, str):
