@@ -21,9 +21,10 @@ import subprocess
 import tempfile
 import weakref
 
-from . import _pointwise
+from . import _nvrtc, _pointwise
 
-__all__ = ["available", "bfloat16_products", "build", "built", "describe", "library", "wait", "KernelBuildError"]
+__all__ = ["available", "bfloat16_products", "build", "built", "cuda_available", "describe", "describe_cuda",
+           "library", "wait", "KernelBuildError"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -156,7 +157,9 @@ def library(kernels: list[str], cache_dir: str = "") -> str:
     """Path of the library of ``kernels`` (as ``_pointwise.fuse_pointwise`` emits them).
     Each kernel is compiled once into an object file kept on disk by its hash, so a kernel
     shared by several partitions, graphs or processes costs one compiler run; a library only
-    links them."""
+    links them. CUDA kernels make a library for ORT's CUDA provider (``_cuda_library``)."""
+    if kernels and all(_pointwise.is_cuda(k) for k in kernels):
+        return _cuda_library(kernels, cache_dir)
     setup, table, folder, path = _library_path(kernels, cache_dir)
     if os.path.exists(path):
         return path
@@ -203,8 +206,82 @@ def _library_path(kernels: list[str], cache_dir: str) -> tuple[str, str, str, st
     return setup, table, folder, os.path.join(folder, f"pointwise_{key[:24]}.so")
 
 
+# -- the GPU's ---------------------------------------------------------------------------------------
+
+_HOST_FLAGS = ["-O2", "-std=gnu11", "-fPIC", "-fvisibility=hidden", "-w"]
+
+
+@functools.lru_cache(None)
+def _cuda_arch(device_index: int) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return f"sm_{major}{minor}"
+
+
+def _cuda_library_path(kernels: list[str], cache_dir: str, arch: str = "") -> tuple[str, str, str]:
+    """(architecture, host table source, path) of the CUDA library of ``kernels`` for ``arch``
+    (``"sm_90"``; default: the current device's)."""
+    compiler = _compiler()
+    if compiler is None:
+        raise KernelBuildError("no C compiler found (set CC, or install gcc)")
+    if not arch:
+        import torch
+
+        arch = _cuda_arch(torch.cuda.current_device())
+    table = _pointwise.cuda_table_source(kernels)
+    key = hashlib.sha256("\n".join([_header_digest(), *compiler, *_HOST_FLAGS, arch, _nvrtc.version(), table,
+                                    *kernels]).encode()).hexdigest()
+    return arch, table, os.path.join(_folder(cache_dir), f"pointwise_cuda_{key[:24]}.so")
+
+
+def _cuda_library(kernels: list[str], cache_dir: str, arch: str = "") -> str:
+    """All of ``kernels`` compiled by NVRTC into one binary for this GPU (or ``arch``), embedded
+    in a host library of ``csrc/pointwise_cuda_runtime.c`` that launches them; kept by the
+    hash of all."""
+    arch, table, path = _cuda_library_path(kernels, cache_dir, arch)
+    if os.path.exists(path):
+        return path
+    with open(os.path.join(_CSRC, "pointwise_cuda.h")) as fh:
+        header = fh.read()
+    try:
+        cubin = _nvrtc.compile_cuda('#include "pointwise_cuda.h"\n' + "\n".join(kernels), arch,
+                                    {"pointwise_cuda.h": header})
+    except _nvrtc.NvrtcError as exc:
+        raise KernelBuildError(str(exc)) from exc
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as work:
+            with open(os.path.join(work, "table.c"), "w") as fh:
+                fh.write(table)
+                fh.write("const unsigned char pw_cuda_image[] = {")
+                fh.write(",".join(str(b) for b in cubin))
+                fh.write("};\n")
+            _run([_compiler()[0], *_HOST_FLAGS, "-shared", "-I", _CSRC, "-o", "kernels.so",
+                  os.path.join(_CSRC, "pointwise_cuda_runtime.c"), "table.c", "-ldl", "-lpthread"], work)
+            os.replace(os.path.join(work, "kernels.so"), path)
+    except OSError as exc:
+        raise KernelBuildError(f"cannot write the kernels' files under {folder}: {exc}") from exc
+    log.debug("built %d CUDA pointwise kernel(s) for %s into %s", len(kernels), arch, path)
+    return path
+
+
+@functools.lru_cache(None)
+def cuda_available() -> bool:
+    """Whether CUDA kernels can be built here: a C compiler for the host library and NVRTC."""
+    if _compiler() is None or not _nvrtc.available():
+        log.info("no %s: elementwise chains on the GPU run as ORT's separate kernels",
+                 "C compiler" if _compiler() is None else "NVRTC")
+        return False
+    return True
+
+
 def built(kernels: list[str], cache_dir: str = "") -> str | None:
     """The library of ``kernels`` if an earlier build left it on disk, else None (no build)."""
+    if kernels and all(_pointwise.is_cuda(k) for k in kernels):
+        path = _cuda_library_path(kernels, cache_dir)[2]
+        return path if os.path.exists(path) else None
     path = _library_path(kernels, cache_dir)[3]
     return path if os.path.exists(path) else None
 
@@ -246,6 +323,15 @@ def describe() -> str:
     products = ("bfloat16 and float32 products" if bfloat16_products()
                 else "no products of its own (no AVX512-BF16 here)")
     return f"yes ({version}; {'with' if '-lmvec' in libs else 'without'} libmvec; {products})"
+
+
+def describe_cuda() -> str:
+    """One line for ``python -m ort_dynamo info``: whether GPU kernels build here."""
+    if _compiler() is None:
+        return "no: no C compiler for their host library (install gcc, or set CC)"
+    if not _nvrtc.available():
+        return "no: no NVRTC (CUDA builds of torch install it: the nvidia-cuda-nvrtc wheel)"
+    return f"yes (NVRTC {_nvrtc.version()}; built for the GPU in use)"
 
 
 @functools.lru_cache(None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import json
 import math
 
 import numpy as np
@@ -31,7 +32,7 @@ from ._fusions import _take_over as _take_over_value
 from . import _op_kernels
 from ._op_kernels import DOMAIN
 
-__all__ = ["DOMAIN", "fuse_pointwise", "kernel_name", "table_source"]
+__all__ = ["DOMAIN", "cuda_table_source", "fuse_pointwise", "is_cuda", "kernel_name", "table_source"]
 
 _MAX_RANK = 8
 _MAX_ARGS = 32  # inputs or outputs per kernel; the C side has arrays of this size
@@ -129,8 +130,11 @@ class _Graph:
     """Shapes of the values the pass looks at, inferred for elementwise results where the
     exporter left them empty (values inside inlined torchlib functions)."""
 
-    def __init__(self) -> None:
+    def __init__(self, bfloat16_ops: bool = False) -> None:
         self.shape: dict[ir.Value, tuple | None] = {}
+        #: Whether ops on bfloat16 values are kernel ops too (computed in float32 and rounded,
+        #: as the GPU's do); on CPU, rewrite has already made every such op a float32 one.
+        self.bfloat16_ops = bfloat16_ops
 
     def dims(self, value: ir.Value) -> tuple | None:
         if value not in self.shape:
@@ -153,8 +157,6 @@ class _Graph:
         if node.domain not in ("", "ai.onnx") or node.op_type not in _ELEMENTWISE or len(node.outputs) != 1:
             return None
         out = node.outputs[0]
-        if out.dtype not in (None, ir.DataType.FLOAT):
-            return None
         if node.op_type == "Pow" and _scalar(node.inputs[1]) is None:
             return None
         if node.op_type == "Where":
@@ -164,7 +166,10 @@ class _Graph:
         else:
             data = list(node.inputs)
         operands = data if node.op_type not in ("Pow", "Expand") else data[:1]
-        if any(v is None or v.dtype != ir.DataType.FLOAT for v in operands):
+        dtypes = {v.dtype if v is not None else None for v in operands}
+        dtype = dtypes.pop() if len(dtypes) == 1 else None
+        if dtype not in ((ir.DataType.FLOAT, ir.DataType.BFLOAT16) if self.bfloat16_ops else (ir.DataType.FLOAT,)) \
+                or out.dtype not in (None, dtype):
             return None
         inputs = operands + ([node.inputs[0]] if node.op_type == "Where" else [])
         shapes = [self.dims(v) for v in inputs]
@@ -183,7 +188,7 @@ class _Graph:
         if known is not None and known != shape:
             return None
         self.shape[out] = shape
-        out.dtype = ir.DataType.FLOAT  # inside inlined torchlib functions, often left unset
+        out.dtype = dtype  # inside inlined torchlib functions, often left unset
         return shape
 
     def row_reduction_shape(self, node: ir.Node) -> tuple | None:
@@ -258,8 +263,9 @@ def _chain(group: _Group) -> tuple:
     return group.shape, tuple(node.op_type for node in group.nodes)
 
 
-def _groups(graph: ir.Graph) -> tuple[list[_Group], _Graph]:
-    info = _Graph()
+def _groups(graph: ir.Graph, info: _Graph | None = None, reductions: bool = True) -> tuple[list[_Group], _Graph]:
+    """Groups of nodes one kernel each computes; ``reductions``: row and column sums too."""
+    info = info if info is not None else _Graph()
     order: dict[ir.Node, int] = {}
     group_of: dict[ir.Node, _Group] = {}
     groups: list[_Group] = []
@@ -308,8 +314,10 @@ def _groups(graph: ir.Graph) -> tuple[list[_Group], _Graph]:
 
     for index, node in enumerate(graph):
         order[node] = index
-        shape = info.elementwise_shape(node) or info.row_reduction_shape(node) or info.column_sum_shape(node)
-        if shape is None:
+        shape = info.elementwise_shape(node)
+        if not shape and reductions:
+            shape = info.row_reduction_shape(node) or info.column_sum_shape(node)
+        if not shape:  # none, or a 0-d result: nothing to loop over
             continue
         producers = [v.producer() for v in node.inputs if v is not None and v.producer() in order]
         per_row = _per_row_group(node, shape, producers, group_of)
@@ -427,6 +435,27 @@ def _kind(shape: tuple, out: tuple) -> str:
     return "general"
 
 
+def _expression(node: ir.Node, ref) -> str:
+    """C expression of an elementwise ``node``'s float32 result, ``ref(value)`` naming its
+    operands (the same on CPU and GPU)."""
+    op = node.op_type
+    if op in _BINARY:
+        return f"({ref(node.inputs[0])} {_BINARY[op]} {ref(node.inputs[1])})"
+    if op == "Where":
+        return f"({ref(node.inputs[0])} ? {ref(node.inputs[1])} : {ref(node.inputs[2])})"
+    if op == "Pow":
+        exponent = _scalar(node.inputs[1])
+        base = ref(node.inputs[0])
+        # A cube as torch and ORT compute it; libmvec's SIMD powf takes a slow path for a
+        # negative base (9 ms per million floats, against 0.24 for tanhf).
+        return {2.0: f"({base} * {base})", 3.0: f"({base} * {base} * {base})", 1.0: base, 0.5: f"sqrtf({base})",
+                -1.0: f"(1.0f / {base})"}.get(exponent, f"powf({base}, {_literal(exponent)})")
+    if op == "Cast":
+        x = ref(node.inputs[0])
+        return f"pw_round_bf16({x})" if _rounds_to_bfloat16(node) else x
+    return _UNARY[op].format(ref(node.inputs[0]))
+
+
 def _phases(group: _Group) -> dict[ir.Node, int]:
     """Loop over a row each node is computed in: a node reading a row sum (a reduction of
     phase p) is computed in phase p + 1, after that sum is complete."""
@@ -472,27 +501,13 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
             here, there = (lower, upper) if half == 0 else (upper, lower)
             sign = there if shifted else here
             expr = f"({'-' if sign < 0 else ''}{ref(node.inputs[0], not shifted)})"
-        elif op in _BINARY:
-            expr = f"({ref(node.inputs[0], r)} {_BINARY[op]} {ref(node.inputs[1], r)})"
-        elif op == "Where":
-            expr = f"({ref(node.inputs[0], r)} ? {ref(node.inputs[1], r)} : {ref(node.inputs[2], r)})"
-        elif op == "Pow":
-            exponent = _scalar(node.inputs[1])
-            base = ref(node.inputs[0], r)
-            # A cube as torch and ORT compute it; libmvec's SIMD powf takes a slow path for a
-            # negative base (9 ms per million floats, against 0.24 for tanhf).
-            expr = {2.0: f"({base} * {base})", 3.0: f"({base} * {base} * {base})", 1.0: base, 0.5: f"sqrtf({base})",
-                    -1.0: f"(1.0f / {base})"}.get(exponent, f"powf({base}, {_literal(exponent)})")
         elif op == "ReduceMax":  # softmax's only: a NaN is passed over, but its exp() is NaN
             acc = local[node.outputs[0]]
             return f"{acc} = {ref(node.inputs[0])} > {acc} ? {ref(node.inputs[0])} : {acc};"
         elif op in _ROW_REDUCTIONS:
             return f"{local[node.outputs[0]]} += {ref(node.inputs[0])};"
-        elif op == "Cast":
-            x = ref(node.inputs[0], r)
-            expr = f"pw_round_bf16({x})" if _rounds_to_bfloat16(node) else x
         else:
-            expr = _UNARY[op].format(ref(node.inputs[0], r))
+            expr = _expression(node, lambda value: ref(value, r))
         return f"const float {ref(node.outputs[0], r)} = {expr};"
 
     phase = _phases(group)
@@ -1288,11 +1303,14 @@ def _transposed_writes(outputs: list[ir.Value], rank: int):
     return targets, perms
 
 
-def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False) -> list[str]:
+def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str = "cpu") -> list[str]:
     """Replace elementwise groups of ``model``'s main graph by ``ort_dynamo.pointwise`` nodes,
     and, where ``bfloat16_products()`` says the compiler can build them, CPU autocast's products
     by bfloat16 ones and float32 products with a long inner dimension by ours. Returns each new
-    kernel's C code (an empty list if nothing was fused)."""
+    kernel's code (an empty list if nothing was fused): C for the CPU, CUDA C for ``device``
+    "cuda" (``is_cuda``), where only elementwise chains become kernels."""
+    if device == "cuda":
+        return _fuse_for_cuda(model)
     graph = model.graph
     _expand_softmax(graph, _Graph())
     _mark_softmax_written_out(graph)
@@ -1316,6 +1334,25 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False) -> list[str
     if _op_kernels.scatter_adds_along_last_axis(graph, _constant_zeros, _replace_node):
         kernels.append(_op_kernels.SCATTER_ADD_LAST_AXIS)
     groups, info = _groups(graph)
+    repeats = collections.Counter(_chain(group) for group in groups)
+
+    def small(group: _Group) -> bool:
+        return all(isinstance(d, int) for d in group.shape) and math.prod(group.shape) < MIN_ELEMENTS \
+            and repeats[_chain(group)] < MIN_REPEATS
+
+    kernels += _fuse_groups(graph, [g for g in groups if not small(g)], info, cuda=False)
+    kernels += _op_kernels.slow_transposes_as_kernels(graph)
+    _unfold_rotate_half(graph)
+    if kernels:
+        model.opset_imports[DOMAIN] = 1
+        graph.sort()
+    return list(dict.fromkeys(kernels))
+
+
+def _fuse_groups(graph: ir.Graph, groups: list[_Group], info: _Graph, cuda: bool) -> list[str]:
+    """Each group that can be (inputs, outputs and shapes permitting) becomes one kernel node;
+    returns the kernels' code. ``cuda``: CUDA C, of elementwise groups only."""
+    kernels: list[str] = []
     output_positions = {value: i for i, value in enumerate(graph.outputs)}
     # Replaced nodes leave the graph together at the end: each removal scans every graph
     # output. They stop reading their inputs at once, so later groups see only live uses.
@@ -1326,11 +1363,8 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False) -> list[str
             node.replace_input_with(i, None)
         replaced.append(node)
 
-    repeats = collections.Counter(_chain(group) for group in groups)
+    literal_types = (ir.DataType.FLOAT, ir.DataType.BFLOAT16) if cuda else (ir.DataType.FLOAT,)
     for group in groups:
-        if all(isinstance(d, int) for d in group.shape) and math.prod(group.shape) < MIN_ELEMENTS \
-                and repeats[_chain(group)] < MIN_REPEATS:
-            continue
         members = set(group.nodes)
         _without_escaping_per_row_values(group, members)
         if not group.nodes:
@@ -1345,7 +1379,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False) -> list[str
                 is_operand = not (position == 1 and node.op_type in ("Pow", "Expand", *_ROW_REDUCTIONS))
                 if not is_operand:
                     continue
-                if value.dtype == ir.DataType.FLOAT and _scalar(value) is not None and \
+                if value.dtype in literal_types and _scalar(value) is not None and \
                         (info.dims(value) is None or all(d == 1 for d in info.dims(value))):
                     continue  # a literal in the C code
                 inputs.append(value)
@@ -1355,12 +1389,18 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False) -> list[str
             continue
         if _broadcast([info.dims(v) for v in inputs]) != group.shape:
             continue  # the iteration shape must follow from the inputs at run time
-        sources, perms = _transposed_reads(inputs, members, info, len(group.shape))
-        targets, out_perms = _transposed_writes(outputs, len(group.shape))
-        if alone and not _worth_a_kernel_alone(group.nodes[0], bool(perms or out_perms)):
-            continue
+        if cuda:
+            if alone:
+                continue  # one op: ORT's CUDA kernel is as good
+            sources, perms, targets, out_perms = inputs, {}, outputs, {}
+            code = _emit_cuda(group, inputs, outputs, "pw_@")
+        else:
+            sources, perms = _transposed_reads(inputs, members, info, len(group.shape))
+            targets, out_perms = _transposed_writes(outputs, len(group.shape))
+            if alone and not _worth_a_kernel_alone(group.nodes[0], bool(perms or out_perms)):
+                continue
+            code = _emit(group, info, inputs, outputs, "pw_@", perms, out_perms)
         # Named by the hash of its code: identical chains (one per layer) share one kernel.
-        code = _emit(group, info, inputs, outputs, "pw_@", perms, out_perms)
         name = "pw_" + hashlib.sha256(code.encode()).hexdigest()[:16]
         kernels.append(code.replace("pw_@", name))
         fused = ir.node(name, sources, domain=DOMAIN, num_outputs=len(outputs),
@@ -1375,9 +1415,84 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False) -> list[str
         for node in group.nodes:
             replace(node)
     graph.remove(replaced, safe=True)
-    kernels += _op_kernels.slow_transposes_as_kernels(graph)
-    _unfold_rotate_half(graph)
+    return kernels
+
+
+# -- the GPU's kernels ----------------------------------------------------------------------------
+
+_CUDA_MARK = "// ort_dynamo CUDA kernel "
+_ONNX_TYPE = {ir.DataType.FLOAT: 1, ir.DataType.BOOL: 9, ir.DataType.BFLOAT16: 16}
+
+
+def is_cuda(kernel: str) -> bool:
+    """Whether ``kernel`` (as ``fuse_pointwise`` returns it) is CUDA C."""
+    return kernel.startswith(_CUDA_MARK)
+
+
+def _fuse_for_cuda(model: ir.Model) -> list[str]:
+    """On the GPU, every chain of two or more elementwise ops (float32 or bfloat16) becomes one
+    kernel: ORT's CUDA provider runs each op as a pass over memory of its own, and stock ONNX
+    Runtime has no fused gradient kernels. Reductions, products and the rest stay ORT's."""
+    graph = model.graph
+    groups, info = _groups(graph, _Graph(bfloat16_ops=True), reductions=False)
+    kernels = _fuse_groups(graph, groups, info, cuda=True)
     if kernels:
         model.opset_imports[DOMAIN] = 1
         graph.sort()
     return list(dict.fromkeys(kernels))
+
+
+def _emit_cuda(group: _Group, inputs: list[ir.Value], outputs: list[ir.Value], name: str) -> str:
+    """CUDA C of one elementwise kernel (``csrc/pointwise_cuda.h`` has the rest): each thread
+    computes whole elements, reading each input where broadcasting puts it. A bfloat16 op's
+    result is rounded as it would be in memory, so a fused chain gives ORT's (and torch's)
+    values. The first line holds what the host library needs: name and element types."""
+    arg = {v: f"x{i}" for i, v in enumerate(inputs)}
+    local = {node.outputs[0]: f"t{i}" for i, node in enumerate(group.nodes)}
+
+    def ref(value):
+        return local.get(value) or arg.get(value) or _literal(_scalar(value))
+
+    ctype = {ir.DataType.BOOL: "uint8_t", ir.DataType.BFLOAT16: "uint16_t"}
+    lines = []
+    for i, v in enumerate(inputs):
+        element = f"(({ctype.get(v.dtype, 'float')} const*)a.in[{i}])[pw_index(a, {i}, e)]"
+        if v.dtype == ir.DataType.BFLOAT16:
+            lines.append(f"const float {arg[v]} = pw_bf16_to_float({element});")
+        else:
+            lines.append(f"const {ctype.get(v.dtype, 'float')} {arg[v]} = {element};")
+    for node in group.nodes:
+        expr = _expression(node, ref)
+        if node.outputs[0].dtype == ir.DataType.BFLOAT16 and not _bfloat16_cast(node):
+            expr = f"pw_round_bf16({expr})"
+        lines.append(f"const float {local[node.outputs[0]]} = {expr};")
+    for j, v in enumerate(outputs):
+        if v.dtype == ir.DataType.BFLOAT16:
+            lines.append(f"((uint16_t*)a.out[{j}])[e] = pw_bf16_bits({local[v]});")
+        else:
+            lines.append(f"((float*)a.out[{j}])[e] = {local[v]};")
+    meta = json.dumps({"name": name, "in": [_ONNX_TYPE[v.dtype] for v in inputs],
+                       "out": [_ONNX_TYPE[v.dtype] for v in outputs]})
+    return "\n".join([_CUDA_MARK + meta,
+                      "template <typename I>",
+                      f"static __device__ __forceinline__ void {name}_body(const PwCudaArgs& a, I e) {{",
+                      *["  " + line for line in lines],
+                      "}",
+                      f"PW_CUDA_ENTRY({name})"]) + "\n"
+
+
+def cuda_table_source(kernels: list[str]) -> str:
+    """The host C of a CUDA library's kernel definitions (``csrc/pointwise_cuda_runtime.c``
+    registers them); the binary, ``pw_cuda_image``, comes with it from ``_kernels``."""
+    lines = ['#include "pointwise_cuda.h"']
+    names = []
+    for kernel in kernels:
+        meta = json.loads(kernel.splitlines()[0][len(_CUDA_MARK):])
+        n = meta["name"]
+        names.append(n)
+        lines += [f"static const int {n}_in[] = {{{', '.join(map(str, meta['in']))}}};",
+                  f"static const int {n}_out[] = {{{', '.join(map(str, meta['out']))}}};",
+                  f'static const PwCudaKernelDef {n}_def = {{"{n}", {len(meta["in"])}, {n}_in, '
+                  f'{len(meta["out"])}, {n}_out}};']
+    lines.append(f"const PwCudaKernelDef* const pw_cuda_kernels[] = {{{''.join(f'&{n}_def, ' for n in names)}0}};")
+    return "\n".join(lines) + "\n"

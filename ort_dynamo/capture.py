@@ -62,7 +62,7 @@ class OrtBackend:
                 inference_compiler=functools.partial(compiler, kind="inference"),
                 decompositions=lower_stage.decomposition_table(
                     self.options.opset, self.options.cache_dir,
-                    rewrite_stage.pointwise_kernels_apply(options, device)),
+                    device == "cpu" and rewrite_stage.pointwise_kernels_apply(options, device)),
                 **kwargs,
             )(gm, example_inputs)
 

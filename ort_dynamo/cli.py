@@ -118,9 +118,10 @@ def _info(args: argparse.Namespace) -> int:
     providers = onnxruntime.get_available_providers()
     print(f"onnxruntime providers: {', '.join(providers)}")
     print(f"torch.compile backends: {_backend_names()}")
-    from ._kernels import describe
+    from ._kernels import describe, describe_cuda
 
     print(f"CPU pointwise kernels: {describe()}")
+    print(f"CUDA pointwise kernels: {describe_cuda()}")
 
     usable, lines = _cuda_verdict(torch, providers, ort_wheels)
     print(f"CUDA GPU usable: {'yes' if usable else 'no'}")

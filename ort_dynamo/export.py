@@ -572,7 +572,7 @@ def save_debug_files(exported: ExportedGraph, gm, model_bytes: bytes, options, s
     graph it came from; returns the ONNX path. A model with pointwise kernels needs their
     library to load: it is written beside it as ``.pointwise.so``, which
     ``SessionOptions.register_custom_ops_library(path)`` registers, with the kernels' C source
-    (``.pointwise.c``, to read)."""
+    (``.pointwise.c``, to read; ``.pointwise.cu`` for CUDA's)."""
     os.makedirs(options.save_path, exist_ok=True)
     base = os.path.join(options.save_path, f"{options.onnx_prefix}_{stem}")
     with open(base + ".onnx", "wb") as fh:
@@ -582,8 +582,13 @@ def save_debug_files(exported: ExportedGraph, gm, model_bytes: bytes, options, s
 
         from . import _kernels, _pointwise
 
-        with open(base + ".pointwise.c", "w") as fh:
-            fh.write("\n".join([*exported.kernels, _pointwise.table_source(exported.kernels)]))
+        if all(_pointwise.is_cuda(k) for k in exported.kernels):  # CUDA C, and the host side's table
+            with open(base + ".pointwise.cu", "w") as fh:
+                fh.write("\n".join([*exported.kernels, "/* the host library's table:",
+                                    _pointwise.cuda_table_source(exported.kernels), "*/"]))
+        else:
+            with open(base + ".pointwise.c", "w") as fh:
+                fh.write("\n".join([*exported.kernels, _pointwise.table_source(exported.kernels)]))
         try:
             shutil.copyfile(_kernels.library(exported.kernels, options.cache_dir), base + ".pointwise.so")
         except _kernels.KernelBuildError as exc:  # the partition runs without them (run.py warns)

@@ -32,8 +32,9 @@ _BF16_OK_ON_CPU = {
 def pointwise_kernels_apply(options: OrtOptions, device: str) -> bool:
     """Whether a graph on ``device`` ("cpu", "cuda") gets generated kernels for its elementwise
     chains: asked here, and before tracing, where it picks a few decompositions."""
-    return (device == "cpu" and options.pointwise_kernels and options.enable_compute_optimizer
-            and not options.deterministic_compute and _kernels.available())
+    if not (options.pointwise_kernels and options.enable_compute_optimizer and not options.deterministic_compute):
+        return False
+    return _kernels.available() if device == "cpu" else device == "cuda" and _kernels.cuda_available()
 
 
 def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
@@ -73,7 +74,7 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         # model in every other respect: same inputs, outputs and names.
         unfused = ir.serde.serialize_model(model).SerializeToString()
         try:
-            exported.kernels = _pointwise.fuse_pointwise(model, _kernels.bfloat16_products)
+            exported.kernels = _pointwise.fuse_pointwise(model, _kernels.bfloat16_products, exported.device)
         except Exception as exc:  # an optimization: its failure must not cost the partition
             log.warning("ort_dynamo: no pointwise kernels for this partition, the fusion pass failed: %s: %s",
                         type(exc).__name__, exc)

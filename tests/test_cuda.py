@@ -162,3 +162,114 @@ def test_on_pytorchs_default_stream_ort_waits_for_its_inputs_and_pytorch_for_its
     total = writes(x).sum()  # PyTorch must wait for ORT's output
     torch.testing.assert_close(total, _heavy(x).sum(), rtol=1e-4, atol=1e-3)
     _cuda_only()
+
+
+# -- generated CUDA kernels for elementwise chains (ort_dynamo/_pointwise.py, csrc/pointwise_cuda*) --
+
+def _cuda_kernel_session(shapes, dtype, build):
+    """An ORT session on the GPU of one generated CUDA kernel made from ``build(*inputs)``'s
+    nodes, its input shapes stripped so that it takes whatever shapes it is fed."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    from ort_dynamo import _kernels, _pointwise
+
+    inputs = [ir.Value(name=f"x{i}", shape=ir.Shape(s), type=ir.TensorType(dtype)) for i, s in enumerate(shapes)]
+    nodes = build(*inputs)
+    nodes[-1].outputs[0].name = "out"
+    model = ir.Model(ir.Graph(inputs, [nodes[-1].outputs[0]], nodes=nodes, opset_imports={"": 18}), ir_version=10)
+    kernels = _pointwise.fuse_pointwise(model, device="cuda")
+    assert len(kernels) == 1 and [n.domain for n in model.graph] == [_pointwise.DOMAIN]
+    for value in inputs:
+        value.shape = None
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library(kernels))
+    return ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                providers=["CUDAExecutionProvider"])
+
+
+def _run_on_cuda(session, *tensors):
+    """Run ``session`` on CUDA tensors as ort_dynamo does (OrtValues over their memory, bfloat16
+    included); ORT's default run options wait for the GPU at the end."""
+    from onnxruntime.capi import _pybind_state as C
+
+    from ort_dynamo.run import _wrap, ort_device
+
+    where = ort_device(tensors[0].device)
+    inputs, outputs = C.OrtValueVector(), C.OrtValueVector()
+    for t in tensors:
+        t = t.contiguous()
+        inputs.push_back(_wrap(t, t.data_ptr(), where))
+    session._sess.run_with_ortvaluevector(C.RunOptions(), [f"x{i}" for i in range(len(tensors))], inputs,
+                                          ["out"], outputs, [where])
+    return outputs.to_dlpacks(torch._C._from_dlpack)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cuda_kernel_broadcasts_as_onnx_does_and_rounds_bfloat16_op_by_op(dtype):
+    import onnx_ir as ir
+
+    onnx_dtype = ir.DataType.FLOAT if dtype == torch.float32 else ir.DataType.BFLOAT16
+
+    def chain(x, y):  # tanh(x * y + x) - y
+        mul = ir.node("Mul", [x, y])
+        add = ir.node("Add", [mul.outputs[0], x])
+        tanh = ir.node("Tanh", [add.outputs[0]])
+        return [mul, add, tanh, ir.node("Sub", [tanh.outputs[0], y])]
+
+    session = _cuda_kernel_session([[4, 96, 130], [4, 96, 130]], onnx_dtype, chain)
+    x = torch.randn(4, 96, 130, device="cuda", dtype=dtype)
+
+    def want(x, y):  # op by op in dtype, as eager computes it
+        return torch.tanh(x * y + x) - y
+
+    # Within one rounding of dtype (tanh's last bit may differ from torch's build of it).
+    tolerance = dict(rtol=8e-3, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    # full, a suffix (a bias), a column (a row statistic), a scalar, a general broadcast (a mask
+    # shared by one axis), and a smaller input broadcast against the larger.
+    for y_shape in [(4, 96, 130), (130,), (4, 96, 1), (1,), (4, 1, 130), (96, 1)]:
+        y = torch.randn(y_shape, device="cuda", dtype=dtype)
+        torch.testing.assert_close(_run_on_cuda(session, x, y), want(x, y), **tolerance,
+                                   msg=lambda m: f"y of shape {y_shape}: {m}")
+    small = torch.randn(130, device="cuda", dtype=dtype)
+    torch.testing.assert_close(_run_on_cuda(session, small, x), want(small, x), **tolerance)
+
+
+def test_a_cuda_kernel_reports_shapes_that_do_not_broadcast():
+    import onnx_ir as ir
+
+    session = _cuda_kernel_session([[8, 16], [8, 16]], ir.DataType.FLOAT, lambda x, y: [
+        (mul := ir.node("Mul", [x, y])), ir.node("Add", [mul.outputs[0], x])])
+    with pytest.raises(Exception, match="do not broadcast"):
+        _run_on_cuda(session, torch.ones(2, 3, device="cuda"), torch.ones(4, 3, device="cuda"))
+
+
+def test_bf16_transformer_trains_on_cuda_with_generated_kernels_like_eager():
+    """GPT-2's elementwise chains (GELU and its backward, residuals, LayerNorm's backward) as
+    generated CUDA kernels, under bf16 autocast: the same gradients as eager's, within bf16."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=256, n_positions=64,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).cuda().train()
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, backend="ort")
+    ids = torch.randint(0, 256, (4, 64), device="cuda")
+
+    def step(fn, params):
+        for p in params:
+            p.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    step(compiled, twin.parameters())
+    ort_dynamo.wait_for_kernels()
+    got, want = step(compiled, twin.parameters()), step(model, model.parameters())
+    report = ort_dynamo.report()
+    assert report.kernels > 0 and report.fallback_nodes == 0
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert (q.grad - p.grad).norm() <= 5e-2 * p.grad.norm() + 1e-6, name
+    _cuda_only()

@@ -1334,3 +1334,66 @@ def test_a_small_chain_is_a_kernel_only_when_it_repeats_often_enough(tmp_path, s
     torch.testing.assert_close(compiled(x, h, w), recurrence(x, h, w))
     fused = [n for p in glob.glob(str(tmp_path / "*.onnx")) for n in _pointwise_nodes(p)]
     assert len(fused) == (steps if steps >= _pointwise.MIN_REPEATS else 0), [n.doc_string for n in fused]
+
+
+# -- the GPU's kernels, as far as a machine without one can check them (tests/test_cuda.py runs them) --
+
+def _bfloat16_gelu_like_chain():
+    """x (bfloat16) -> float32 -> + bias -> tanh -> bfloat16, then * g - g in bfloat16."""
+    bf16, f32 = ir.DataType.BFLOAT16, ir.DataType.FLOAT
+    x = ir.Value(name="x", shape=ir.Shape([8, 64, 384]), type=ir.TensorType(bf16))
+    g = ir.Value(name="g", shape=ir.Shape([8, 64, 384]), type=ir.TensorType(bf16))
+    bias = ir.Value(name="bias", shape=ir.Shape([384]), type=ir.TensorType(f32))
+    up = ir.node("Cast", [x], attributes={"to": f32})
+    add = ir.node("Add", [up.outputs[0], bias])
+    tanh = ir.node("Tanh", [add.outputs[0]])
+    down = ir.node("Cast", [tanh.outputs[0]], attributes={"to": bf16})
+    mul = ir.node("Mul", [down.outputs[0], g])
+    sub = ir.node("Sub", [mul.outputs[0], g])
+    sub.outputs[0].name = "out"
+    graph = ir.Graph([x, g, bias], [sub.outputs[0]], nodes=[up, add, tanh, down, mul, sub], opset_imports={"": 18})
+    return ir.Model(graph, ir_version=10)
+
+
+def test_on_the_gpu_a_bfloat16_chain_becomes_one_cuda_kernel_that_rounds_each_op_as_torch_does():
+    model = _bfloat16_gelu_like_chain()
+    kernels = _pointwise.fuse_pointwise(model, device="cuda")
+    assert len(kernels) == 1 and _pointwise.is_cuda(kernels[0])
+    [node] = list(model.graph)
+    assert node.domain == _pointwise.DOMAIN and node.op_type in kernels[0]
+    assert model.graph.outputs[0].dtype == ir.DataType.BFLOAT16
+    source = kernels[0]
+    # Rounded where a bfloat16 value is made: the Cast, the Mul and the Sub; the float32 Add not.
+    assert source.count("pw_round_bf16(") == 3 and "pw_bf16_bits(t5)" in source
+    # Its inputs in the order the kernel reads them: x and g bfloat16 (16), the bias float32 (1).
+    assert "_in[] = {16, 1, 16};" in _pointwise.cuda_table_source(kernels)
+
+
+def test_the_cuda_kernels_host_library_builds_without_a_gpu_and_declares_its_ops_for_the_cuda_provider(
+        tmp_path, monkeypatch):
+    from ort_dynamo import _nvrtc
+
+    model = _bfloat16_gelu_like_chain()
+    kernels = _pointwise.fuse_pointwise(model, device="cuda")
+    monkeypatch.setattr(_nvrtc, "compile_cuda", lambda *args, **kwargs: b"\0")  # the binary is not run here
+    path = _kernels._cuda_library(kernels, str(tmp_path), "sm_90")
+    assert path.startswith(str(tmp_path)) and _kernels._cuda_library(kernels, str(tmp_path), "sm_90") == path
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(path)  # RegisterCustomOps ran: the ABI and the table agree
+    with pytest.raises(Exception, match="Could not find an implementation for pw_"):  # CUDA's only
+        ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                             providers=["CPUExecutionProvider"])
+
+
+def test_nvrtc_compiles_the_generated_cuda_kernels_and_names_what_it_refuses():
+    from ort_dynamo import _nvrtc
+
+    if not _nvrtc.available():
+        pytest.skip("no NVRTC here (the nvidia-cuda-nvrtc wheel that CUDA builds of torch install)")
+    kernels = _pointwise.fuse_pointwise(_bfloat16_gelu_like_chain(), device="cuda")
+    with open(os.path.join(os.path.dirname(_pointwise.__file__), "csrc", "pointwise_cuda.h")) as fh:
+        headers = {"pointwise_cuda.h": fh.read()}
+    cubin = _nvrtc.compile_cuda('#include "pointwise_cuda.h"\n' + kernels[0], "sm_90", headers)
+    assert cubin[:4] == b"\x7fELF"
+    with pytest.raises(_nvrtc.NvrtcError, match="undefined"):
+        _nvrtc.compile_cuda("__global__ void k() { nonsense(); }", "sm_90", {})

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/performance.md "GPU", as one call on the lent GPU machine, in the
 # order they matter: environment, the CUDA tests, the training-step benchmark (GPT-2 124M,
-# bf16 autocast), whether the host runs ahead of the GPU, where ORT placed GPT-2's nodes, per-call overhead, ort with attention written out
+# bf16 autocast; ort with and without its generated CUDA kernels), whether the host runs ahead of the GPU, where ORT placed GPT-2's nodes, per-call overhead, ort with attention written out
 # on ORT (not PyTorch's fused kernels), then peak memory. Each step has its own time limit
 # inside one budget, so a slow or hung step still leaves the others' results.
 #
@@ -57,7 +57,7 @@ printf '[torch_dynamo_backends]\nort = ort_dynamo.capture:ort_backend\n' >"$site
 step info 45 python3 -m ort_dynamo info
 step cuda-tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests -rs
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
-  --backends eager,inductor,ort,aot_eager --steps 20 --warmup 3
+  --backends eager,inductor,ort,ort_unfused,aot_eager --steps 20 --warmup 3
 step host-ahead 60 python3 benchmarks/host_ahead.py
 step placement 120 python3 benchmarks/profile_step.py --device cuda --model gpt2-124m --steps 3
 step call-overhead 45 python3 benchmarks/call_overhead.py --device cuda --calls 500

@@ -77,6 +77,7 @@ typedef struct OrtCustomOp OrtCustomOp; /* defined below */
 #define ORTD_SLOT_KernelContext_GetOutput 91
 #define ORTD_SLOT_ReleaseStatus 93
 #define ORTD_SLOT_ReleaseTensorTypeAndShapeInfo 99
+#define ORTD_SLOT_KernelContext_GetGPUComputeStream 193 /* since API 14 */
 #define ORTD_SLOT_KernelContext_ParallelFor 274 /* since API 17 */
 #define ORTD_API_SLOTS 275 /* slots we may touch; the real table is longer */
 
@@ -107,6 +108,8 @@ typedef OrtStatus* (*ortd_KernelContext_GetOutput_fn)(OrtKernelContext* ctx, siz
                                                       size_t ndims, OrtValue** out);
 typedef void (*ortd_ReleaseStatus_fn)(OrtStatus* status);
 typedef void (*ortd_ReleaseTensorTypeAndShapeInfo_fn)(OrtTensorTypeAndShapeInfo* info);
+/* The stream (a cudaStream_t) the op's execution provider runs it on. */
+typedef OrtStatus* (*ortd_KernelContext_GetGPUComputeStream_fn)(const OrtKernelContext* ctx, void** out);
 /* Calls body(user, i) for i in [0, total) on the session's intra-op pool;
  * max_batches == 0 lets the runtime pick the batching.  Returns after all. */
 typedef OrtStatus* (*ortd_KernelContext_ParallelFor_fn)(const OrtKernelContext* ctx, void (*body)(void* user, size_t i),

@@ -1,0 +1,118 @@
+/* pointwise_cuda.h -- ort_dynamo's generated elementwise kernels for the GPU.
+ *
+ * One header for both sides: NVRTC compiles the generated kernels (_pointwise.py) with it
+ * (__CUDACC_RTC__: the device helpers), and pointwise_cuda_runtime.c, the custom-op library
+ * ONNX Runtime's CUDA provider runs them through, fills the same argument block on the host.
+ * A kernel computes in float32, op by op in ONNX's order (built with --fmad=false); a
+ * bfloat16 value is held as the float32 it is exactly, and rounded as torch rounds it.
+ *
+ * Part of ort_dynamo; MIT licensed.
+ */
+#ifndef ORT_DYNAMO_POINTWISE_CUDA_H
+#define ORT_DYNAMO_POINTWISE_CUDA_H
+
+#ifdef __CUDACC_RTC__
+typedef long long int64_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef unsigned short uint16_t;
+typedef unsigned char uint8_t;
+#else
+#include <stdint.h>
+#endif
+
+#define PW_MAX_RANK 8
+#define PW_MAX_ARGS 32
+#define PW_THREADS 256
+
+/* How an input is read at output element e (chosen by the host from the run's shapes). */
+enum { PWC_FULL, PWC_SCALAR, PWC_SUFFIX, PWC_COL, PWC_GENERAL };
+
+/* Passed by value (kernel parameter space, about 3 KB of the 4 KB allowed). */
+typedef struct PwCudaArgs {
+  int64_t numel;
+  int64_t rank;
+  int64_t dims[PW_MAX_RANK];                     /* the output's, which is every output's */
+  int64_t in_numel[PW_MAX_ARGS];
+  int64_t strides[PW_MAX_ARGS][PW_MAX_RANK];    /* PWC_GENERAL: element strides, 0 = broadcast */
+  const void* in[PW_MAX_ARGS];
+  void* out[PW_MAX_ARGS];
+  int32_t mode[PW_MAX_ARGS];
+} PwCudaArgs;
+/* The host's C compiler and NVRTC must agree on it to the byte. */
+#ifdef __CUDACC_RTC__
+static_assert(sizeof(PwCudaArgs) == 3024, "PwCudaArgs layout");
+#else
+_Static_assert(sizeof(PwCudaArgs) == 3024, "PwCudaArgs layout");
+#endif
+
+#ifdef __CUDACC_RTC__
+
+#define INFINITY __int_as_float(0x7f800000)
+#define NAN __int_as_float(0x7fffffff)
+#define pw_expf(x) expf(x)
+
+static __device__ __forceinline__ float pw_bf16_to_float(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
+/* To nearest, ties to even; a NaN stays a quiet NaN (as torch and the CPU kernels round). */
+static __device__ __forceinline__ float pw_round_bf16(float x) {
+  const uint32_t u = __float_as_uint(x);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return __uint_as_float((u & 0x7FFFFFFFu) > 0x7F800000u ? (u | 0x00400000u) & 0xFFFF0000u : rounded);
+}
+static __device__ __forceinline__ uint16_t pw_bf16_bits(float rounded) {
+  return (uint16_t)(__float_as_uint(rounded) >> 16);
+}
+
+/* Where input i's element for output element e is. */
+template <typename I>
+static __device__ __forceinline__ I pw_index(const PwCudaArgs& a, int i, I e) {
+  switch (a.mode[i]) {
+    case PWC_FULL:
+      return e;
+    case PWC_SCALAR:
+      return 0;
+    case PWC_SUFFIX:
+      return e % (I)a.in_numel[i];
+    case PWC_COL:
+      return e / (I)a.dims[a.rank - 1];
+    default: {
+      I offset = 0;
+#pragma unroll
+      for (int d = PW_MAX_RANK - 1; d >= 0; --d) {
+        if (d < a.rank) {
+          const I size = (I)a.dims[d];
+          offset += (e % size) * (I)a.strides[i][d];
+          e /= size;
+        }
+      }
+      return offset;
+    }
+  }
+}
+
+/* The two entry points of kernel `name` (its body: name##_body<I>(a, e)): 64-bit indices,
+ * and 32-bit ones (the host picks these below 2^31 elements). A grid-stride loop each. */
+#define PW_CUDA_ENTRY(name)                                                                              \
+  extern "C" __global__ void __launch_bounds__(PW_THREADS) name(const __grid_constant__ PwCudaArgs a) { \
+    const int64_t step = (int64_t)gridDim.x * blockDim.x;                                               \
+    for (int64_t e = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; e < a.numel; e += step)             \
+      name##_body<int64_t>(a, e);                                                                        \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(PW_THREADS) name##_32(const __grid_constant__ PwCudaArgs a) { \
+    const uint32_t n = (uint32_t)a.numel, step = gridDim.x * blockDim.x;                                 \
+    for (uint32_t e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += step) name##_body<uint32_t>(a, e); \
+  }
+
+#else /* the host library */
+
+/* Element types, as ONNX numbers them (the kernel definitions' type lists). */
+typedef struct PwCudaKernelDef {
+  const char* name;
+  int n_in;
+  const int* types;
+  int n_out;
+  const int* out_types;
+} PwCudaKernelDef;
+
+#endif
+#endif /* ORT_DYNAMO_POINTWISE_CUDA_H */
