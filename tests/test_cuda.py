@@ -196,6 +196,7 @@ def _run_on_cuda(session, *tensors):
     from ort_dynamo.run import _wrap, ort_device
 
     where = ort_device(tensors[0].device)
+    torch.cuda.synchronize()  # the session runs on ORT's own stream, unordered with PyTorch's
     inputs, outputs = C.OrtValueVector(), C.OrtValueVector()
     for t in tensors:
         t = t.contiguous()
