@@ -47,7 +47,8 @@ _OPT_LEVELS = {
 }
 
 
-def session_options(options: OrtOptions, device_type: str = "cpu", kernel_library: str = "") -> ort.SessionOptions:
+def session_options(options: OrtOptions, device_type: str = "cpu", kernel_library: str = "",
+                    device_index: int = 0) -> ort.SessionOptions:
     """``kernel_library``: a compiled ``_kernels`` library the model's custom ops come from."""
     so = ort.SessionOptions()
     if kernel_library:
@@ -68,6 +69,8 @@ def session_options(options: OrtOptions, device_type: str = "cpu", kernel_librar
         so.enable_mem_pattern = False
     if options.shared_cpu_arena:
         _register_shared_cpu_arena()
+    if device_type == "cuda" and options.shared_cuda_arena:
+        _register_shared_cuda_arena(device_index)
     # The environment's allocator where one is registered (ours, or the application's).
     so.add_session_config_entry("session.use_env_allocators", "1")
     return so
@@ -93,6 +96,19 @@ def _register_shared_cpu_arena() -> None:
         ort.create_and_register_allocator(memory, ort.OrtArenaCfg(_SHARED_ARENA_CONFIG))
     except Exception as exc:  # noqa: BLE001 - sessions then use their own arenas
         log.warning("ort_dynamo: shared CPU arena not registered, each session keeps its own (%s)", exc)
+
+
+@functools.lru_cache(None)
+def _register_shared_cuda_arena(device_index: int) -> None:
+    """One CUDA arena per GPU for all our sessions, as ``_register_shared_cpu_arena`` for the CPU.
+    It grows by what is asked (kSameAsRequested): doubling regions would leave up to half of a
+    GPU's arena unused."""
+    memory = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, device_index, ort.OrtMemType.DEFAULT)
+    try:
+        ort.create_and_register_allocator_v2("CUDAExecutionProvider", memory, {"device_id": str(device_index)},
+                                             ort.OrtArenaCfg({"arena_extend_strategy": 1}))
+    except Exception as exc:  # noqa: BLE001 - sessions then use their own arenas
+        log.warning("ort_dynamo: shared CUDA arena not registered, each session keeps its own (%s)", exc)
 
 
 #: The oldest onnxruntime a session is made with: the release the test suite passes on. Older
@@ -262,13 +278,15 @@ class OrtRunner:
                     model, interim = self.exported.unfused, True
             with self.report.stage("session"):
                 try:
-                    sess = ort.InferenceSession(model, session_options(self.options, device.type, library),
+                    sess = ort.InferenceSession(model, session_options(self.options, device.type, library,
+                                                                       device.index or 0),
                                                 providers=providers_for(device, self.options))
                 except Exception as exc:  # noqa: BLE001 - a library ORT refuses: run without it
                     if not library or not self.exported.unfused:
                         raise
                     model, library = self._without_kernels(exc), ""
-                    sess = ort.InferenceSession(model, session_options(self.options, device.type),
+                    sess = ort.InferenceSession(model, session_options(self.options, device.type, "",
+                                                                       device.index or 0),
                                                 providers=providers_for(device, self.options))
             if library:
                 # The kernels loaded: the model without them (MBs per partition) is done with.

@@ -274,3 +274,30 @@ def test_bf16_transformer_trains_on_cuda_with_generated_kernels_like_eager():
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert (q.grad - p.grad).norm() <= 5e-2 * p.grad.norm() + 1e-6, name
     _cuda_only()
+
+
+_ARENA_SCRIPT = """
+import sys, torch, ort_dynamo
+options = {"shared_cuda_arena": sys.argv[1] == "shared", "pointwise_kernels": False}
+x = torch.randn(64 << 20, device="cuda")  # 256 MB
+torch.cuda.synchronize()
+before = torch.cuda.mem_get_info()[0]
+for k in range(4):  # four graphs, four sessions, each with 256 MB intermediates
+    fn = torch.compile(lambda x, k=k: ((x * (k + 2)).exp() * 2).sum(), backend="ort", options=options)
+    fn(x)
+torch.cuda.synchronize()
+print((before - torch.cuda.mem_get_info()[0]) / 2**20)
+"""
+
+
+def test_cuda_sessions_share_one_arena_rather_than_each_keeping_its_peak():
+    import subprocess
+    import sys
+
+    used = {}
+    for mode in ("shared", "apart"):
+        out = subprocess.run([sys.executable, "-c", _ARENA_SCRIPT, mode], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        used[mode] = float(out.stdout.strip().splitlines()[-1])
+    # Apart, each session keeps at least its 256 MB intermediate; shared, they reuse one another's.
+    assert used["apart"] >= 4 * 256 and used["shared"] <= 0.75 * used["apart"], used

@@ -125,7 +125,7 @@ class BoundSession:
 
     def _open(self, model_bytes: bytes, library: str) -> None:
         options = self._options
-        so = session_options(options, self.device.type, library)
+        so = session_options(options, self.device.type, library, self.device.index or 0)
         # Basic level: constant folding and Identity removal; the graph is already minimal.
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         try:
