@@ -140,7 +140,8 @@ class OrtOptions:
     pointwise_kernels: bool = _field(
         True, "On CPU, fuse chains of elementwise ops into C kernels generated and compiled (with the "
         "machine's C compiler, once, cached on disk) as an ORT custom-op library; without a compiler "
-        "they run as ORT's separate kernels. Also hand-written kernels for single ops ORT's CPU "
+        "they run as ORT's separate kernels. On CUDA, the same chains as CUDA kernels compiled by NVRTC "
+        "(which CUDA builds of torch install) for the GPU in use. Also hand-written kernels for single ops ORT's CPU "
         "provider runs slowly (max pooling with indices, depthwise convolutions and their gradients, "
         "slow transposes), and, where the CPU has AVX512-BF16 (`python -m ort_dynamo info` says), CPU "
         "autocast's bfloat16 matrix products and float32 ones with a long inner dimension. FusedAdam's update too (there only the environment "
