@@ -1397,3 +1397,17 @@ def test_nvrtc_compiles_the_generated_cuda_kernels_and_names_what_it_refuses():
     assert cubin[:4] == b"\x7fELF"
     with pytest.raises(_nvrtc.NvrtcError, match="undefined"):
         _nvrtc.compile_cuda("__global__ void k() { nonsense(); }", "sm_90", {})
+
+
+def test_a_cuda_kernel_build_that_nvrtc_refuses_is_a_kernel_build_error_the_partition_survives(tmp_path, monkeypatch):
+    from ort_dynamo import _nvrtc
+
+    kernels = _pointwise.fuse_pointwise(_bfloat16_gelu_like_chain(), device="cuda")
+
+    def refuse(*args, **kwargs):
+        raise _nvrtc.NvrtcError("NVRTC 12.0 refused the kernels for sm_120: invalid value for --gpu-architecture")
+
+    monkeypatch.setattr(_nvrtc, "compile_cuda", refuse)
+    # run.py catches this one error: the partition then runs without its kernels, and warns.
+    with pytest.raises(_kernels.KernelBuildError, match="sm_120"):
+        _kernels._cuda_library(kernels, str(tmp_path), "sm_120")
