@@ -9,7 +9,9 @@ and the rest (torch's profiler).
 
 On CUDA ORT's node times are launch times (stock builds have no CUDA profiling), so there it
 says where ORT placed each node (the CPU provider's nodes, and the copies ORT added to reach
-them) and eager's GPU kernel time per kind.
+them), eager's GPU kernel time per kind, and then, for each backend, every CUDA kernel's GPU
+time (CUPTI, through torch's profiler: ORT's kernels and ort_dynamo's too) and how busy the GPU
+was over the step.
 """
 
 from __future__ import annotations
@@ -180,6 +182,53 @@ def eager_profile(name: str, steps: int, autocast: bool = False, device: str = "
     return kinds
 
 
+#: Kinds of CUDA kernels by name (CUPTI's names: cuBLAS/CUTLASS products, PyTorch's and ORT's
+#: elementwise templates, ort_dynamo's generated ``pw_`` kernels).
+_KERNEL_KINDS = (
+    ("ort_dynamo kernels", ("pw_",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("products", ("gemm", "cutlass", "xmma", "cublas", "sm80_", "sm90_", "sm100_", "nvjet", "matmul")),
+    ("reductions and norms", ("reduce", "softmax", "norm", "welford")),
+    ("casts and copies", ("cast", "copy", "memcpy", "transpose", "concat", "gather", "scatter")),
+)
+
+
+def _kernel_kind(kernel: str) -> str:
+    lower = kernel.lower()
+    if lower.startswith("pw_"):
+        return "ort_dynamo kernels"
+    return next((kind for kind, marks in _KERNEL_KINDS[1:] if any(m in lower for m in marks)), "elementwise and other")
+
+
+def gpu_kernel_profile(name: str, backend: str, steps: int) -> tuple[float, collections.Counter, collections.Counter]:
+    """``backend``'s training step (bf16 autocast) as the GPU ran it: torch's profiler records
+    every CUDA kernel of the process through CUPTI, ORT's and ort_dynamo's included, with its
+    time on the GPU. Returns (wall ms per step, GPU ms per step per kernel name, per kind). GPU
+    time well under the wall time means the GPU waited for the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, batch = build(name, "cuda")
+    _, fn = compiled_copy(model, backend)
+    opt = torch.optim.AdamW(fn.parameters(), lr=1e-4)
+    for _ in range(3):
+        train_step(fn, opt, batch, "cuda", True)
+    ort_dynamo.wait_for_kernels()
+    train_step(fn, opt, batch, "cuda", True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = _now("cuda")
+        for _ in range(steps):
+            train_step(fn, opt, batch, "cuda", True)
+        wall = (_now("cuda") - start) / steps * 1e3
+    per_kernel = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] += event.device_time_total / 1e3 / steps
+    kinds = collections.Counter()
+    for kernel, ms in per_kernel.items():
+        kinds[_kernel_kind(kernel)] += ms
+    return wall, per_kernel, kinds
+
+
 def _gemm_flop(args: dict) -> int:
     """2*M*N*K of a product from its profiled shapes (K: A's elements over the output rows)."""
     a = list(args["input_type_shape"][0].values())[0]
@@ -231,6 +280,15 @@ def main() -> None:
     print("heaviest nodes (op, output shape):")
     for node, ms in per_node.most_common(args.top):
         print(f"  {ms:7.2f} ms  {node}")
+    if args.device == "cuda":
+        for backend in args.phase_backends.split(","):
+            wall, per_kernel, kinds = gpu_kernel_profile(args.model, backend, args.steps)
+            busy = sum(kinds.values())
+            print(f"{backend} on the GPU (CUPTI): {wall:.1f} ms per step, kernels {busy:.1f} ms "
+                  f"({busy / wall:.0%} busy), {sum(1 for _ in per_kernel)} distinct kernels; "
+                  + ", ".join(f"{kind} {ms:.1f}" for kind, ms in kinds.most_common()))
+            for kernel, ms in per_kernel.most_common(args.top):
+                print(f"  {ms:7.2f} ms  {kernel[:110]}")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ step cuda-tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests -rs
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,inductor,ort,ort_unfused,aot_eager --steps 20 --warmup 3
 step host-ahead 60 python3 benchmarks/host_ahead.py
-step placement 120 python3 benchmarks/profile_step.py --device cuda --model gpt2-124m --steps 3
+step placement 200 python3 benchmarks/profile_step.py --device cuda --model gpt2-124m --steps 3
 step call-overhead 45 python3 benchmarks/call_overhead.py --device cuda --calls 500
 step math-attention 120 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort,ort_math_attention --steps 20 --warmup 3
