@@ -69,6 +69,9 @@ _ROTATE = "RotateHalf"
 _ALONE_OK = {"Where", _ROTATE}
 
 _BF16_CASTS = {(ir.DataType.FLOAT, ir.DataType.BFLOAT16), (ir.DataType.BFLOAT16, ir.DataType.FLOAT)}
+_F16_CASTS = {(ir.DataType.FLOAT, ir.DataType.FLOAT16), (ir.DataType.FLOAT16, ir.DataType.FLOAT)}
+#: The 16-bit float types GPU kernels hold as float32 (CPU graphs have only bfloat16 Casts left).
+_HALF_TYPES = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
 
 
 def _bfloat16_cast(node: ir.Node) -> bool:
@@ -80,6 +83,19 @@ def _bfloat16_cast(node: ir.Node) -> bool:
             or node.inputs[0] is None or "to" not in node.attributes:
         return False
     return (node.inputs[0].dtype, ir.DataType(node.attributes.get_int("to"))) in _BF16_CASTS
+
+
+def _float16_cast(node: ir.Node) -> bool:
+    """A Cast between float32 and float16 (CUDA autocast's default type): on the GPU, a kernel
+    op as a bfloat16 Cast is."""
+    if node.domain not in ("", "ai.onnx") or node.op_type != "Cast" or len(node.outputs) != 1 \
+            or node.inputs[0] is None or "to" not in node.attributes:
+        return False
+    return (node.inputs[0].dtype, ir.DataType(node.attributes.get_int("to"))) in _F16_CASTS
+
+
+def _rounds_to_float16(node: ir.Node) -> bool:
+    return _float16_cast(node) and node.attributes.get_int("to") == ir.DataType.FLOAT16
 
 
 def _rounds_to_bfloat16(node: ir.Node) -> bool:
@@ -130,11 +146,12 @@ class _Graph:
     """Shapes of the values the pass looks at, inferred for elementwise results where the
     exporter left them empty (values inside inlined torchlib functions)."""
 
-    def __init__(self, bfloat16_ops: bool = False) -> None:
+    def __init__(self, half_ops: bool = False) -> None:
         self.shape: dict[ir.Value, tuple | None] = {}
-        #: Whether ops on bfloat16 values are kernel ops too (computed in float32 and rounded,
-        #: as the GPU's do); on CPU, rewrite has already made every such op a float32 one.
-        self.bfloat16_ops = bfloat16_ops
+        #: Whether ops on bfloat16 and float16 values, and Casts between float16 and float32,
+        #: are kernel ops too (computed in float32 and rounded, as the GPU's are); on CPU,
+        #: rewrite has already made every bfloat16 op a float32 one.
+        self.half_ops = half_ops
 
     def dims(self, value: ir.Value) -> tuple | None:
         if value not in self.shape:
@@ -146,7 +163,7 @@ class _Graph:
         if node.domain == DOMAIN and node.op_type == _ROTATE:
             self.shape[node.outputs[0]] = self.dims(node.inputs[0])
             return self.shape[node.outputs[0]]
-        if _bfloat16_cast(node):
+        if _bfloat16_cast(node) or (self.half_ops and _float16_cast(node)):
             shape = self.dims(node.inputs[0])
             known = self.dims(node.outputs[0])
             if shape is None or len(shape) > _MAX_RANK or (known is not None and known != shape):
@@ -168,7 +185,7 @@ class _Graph:
         operands = data if node.op_type not in ("Pow", "Expand") else data[:1]
         dtypes = {v.dtype if v is not None else None for v in operands}
         dtype = dtypes.pop() if len(dtypes) == 1 else None
-        if dtype not in ((ir.DataType.FLOAT, ir.DataType.BFLOAT16) if self.bfloat16_ops else (ir.DataType.FLOAT,)) \
+        if dtype not in ((ir.DataType.FLOAT, *_HALF_TYPES) if self.half_ops else (ir.DataType.FLOAT,)) \
                 or out.dtype not in (None, dtype):
             return None
         inputs = operands + ([node.inputs[0]] if node.op_type == "Where" else [])
@@ -452,7 +469,8 @@ def _expression(node: ir.Node, ref) -> str:
                 -1.0: f"(1.0f / {base})"}.get(exponent, f"powf({base}, {_literal(exponent)})")
     if op == "Cast":
         x = ref(node.inputs[0])
-        return f"pw_round_bf16({x})" if _rounds_to_bfloat16(node) else x
+        return f"pw_round_bf16({x})" if _rounds_to_bfloat16(node) else f"pw_round_f16({x})" \
+            if _rounds_to_float16(node) else x
     return _UNARY[op].format(ref(node.inputs[0]))
 
 
@@ -684,7 +702,7 @@ def _take_over(old: ir.Value, new: ir.Value, suffix: str, output_positions: dict
     """``new`` replaces ``old`` everywhere (``_fusions._take_over``), as float32: values inside
     inlined torchlib functions often have no type set."""
     _take_over_value(old, new, suffix, output_positions)
-    new.dtype = ir.DataType.BFLOAT16 if old.dtype == ir.DataType.BFLOAT16 else ir.DataType.FLOAT
+    new.dtype = old.dtype if old.dtype in _HALF_TYPES else ir.DataType.FLOAT
 
 
 def _drop_if_unread(graph: ir.Graph, value: ir.Value) -> None:
@@ -1363,7 +1381,7 @@ def _fuse_groups(graph: ir.Graph, groups: list[_Group], info: _Graph, cuda: bool
             node.replace_input_with(i, None)
         replaced.append(node)
 
-    literal_types = (ir.DataType.FLOAT, ir.DataType.BFLOAT16) if cuda else (ir.DataType.FLOAT,)
+    literal_types = (ir.DataType.FLOAT, *_HALF_TYPES) if cuda else (ir.DataType.FLOAT,)
     for group in groups:
         members = set(group.nodes)
         _without_escaping_per_row_values(group, members)
@@ -1421,7 +1439,10 @@ def _fuse_groups(graph: ir.Graph, groups: list[_Group], info: _Graph, cuda: bool
 # -- the GPU's kernels ----------------------------------------------------------------------------
 
 _CUDA_MARK = "// ort_dynamo CUDA kernel "
-_ONNX_TYPE = {ir.DataType.FLOAT: 1, ir.DataType.BOOL: 9, ir.DataType.BFLOAT16: 16}
+_ONNX_TYPE = {ir.DataType.FLOAT: 1, ir.DataType.BOOL: 9, ir.DataType.FLOAT16: 10, ir.DataType.BFLOAT16: 16}
+#: Per 16-bit type: its load as float32, its rounding, its bits to store.
+_HALF_C = {ir.DataType.BFLOAT16: ("pw_bf16_to_float", "pw_round_bf16", "pw_bf16_bits"),
+           ir.DataType.FLOAT16: ("pw_f16_to_float", "pw_round_f16", "pw_f16_bits")}
 
 
 def is_cuda(kernel: str) -> bool:
@@ -1430,11 +1451,11 @@ def is_cuda(kernel: str) -> bool:
 
 
 def _fuse_for_cuda(model: ir.Model) -> list[str]:
-    """On the GPU, every chain of two or more elementwise ops (float32 or bfloat16) becomes one
-    kernel: ORT's CUDA provider runs each op as a pass over memory of its own, and stock ONNX
+    """On the GPU, every chain of two or more elementwise ops (float32, bfloat16 or float16)
+    becomes one kernel: ORT's CUDA provider runs each op as a pass over memory of its own, and stock ONNX
     Runtime has no fused gradient kernels. Reductions, products and the rest stay ORT's."""
     graph = model.graph
-    groups, info = _groups(graph, _Graph(bfloat16_ops=True), reductions=False)
+    groups, info = _groups(graph, _Graph(half_ops=True), reductions=False)
     kernels = _fuse_groups(graph, groups, info, cuda=True)
     if kernels:
         model.opset_imports[DOMAIN] = 1
@@ -1453,22 +1474,22 @@ def _emit_cuda(group: _Group, inputs: list[ir.Value], outputs: list[ir.Value], n
     def ref(value):
         return local.get(value) or arg.get(value) or _literal(_scalar(value))
 
-    ctype = {ir.DataType.BOOL: "uint8_t", ir.DataType.BFLOAT16: "uint16_t"}
+    ctype = {ir.DataType.BOOL: "uint8_t", ir.DataType.BFLOAT16: "uint16_t", ir.DataType.FLOAT16: "uint16_t"}
     lines = []
     for i, v in enumerate(inputs):
         element = f"(({ctype.get(v.dtype, 'float')} const*)a.in[{i}])[pw_index(a, {i}, e)]"
-        if v.dtype == ir.DataType.BFLOAT16:
-            lines.append(f"const float {arg[v]} = pw_bf16_to_float({element});")
+        if v.dtype in _HALF_C:
+            lines.append(f"const float {arg[v]} = {_HALF_C[v.dtype][0]}({element});")
         else:
             lines.append(f"const {ctype.get(v.dtype, 'float')} {arg[v]} = {element};")
     for node in group.nodes:
         expr = _expression(node, ref)
-        if node.outputs[0].dtype == ir.DataType.BFLOAT16 and not _bfloat16_cast(node):
-            expr = f"pw_round_bf16({expr})"
+        if node.outputs[0].dtype in _HALF_C and node.op_type != "Cast":  # a Cast rounds in _expression
+            expr = f"{_HALF_C[node.outputs[0].dtype][1]}({expr})"
         lines.append(f"const float {local[node.outputs[0]]} = {expr};")
     for j, v in enumerate(outputs):
-        if v.dtype == ir.DataType.BFLOAT16:
-            lines.append(f"((uint16_t*)a.out[{j}])[e] = pw_bf16_bits({local[v]});")
+        if v.dtype in _HALF_C:
+            lines.append(f"((uint16_t*)a.out[{j}])[e] = {_HALF_C[v.dtype][2]}({local[v]});")
         else:
             lines.append(f"((float*)a.out[{j}])[e] = {local[v]};")
     meta = json.dumps({"name": name, "in": [_ONNX_TYPE[v.dtype] for v in inputs],

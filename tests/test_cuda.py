@@ -206,11 +206,12 @@ def _run_on_cuda(session, *tensors):
     return outputs.to_dlpacks(torch._C._from_dlpack)[0]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_cuda_kernel_broadcasts_as_onnx_does_and_rounds_bfloat16_op_by_op(dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_cuda_kernel_broadcasts_as_onnx_does_and_rounds_half_types_op_by_op(dtype):
     import onnx_ir as ir
 
-    onnx_dtype = ir.DataType.FLOAT if dtype == torch.float32 else ir.DataType.BFLOAT16
+    onnx_dtype = {torch.float32: ir.DataType.FLOAT, torch.bfloat16: ir.DataType.BFLOAT16,
+                  torch.float16: ir.DataType.FLOAT16}[dtype]
 
     def chain(x, y):  # tanh(x * y + x) - y
         mul = ir.node("Mul", [x, y])
@@ -225,7 +226,8 @@ def test_a_cuda_kernel_broadcasts_as_onnx_does_and_rounds_bfloat16_op_by_op(dtyp
         return torch.tanh(x * y + x) - y
 
     # Within one rounding of dtype (tanh's last bit may differ from torch's build of it).
-    tolerance = dict(rtol=8e-3, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    tolerance = {torch.bfloat16: dict(rtol=8e-3, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-5)}.get(
+        dtype, dict(rtol=1e-6, atol=1e-6))
     # full, a suffix (a bias), a column (a row statistic), a scalar, a general broadcast (a mask
     # shared by one axis), and a smaller input broadcast against the larger.
     for y_shape in [(4, 96, 130), (130,), (4, 96, 1), (1,), (4, 1, 130), (96, 1)]:

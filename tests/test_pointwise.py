@@ -1338,9 +1338,10 @@ def test_a_small_chain_is_a_kernel_only_when_it_repeats_often_enough(tmp_path, s
 
 # -- the GPU's kernels, as far as a machine without one can check them (tests/test_cuda.py runs them) --
 
-def _bfloat16_gelu_like_chain():
-    """x (bfloat16) -> float32 -> + bias -> tanh -> bfloat16, then * g - g in bfloat16."""
-    bf16, f32 = ir.DataType.BFLOAT16, ir.DataType.FLOAT
+def _bfloat16_gelu_like_chain(half=ir.DataType.BFLOAT16):
+    """x (bfloat16) -> float32 -> + bias -> tanh -> bfloat16, then * g - g in bfloat16 (or
+    ``half``, float16: CUDA autocast's default)."""
+    bf16, f32 = half, ir.DataType.FLOAT
     x = ir.Value(name="x", shape=ir.Shape([8, 64, 384]), type=ir.TensorType(bf16))
     g = ir.Value(name="g", shape=ir.Shape([8, 64, 384]), type=ir.TensorType(bf16))
     bias = ir.Value(name="bias", shape=ir.Shape([384]), type=ir.TensorType(f32))
@@ -1385,12 +1386,24 @@ def test_the_cuda_kernels_host_library_builds_without_a_gpu_and_declares_its_ops
                              providers=["CPUExecutionProvider"])
 
 
-def test_nvrtc_compiles_the_generated_cuda_kernels_and_names_what_it_refuses():
+def test_on_the_gpu_a_float16_chain_is_one_kernel_too_rounding_to_float16():
+    model = _bfloat16_gelu_like_chain(ir.DataType.FLOAT16)
+    [source] = _pointwise.fuse_pointwise(model, device="cuda")
+    assert len(list(model.graph)) == 1 and model.graph.outputs[0].dtype == ir.DataType.FLOAT16
+    assert source.count("pw_round_f16(") == 3 and "pw_bf16" not in source and "pw_f16_bits(t5)" in source
+    assert "_in[] = {10, 1, 10};" in _pointwise.cuda_table_source([source])
+    # On the CPU no float16 op is a kernel op: rewrite leaves them to ORT.
+    cpu = _bfloat16_gelu_like_chain(ir.DataType.FLOAT16)
+    assert all("f16" not in k for k in _pointwise.fuse_pointwise(cpu))
+
+
+@pytest.mark.parametrize("half", [ir.DataType.BFLOAT16, ir.DataType.FLOAT16])
+def test_nvrtc_compiles_the_generated_cuda_kernels_and_names_what_it_refuses(half):
     from ort_dynamo import _nvrtc
 
     if not _nvrtc.available():
         pytest.skip("no NVRTC here (the nvidia-cuda-nvrtc wheel that CUDA builds of torch install)")
-    kernels = _pointwise.fuse_pointwise(_bfloat16_gelu_like_chain(), device="cuda")
+    kernels = _pointwise.fuse_pointwise(_bfloat16_gelu_like_chain(half), device="cuda")
     with open(os.path.join(os.path.dirname(_pointwise.__file__), "csrc", "pointwise_cuda.h")) as fh:
         headers = {"pointwise_cuda.h": fh.read()}
     cubin = _nvrtc.compile_cuda('#include "pointwise_cuda.h"\n' + kernels[0], "sm_90", headers)

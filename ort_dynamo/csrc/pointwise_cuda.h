@@ -4,7 +4,7 @@
  * (__CUDACC_RTC__: the device helpers), and pointwise_cuda_runtime.c, the custom-op library
  * ONNX Runtime's CUDA provider runs them through, fills the same argument block on the host.
  * A kernel computes in float32, op by op in ONNX's order (built with --fmad=false); a
- * bfloat16 value is held as the float32 it is exactly, and rounded as torch rounds it.
+ * bfloat16 or float16 value is held as the float32 it is exactly, and rounded as torch rounds it.
  *
  * Part of ort_dynamo; MIT licensed.
  */
@@ -62,6 +62,20 @@ static __device__ __forceinline__ float pw_round_bf16(float x) {
 static __device__ __forceinline__ uint16_t pw_bf16_bits(float rounded) {
   return (uint16_t)(__float_as_uint(rounded) >> 16);
 }
+
+/* float16 through the conversion instructions (no cuda_fp16.h needed): to nearest, ties to
+ * even, as torch converts; a NaN stays NaN, overflow is inf. */
+static __device__ __forceinline__ float pw_f16_to_float(uint16_t h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+static __device__ __forceinline__ uint16_t pw_f16_bits(float x) {
+  uint16_t h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
+}
+static __device__ __forceinline__ float pw_round_f16(float x) { return pw_f16_to_float(pw_f16_bits(x)); }
 
 /* Where input i's element for output element e is. */
 template <typename I>
