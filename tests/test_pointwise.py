@@ -1,9 +1,12 @@
 """Pointwise kernels: elementwise chains run as one generated C kernel each, with the results
 of ORT's separate kernels (ort_dynamo/_pointwise.py, _kernels.py, csrc/pointwise.h)."""
 
+import ctypes
 import gc
 import glob
+import json
 import os
+import shutil
 import subprocess
 
 import numpy as np
@@ -1424,3 +1427,99 @@ def test_a_cuda_kernel_build_that_nvrtc_refuses_is_a_kernel_build_error_the_part
     # run.py catches this one error: the partition then runs without its kernels, and warns.
     with pytest.raises(_kernels.KernelBuildError, match="sm_120"):
         _kernels._cuda_library(kernels, str(tmp_path), "sm_120")
+
+
+# -- the CUDA kernels' code, run on the CPU (tests/csrc/cuda_on_cpu.h): what they compute --------
+
+class _PwCudaArgs(ctypes.Structure):
+    """csrc/pointwise_cuda.h's PwCudaArgs, field for field."""
+    _fields_ = [("numel", ctypes.c_int64), ("rank", ctypes.c_int64), ("dims", ctypes.c_int64 * 8),
+                ("in_numel", ctypes.c_int64 * 32), ("strides", (ctypes.c_int64 * 8) * 32),
+                ("inputs", ctypes.c_void_p * 32), ("outputs", ctypes.c_void_p * 32), ("mode", ctypes.c_int32 * 32)]
+
+
+def _cuda_kernels_on_cpu(kernels, folder):
+    """The generated CUDA C of ``kernels`` built for this CPU: a ctypes library with
+    ``prepare`` (the host library's broadcasting, csrc/pointwise_cuda.h) and ``run_<name>``."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler to build the CUDA kernels for the CPU with")
+    names = [json.loads(k.splitlines()[0].split("kernel ", 1)[1])["name"] for k in kernels]
+    source = "\n".join(['#include "cuda_on_cpu.h"', *kernels,
+                        'extern "C" int prepare(PwCudaArgs* a, int n, const int64_t (*shapes)[PW_MAX_RANK], '
+                        "const size_t* ranks) { return pw_cuda_prepare(a, n, shapes, ranks); }",
+                        *[f'extern "C" void run_{n}(const PwCudaArgs* a) {{ {n}(*a); }}' for n in names]])
+    src, lib = os.path.join(folder, "kernels.cpp"), os.path.join(folder, "kernels.so")
+    with open(src, "w") as fh:
+        fh.write(source)
+    csrc = os.path.join(os.path.dirname(_pointwise.__file__), "csrc")
+    subprocess.run([compiler, "-std=c++17", "-O1", "-fPIC", "-shared", "-w", "-I", csrc, "-I",
+                    os.path.join(os.path.dirname(__file__), "csrc"), src, "-o", lib], check=True)
+    return ctypes.CDLL(lib), names
+
+
+def _run_cuda_kernel_on_cpu(library, name, inputs, out_dtype):
+    """What the host library and the kernel do for one launch, with these torch tensors."""
+    args = _PwCudaArgs()
+    shapes = ((ctypes.c_int64 * 8) * 32)()
+    ranks = (ctypes.c_size_t * 32)(*[t.dim() for t in inputs])
+    for i, t in enumerate(inputs):
+        shapes[i][:t.dim()] = list(t.shape)
+        args.inputs[i] = t.data_ptr()
+    if library.prepare(ctypes.byref(args), len(inputs), shapes, ranks):
+        raise ValueError("the inputs' shapes do not broadcast")
+    out = torch.empty(list(args.dims[:args.rank]), dtype=out_dtype)
+    args.outputs[0] = out.data_ptr()
+    getattr(library, f"run_{name}")(ctypes.byref(args))
+    return out
+
+
+def _tanh_chain(half):
+    """tanh(x * y + x) - y, op by op in ``half`` (or float32)."""
+    x = ir.Value(name="x", shape=ir.Shape([4, 96, 130]), type=ir.TensorType(half))
+    y = ir.Value(name="y", shape=ir.Shape([4, 96, 130]), type=ir.TensorType(half))
+    mul = ir.node("Mul", [x, y])
+    add = ir.node("Add", [mul.outputs[0], x])
+    tanh = ir.node("Tanh", [add.outputs[0]])
+    sub = ir.node("Sub", [tanh.outputs[0], y])
+    return ir.Model(ir.Graph([x, y], sub.outputs, nodes=[mul, add, tanh, sub], opset_imports={"": 18}), ir_version=10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_cuda_kernels_code_broadcasts_and_rounds_as_torch_computes_op_by_op(tmp_path, dtype):
+    """The CUDA C of tanh(x * y + x) - y, and the host library's choice of how each input is
+    read, built for this CPU: every read pattern (full, a bias's suffix, a row statistic's
+    column, a scalar, a general broadcast, the smaller input first), each 16-bit op rounded as
+    torch rounds it. (tests/test_cuda.py runs the same on a GPU.)"""
+    half = {torch.float32: ir.DataType.FLOAT, torch.bfloat16: ir.DataType.BFLOAT16,
+            torch.float16: ir.DataType.FLOAT16}[dtype]
+    kernels = _pointwise.fuse_pointwise(_tanh_chain(half), device="cuda")
+    library, [name] = _cuda_kernels_on_cpu(kernels, str(tmp_path))
+    assert ctypes.sizeof(_PwCudaArgs) == 3024
+    torch.manual_seed(0)
+    x = torch.randn(4, 96, 130).to(dtype)
+    tolerance = {torch.bfloat16: dict(rtol=8e-3, atol=1e-5), torch.float16: dict(rtol=1e-3, atol=1e-5)}.get(
+        dtype, dict(rtol=1e-6, atol=1e-6))
+    for y_shape in [(4, 96, 130), (130,), (4, 96, 1), (1,), (4, 1, 130), (96, 1)]:
+        y = torch.randn(y_shape).to(dtype)
+        torch.testing.assert_close(_run_cuda_kernel_on_cpu(library, name, [x, y], dtype), torch.tanh(x * y + x) - y,
+                                   **tolerance, msg=lambda m: f"y of shape {y_shape}: {m}")
+    small = torch.randn(130).to(dtype)
+    torch.testing.assert_close(_run_cuda_kernel_on_cpu(library, name, [small, x], dtype),
+                               torch.tanh(small * x + small) - x, **tolerance)
+    with pytest.raises(ValueError, match="do not broadcast"):
+        _run_cuda_kernel_on_cpu(library, name, [torch.ones(2, 3).to(dtype), torch.ones(4, 3).to(dtype)], dtype)
+
+
+@pytest.mark.parametrize("half", [ir.DataType.BFLOAT16, ir.DataType.FLOAT16])
+def test_a_cuda_kernels_casts_round_once_where_the_graph_rounds(tmp_path, half):
+    """The GELU-like chain: x (16-bit) -> float32 + bias -> tanh -> 16-bit -> * g - g. The
+    float32 part is not rounded; the Cast and each 16-bit op are."""
+    kernels = _pointwise.fuse_pointwise(_bfloat16_gelu_like_chain(half), device="cuda")
+    library, [name] = _cuda_kernels_on_cpu(kernels, str(tmp_path))
+    dtype = torch.bfloat16 if half == ir.DataType.BFLOAT16 else torch.float16
+    torch.manual_seed(0)
+    x, g, bias = torch.randn(8, 64, 384).to(dtype), torch.randn(8, 64, 384).to(dtype), torch.randn(384)
+    want = torch.tanh(x.float() + bias).to(dtype) * g - g
+    got = _run_cuda_kernel_on_cpu(library, name, [x, bias, g], dtype)  # the kernel's input order
+    torch.testing.assert_close(got, want, rtol=8e-3 if dtype == torch.bfloat16 else 1e-3, atol=1e-5)

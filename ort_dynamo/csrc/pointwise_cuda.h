@@ -17,8 +17,14 @@ typedef int int32_t;
 typedef unsigned int uint32_t;
 typedef unsigned short uint16_t;
 typedef unsigned char uint8_t;
+#define PW_DEVICE_CODE 1
 #else
+#include <stddef.h>
 #include <stdint.h>
+#include <string.h>
+#ifdef PW_CUDA_ON_CPU /* the kernels compiled for the host by the tests (tests/csrc/cuda_on_cpu.h) */
+#define PW_DEVICE_CODE 1
+#endif
 #endif
 
 #define PW_MAX_RANK 8
@@ -40,16 +46,18 @@ typedef struct PwCudaArgs {
   int32_t mode[PW_MAX_ARGS];
 } PwCudaArgs;
 /* The host's C compiler and NVRTC must agree on it to the byte. */
-#ifdef __CUDACC_RTC__
+#ifdef __cplusplus
 static_assert(sizeof(PwCudaArgs) == 3024, "PwCudaArgs layout");
 #else
 _Static_assert(sizeof(PwCudaArgs) == 3024, "PwCudaArgs layout");
 #endif
 
-#ifdef __CUDACC_RTC__
+#ifdef PW_DEVICE_CODE
 
+#ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #define NAN __int_as_float(0x7fffffff)
+#endif
 #define pw_expf(x) expf(x)
 
 static __device__ __forceinline__ float pw_bf16_to_float(uint16_t h) { return __uint_as_float((uint32_t)h << 16); }
@@ -65,6 +73,7 @@ static __device__ __forceinline__ uint16_t pw_bf16_bits(float rounded) {
 
 /* float16 through the conversion instructions (no cuda_fp16.h needed): to nearest, ties to
  * even, as torch converts; a NaN stays NaN, overflow is inf. */
+#ifdef __CUDACC_RTC__
 static __device__ __forceinline__ float pw_f16_to_float(uint16_t h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -75,6 +84,19 @@ static __device__ __forceinline__ uint16_t pw_f16_bits(float x) {
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
   return h;
 }
+#else /* on the host, the compiler's float16 (the same rounding) */
+static inline float pw_f16_to_float(uint16_t h) {
+  _Float16 f;
+  memcpy(&f, &h, sizeof f);
+  return (float)f;
+}
+static inline uint16_t pw_f16_bits(float x) {
+  const _Float16 f = (_Float16)x;
+  uint16_t h;
+  memcpy(&h, &f, sizeof h);
+  return h;
+}
+#endif
 static __device__ __forceinline__ float pw_round_f16(float x) { return pw_f16_to_float(pw_f16_bits(x)); }
 
 /* Where input i's element for output element e is. */
@@ -117,7 +139,9 @@ static __device__ __forceinline__ I pw_index(const PwCudaArgs& a, int i, I e) {
     for (uint32_t e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += step) name##_body<uint32_t>(a, e); \
   }
 
-#else /* the host library */
+#endif /* PW_DEVICE_CODE */
+
+#ifndef __CUDACC_RTC__ /* the host library's side */
 
 /* Element types, as ONNX numbers them (the kernel definitions' type lists). */
 typedef struct PwCudaKernelDef {
@@ -127,6 +151,62 @@ typedef struct PwCudaKernelDef {
   int n_out;
   const int* out_types;
 } PwCudaKernelDef;
+
+/* Fills a's shape and each input's read pattern from the inputs' shapes (shapes[i], ranks[i]
+ * axes each, at most PW_MAX_RANK), broadcasting as ONNX does: axes aligned at the end, a size
+ * of 1 stretches. Returns 0, or -1 if the shapes do not broadcast. Pointers are the caller's. */
+static inline int pw_cuda_prepare(PwCudaArgs* a, int n_in, const int64_t (*shapes)[PW_MAX_RANK],
+                                  const size_t* ranks) {
+  size_t rank = 0;
+  for (int i = 0; i < n_in; ++i)
+    if (ranks[i] > rank) rank = ranks[i];
+  int64_t numel = 1;
+  for (size_t d = 0; d < rank; ++d) {
+    int64_t size = 1;
+    for (int i = 0; i < n_in; ++i) {
+      const size_t pad = rank - ranks[i];
+      const int64_t s = d >= pad ? shapes[i][d - pad] : 1;
+      if (s == 1) continue;
+      if (size != 1 && size != s) return -1;
+      size = s;
+    }
+    a->dims[d] = size;
+    numel *= size;
+  }
+  a->rank = (int64_t)rank;
+  a->numel = numel;
+  for (int i = 0; i < n_in; ++i) {
+    int64_t padded[PW_MAX_RANK], count = 1;
+    const size_t pad = rank - ranks[i];
+    for (size_t d = 0; d < rank; ++d) {
+      padded[d] = d >= pad ? shapes[i][d - pad] : 1;
+      count *= padded[d];
+    }
+    a->in_numel[i] = count;
+    size_t lead = 0; /* leading axes of size 1 */
+    while (lead < rank && padded[lead] == 1) ++lead;
+    int same_tail = 1, same_head = rank > 0;
+    for (size_t d = lead; d < rank; ++d) same_tail &= padded[d] == a->dims[d];
+    for (size_t d = 0; d + 1 < rank; ++d) same_head &= padded[d] == a->dims[d];
+    if (count == numel)
+      a->mode[i] = PWC_FULL;
+    else if (count == 1)
+      a->mode[i] = PWC_SCALAR;
+    else if (same_tail)
+      a->mode[i] = PWC_SUFFIX;
+    else if (same_head && padded[rank - 1] == 1)
+      a->mode[i] = PWC_COL;
+    else {
+      a->mode[i] = PWC_GENERAL;
+      int64_t stride = 1;
+      for (size_t d = rank; d-- > 0;) {
+        a->strides[i][d] = padded[d] == 1 ? 0 : stride;
+        stride *= padded[d];
+      }
+    }
+  }
+  return 0;
+}
 
 #endif
 #endif /* ORT_DYNAMO_POINTWISE_CUDA_H */

@@ -172,66 +172,23 @@ static OrtStatus* pwc_compute(void* kernel, OrtKernelContext* ctx) {
   PwCudaArgs a;
   memset(&a, 0, sizeof a);
   int64_t shapes[PW_MAX_ARGS][PW_MAX_RANK];
-  size_t ranks[PW_MAX_ARGS], rank = 0;
+  size_t ranks[PW_MAX_ARGS];
   for (int i = 0; i < def->n_in; ++i) {
     const OrtValue* value;
     PWC_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, (size_t)i, &value));
     PWC_TRY(pwc_shape(api, value, shapes[i], &ranks[i]));
     if (ranks[i] > PW_MAX_RANK) return pwc_error(api, def, "an input has more than 8 axes", 0);
     PWC_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)value, (void**)&a.in[i]));
-    if (ranks[i] > rank) rank = ranks[i];
   }
-  /* ONNX broadcasting: axes aligned at the end, a size of 1 stretches. */
-  int64_t numel = 1;
-  for (size_t d = 0; d < rank; ++d) {
-    int64_t size = 1;
-    for (int i = 0; i < def->n_in; ++i) {
-      const int64_t pad = (int64_t)(rank - ranks[i]), s = (int64_t)d >= pad ? shapes[i][d - pad] : 1;
-      if (s == 1) continue;
-      if (size != 1 && size != s) return pwc_error(api, def, "the inputs' shapes do not broadcast", 0);
-      size = s;
-    }
-    a.dims[d] = size;
-    numel *= size;
-  }
-  a.rank = (int64_t)rank;
-  a.numel = numel;
+  if (pw_cuda_prepare(&a, def->n_in, (const int64_t(*)[PW_MAX_RANK])shapes, ranks))
+    return pwc_error(api, def, "the inputs' shapes do not broadcast", 0);
+  const int64_t numel = a.numel;
   for (int j = 0; j < def->n_out; ++j) {
     OrtValue* value;
-    PWC_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, (size_t)j, a.dims, rank, &value));
+    PWC_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, (size_t)j, a.dims, (size_t)a.rank, &value));
     PWC_TRY(ORTD_CALL(api, GetTensorMutableData)(value, &a.out[j]));
   }
   if (numel == 0) return NULL;
-  for (int i = 0; i < def->n_in; ++i) {
-    int64_t padded[PW_MAX_RANK], count = 1;
-    const size_t pad = rank - ranks[i];
-    for (size_t d = 0; d < rank; ++d) {
-      padded[d] = d >= pad ? shapes[i][d - pad] : 1;
-      count *= padded[d];
-    }
-    a.in_numel[i] = count;
-    size_t lead = 0; /* leading axes of size 1 */
-    while (lead < rank && padded[lead] == 1) ++lead;
-    int same_tail = 1, same_head = rank > 0;
-    for (size_t d = lead; d < rank; ++d) same_tail &= padded[d] == a.dims[d];
-    for (size_t d = 0; d + 1 < rank; ++d) same_head &= padded[d] == a.dims[d];
-    if (count == numel)
-      a.mode[i] = PWC_FULL;
-    else if (count == 1)
-      a.mode[i] = PWC_SCALAR;
-    else if (same_tail)
-      a.mode[i] = PWC_SUFFIX;
-    else if (same_head && padded[rank - 1] == 1)
-      a.mode[i] = PWC_COL;
-    else {
-      a.mode[i] = PWC_GENERAL;
-      int64_t stride = 1;
-      for (size_t d = rank; d-- > 0;) {
-        a.strides[i][d] = padded[d] == 1 ? 0 : stride;
-        stride *= padded[d];
-      }
-    }
-  }
   PwcModule* module;
   PWC_TRY(pwc_module(api, def, &module));
   void* stream = NULL;
