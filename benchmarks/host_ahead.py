@@ -9,7 +9,9 @@ sessions made with ort_dynamo's settings and one setting changed each.
 
 On an H200 (2026-11-26, before ort_dynamo's bridge stream) every plain session given PyTorch's
 legacy default stream (handle 0) returned in under a millisecond with PyTorch's stream idle:
-ORT ran on a stream of its own. "side stream" checks that a non-zero handle is honoured.
+ORT ran on a stream of its own. "side stream" checks that a non-zero handle is honoured, and
+"legacy stream handle" whether ORT runs on PyTorch's default stream given it as cudaStreamLegacy
+(handle 1), ordered with PyTorch's work (then ort_dynamo would need no bridge stream there).
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ def plain_session(variant: str, stream=None):
         run_options = C.RunOptions()
     elif variant == "no env allocators":
         so.add_session_config_entry("session.use_env_allocators", "0")
+    elif variant == "legacy stream handle":
+        # cudaStreamLegacy: PyTorch's default stream named explicitly, which ORT might take as
+        # a stream given (it takes 0 for none); if so, no bridge stream would be needed.
+        cuda["user_compute_stream"] = "1"
     sess = run_stage.ort.InferenceSession(heavy_model(), so, providers=[("CUDAExecutionProvider", cuda),
                                                                         "CPUExecutionProvider"])
     where = run_stage.ort_device(device)
@@ -108,7 +114,7 @@ def main() -> None:
     rows = [("eager", heavy), ("ort_dynamo", torch.compile(heavy, backend="ort"))]
     rows += [(f"plain session: {v}", plain_session(v)) for v in
              ("as ort_dynamo", "no memory pattern", "no user stream", "synchronizing run options",
-              "no env allocators", "io binding")]
+              "no env allocators", "io binding", "legacy stream handle")]
     side = torch.cuda.Stream()
     rows.append(("plain session: side stream", plain_session("side stream", side)))
     for name, call in rows:
@@ -119,6 +125,15 @@ def main() -> None:
             print(f"{name:40s} host ran ahead after each call: {pending}  host {host_ms:6.2f} ms per call")
         except Exception as exc:  # noqa: BLE001 - a diagnostic: report and go on
             print(f"{name:40s} failed: {type(exc).__name__}: {str(exc)[:200]}")
+    legacy = plain_session("legacy stream handle")
+    try:  # ordered with PyTorch's work? its input is still being computed when the call is made
+        torch.cuda.synchronize()
+        got = legacy(heavy(x))
+        torch.cuda.synchronize()
+        same = torch.allclose(got, heavy(heavy(x)), rtol=1e-3, atol=1e-3)
+        print(f"{'legacy stream handle, input still queued':40s} result as eager's: {same}")
+    except Exception as exc:  # noqa: BLE001
+        print(f"legacy stream handle failed: {type(exc).__name__}: {str(exc)[:200]}")
     print(ort_dynamo.report())
 
 
