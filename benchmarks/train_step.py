@@ -195,7 +195,8 @@ def bench_model(name, args) -> dict:
               "last_loss": {b: float(l[-1]) for b, l in losses.items()}}
     if args.memory:
         result["peak_mb"] = {b: peak_memory_mb(name, b, args) for b in args.backends}
-        result["peak_mb_warm"] = {b: peak_memory_mb(name, b, args, warm=True) for b in args.backends}
+        if not args.memory_cold_only:
+            result["peak_mb_warm"] = {b: peak_memory_mb(name, b, args, warm=True) for b in args.backends}
     if args.cache:
         result["warm_cache"] = warm_cache_first_step(name, args)
     return result
@@ -363,6 +364,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--memory-cold-only", action="store_true",
+                        help="with --memory: skip the second measurement, after a warm-up on another model "
+                             "(half the child processes; for a GPU session's short time)")
     parser.add_argument("--cache", action="store_true")
     parser.add_argument("--first-step-rounds", type=int, default=3,
                         help="with --cache: rounds of fresh-process first steps (aot_eager, ort cold, ort "
@@ -412,9 +416,10 @@ def main() -> None:
         print(f"{'':10s} loss at the last step: " + " ".join(f"{b} {v:.4f}" for b, v in r["last_loss"].items()))
         if "peak_mb" in r:
             p = r["peak_mb"]
-            w = r["peak_mb_warm"]
+            w = r.get("peak_mb_warm")
             print(f"{'':10s} peak step memory MB: " + " ".join(f"{b} {p[b]:.0f}" for b in args.backends)
-                  + " | backend warmed on another model first: " + " ".join(f"{b} {w[b]:.0f}" for b in args.backends))
+                  + (" | backend warmed on another model first: " + " ".join(f"{b} {w[b]:.0f}" for b in args.backends)
+                     if w else ""))
         if "warm_cache" in r:
             w = r["warm_cache"]
             ranges = {label: "" if len(w[label + "_ratios"]) == 1 else

@@ -55,7 +55,7 @@ printf 'Metadata-Version: 2.1\nName: ort_dynamo_checkout\nVersion: 0\n' >"$site/
 printf '[torch_dynamo_backends]\nort = ort_dynamo.capture:ort_backend\n' >"$site/ort_dynamo_checkout-0.dist-info/entry_points.txt"
 
 step info 45 python3 -m ort_dynamo info
-step cuda-tests 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests -rs
+step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests -rs
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,inductor,ort,ort_unfused,aot_eager --steps 20 --warmup 3
 step host-ahead 60 python3 benchmarks/host_ahead.py
@@ -64,6 +64,6 @@ step call-overhead 45 python3 benchmarks/call_overhead.py --device cuda --calls 
 step math-attention 120 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort,ort_math_attention --steps 20 --warmup 3
 step memory 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
-  --backends eager,ort --steps 5 --warmup 2 --memory
+  --backends eager,ort --steps 5 --warmup 2 --memory --memory-cold-only
 say "== done in ${SECONDS}s"
 rm -rf "$out/logs"
