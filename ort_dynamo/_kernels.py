@@ -269,10 +269,19 @@ def _cuda_library(kernels: list[str], cache_dir: str, arch: str = "") -> str:
 
 @functools.lru_cache(None)
 def cuda_available() -> bool:
-    """Whether CUDA kernels can be built here: a C compiler for the host library and NVRTC."""
+    """Whether CUDA kernels can be built here: a C compiler for the host library, and an NVRTC
+    that compiles for the current GPU (probed once per process with an empty kernel, so that a
+    broken one costs one warning, not one per partition)."""
     if _compiler() is None or not _nvrtc.available():
         log.info("no %s: elementwise chains on the GPU run as ORT's separate kernels",
                  "C compiler" if _compiler() is None else "NVRTC")
+        return False
+    try:
+        import torch
+
+        _nvrtc.compile_cuda('extern "C" __global__ void probe() {}', _cuda_arch(torch.cuda.current_device()), {})
+    except Exception as exc:  # noqa: BLE001 - any failure means: do without
+        log.warning("ort_dynamo: CUDA pointwise kernels unavailable, elementwise chains run unfused (%s)", exc)
         return False
     return True
 

@@ -1523,3 +1523,22 @@ def test_a_cuda_kernels_casts_round_once_where_the_graph_rounds(tmp_path, half):
     want = torch.tanh(x.float() + bias).to(dtype) * g - g
     got = _run_cuda_kernel_on_cpu(library, name, [x, bias, g], dtype)  # the kernel's input order
     torch.testing.assert_close(got, want, rtol=8e-3 if dtype == torch.bfloat16 else 1e-3, atol=1e-5)
+
+
+def test_a_broken_nvrtc_turns_cuda_kernels_off_once_with_one_warning(monkeypatch, caplog):
+    from ort_dynamo import _nvrtc
+
+    def refuse(*args, **kwargs):
+        raise _nvrtc.NvrtcError("NVRTC 12.0 refused the kernels for sm_120: invalid value for --gpu-architecture")
+
+    monkeypatch.setattr(_nvrtc, "available", lambda: True)
+    monkeypatch.setattr(_nvrtc, "compile_cuda", refuse)
+    monkeypatch.setattr(_kernels, "_cuda_arch", lambda index: "sm_120")
+    monkeypatch.setattr("torch.cuda.current_device", lambda: 0)
+    _kernels.cuda_available.cache_clear()
+    try:
+        assert not _kernels.cuda_available() and not _kernels.cuda_available()
+        assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+        assert "sm_120" in caplog.records[0].message
+    finally:
+        _kernels.cuda_available.cache_clear()
