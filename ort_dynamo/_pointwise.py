@@ -280,8 +280,9 @@ def _chain(group: _Group) -> tuple:
     return group.shape, tuple(node.op_type for node in group.nodes)
 
 
-def _groups(graph: ir.Graph, info: _Graph | None = None, reductions: bool = True) -> tuple[list[_Group], _Graph]:
-    """Groups of nodes one kernel each computes; ``reductions``: row and column sums too."""
+def _groups(graph: ir.Graph, info: _Graph | None = None, reductions: str = "all") -> tuple[list[_Group], _Graph]:
+    """Groups of nodes one kernel each computes; ``reductions``: "all" (row and column sums
+    too) or "rows" (row sums, not column sums)."""
     info = info if info is not None else _Graph()
     order: dict[ir.Node, int] = {}
     group_of: dict[ir.Node, _Group] = {}
@@ -332,8 +333,8 @@ def _groups(graph: ir.Graph, info: _Graph | None = None, reductions: bool = True
     for index, node in enumerate(graph):
         order[node] = index
         shape = info.elementwise_shape(node)
-        if not shape and reductions:
-            shape = info.row_reduction_shape(node) or info.column_sum_shape(node)
+        if not shape:
+            shape = info.row_reduction_shape(node) or (reductions == "all" and info.column_sum_shape(node)) or None
         if not shape:  # none, or a 0-d result: nothing to loop over
             continue
         producers = [v.producer() for v in node.inputs if v is not None and v.producer() in order]
@@ -1455,7 +1456,7 @@ def _fuse_for_cuda(model: ir.Model) -> list[str]:
     becomes one kernel: ORT's CUDA provider runs each op as a pass over memory of its own, and stock ONNX
     Runtime has no fused gradient kernels. Reductions, products and the rest stay ORT's."""
     graph = model.graph
-    groups, info = _groups(graph, _Graph(half_ops=True), reductions=False)
+    groups, info = _groups(graph, _Graph(half_ops=True), reductions="rows")
     kernels = _fuse_groups(graph, groups, info, cuda=True)
     if kernels:
         model.opset_imports[DOMAIN] = 1
@@ -1464,42 +1465,90 @@ def _fuse_for_cuda(model: ir.Model) -> list[str]:
 
 
 def _emit_cuda(group: _Group, inputs: list[ir.Value], outputs: list[ir.Value], name: str) -> str:
-    """CUDA C of one elementwise kernel (``csrc/pointwise_cuda.h`` has the rest): each thread
-    computes whole elements, reading each input where broadcasting puts it. A bfloat16 op's
-    result is rounded as it would be in memory, so a fused chain gives ORT's (and torch's)
-    values. The first line holds what the host library needs: name and element types."""
+    """CUDA C of one kernel (``csrc/pointwise_cuda.h`` has the rest), reading each input where
+    broadcasting puts it. Elementwise only: each thread computes whole elements. With row sums
+    (a norm's or a softmax's backward): a block per row, in phases as on the CPU (``_phases``),
+    each ending with its sums added up across the block. A 16-bit op's result is rounded as it
+    would be in memory, so a fused chain gives ORT's (and torch's) values. The first line holds
+    what the host library needs: name, element types, and for a row kernel each output's kind."""
     arg = {v: f"x{i}" for i, v in enumerate(inputs)}
-    local = {node.outputs[0]: f"t{i}" for i, node in enumerate(group.nodes)}
+    local = {node.outputs[0]: (f"s{i}" if _row_reduction(node) else f"t{i}") for i, node in enumerate(group.nodes)}
 
     def ref(value):
         return local.get(value) or arg.get(value) or _literal(_scalar(value))
 
     ctype = {ir.DataType.BOOL: "uint8_t", ir.DataType.BFLOAT16: "uint16_t", ir.DataType.FLOAT16: "uint16_t"}
-    lines = []
+    loads = []
     for i, v in enumerate(inputs):
         element = f"(({ctype.get(v.dtype, 'float')} const*)a.in[{i}])[pw_index(a, {i}, e)]"
         if v.dtype in _HALF_C:
-            lines.append(f"const float {arg[v]} = {_HALF_C[v.dtype][0]}({element});")
+            loads.append(f"const float {arg[v]} = {_HALF_C[v.dtype][0]}({element});")
         else:
-            lines.append(f"const {ctype.get(v.dtype, 'float')} {arg[v]} = {element};")
-    for node in group.nodes:
+            loads.append(f"const {ctype.get(v.dtype, 'float')} {arg[v]} = {element};")
+
+    def statement(node):
+        if _row_reduction(node):
+            return f"{local[node.outputs[0]]} += {ref(node.inputs[0])};"
         expr = _expression(node, ref)
         if node.outputs[0].dtype in _HALF_C and node.op_type != "Cast":  # a Cast rounds in _expression
             expr = f"{_HALF_C[node.outputs[0].dtype][1]}({expr})"
-        lines.append(f"const float {local[node.outputs[0]]} = {expr};")
-    for j, v in enumerate(outputs):
-        if v.dtype in _HALF_C:
-            lines.append(f"((uint16_t*)a.out[{j}])[e] = {_HALF_C[v.dtype][2]}({local[v]});")
+        return f"const float {local[node.outputs[0]]} = {expr};"
+
+    out_kind = [1 if _row_reduction(v.producer()) else 0 for v in outputs]
+    stores = [f"((uint16_t*)a.out[{j}])[e] = {_HALF_C[v.dtype][2]}({local[v]});" if v.dtype in _HALF_C
+              else f"((float*)a.out[{j}])[e] = {local[v]};" for j, v in enumerate(outputs) if out_kind[j] == 0]
+    reductions = [n for n in group.nodes if _row_reduction(n)]
+    meta = {"name": name, "in": [_ONNX_TYPE[v.dtype] for v in inputs], "out": [_ONNX_TYPE[v.dtype] for v in outputs]}
+    if not reductions:
+        body = loads + [statement(n) for n in group.nodes] + stores
+        return "\n".join([_CUDA_MARK + json.dumps(meta), "template <typename I>",
+                          f"static __device__ __forceinline__ void {name}_body(const PwCudaArgs& a, I e) {{",
+                          *["  " + line for line in body], "}", f"PW_CUDA_ENTRY({name})"]) + "\n"
+    meta["out_kinds"] = out_kind
+    phase = _phases(group)
+    last = max(phase.values())
+
+    def needed(targets):
+        """Non-reduction nodes ``targets`` read, transitively within the group, in order."""
+        want, stack = set(), list(targets)
+        while stack:
+            for v in stack.pop().inputs:
+                p = v.producer() if v is not None else None
+                if p in phase and not _row_reduction(p) and p not in want:
+                    want.add(p)
+                    stack.append(p)
+        return [n for n in group.nodes if n in want]
+
+    body = ["const I n = (I)a.dims[a.rank - 1], e0 = r * n;"]
+    per_row_done: set = set()
+    for k in range(last + 1):
+        closing = [n for n in reductions if phase[n] == k]
+        if k == last:
+            finals = [v.producer() for v, kind in zip(outputs, out_kind) if kind == 0]
+            wanted = set(needed(finals + closing)) | set(finals)
+            nodes = [n for n in group.nodes if n in wanted and not _row_reduction(n)]
         else:
-            lines.append(f"((float*)a.out[{j}])[e] = {local[v]};")
-    meta = json.dumps({"name": name, "in": [_ONNX_TYPE[v.dtype] for v in inputs],
-                       "out": [_ONNX_TYPE[v.dtype] for v in outputs]})
-    return "\n".join([_CUDA_MARK + meta,
-                      "template <typename I>",
-                      f"static __device__ __forceinline__ void {name}_body(const PwCudaArgs& a, I e) {{",
-                      *["  " + line for line in lines],
-                      "}",
-                      f"PW_CUDA_ENTRY({name})"]) + "\n"
+            nodes = needed(closing)
+        # Values per row: once, before the lanes (their sums are complete by now).
+        per_row = [n for n in nodes if n.meta.get(_PER_ROW) and n not in per_row_done]
+        body += [statement(n) for n in per_row]
+        per_row_done.update(per_row)
+        lanes = [n for n in nodes if not n.meta.get(_PER_ROW)]
+        body += [f"float {local[n.outputs[0]]} = 0.0f;" for n in closing]
+        if lanes or closing or (k == last and stores):
+            body += ["for (I i = threadIdx.x; i < n; i += blockDim.x) {", "  const I e = e0 + i;"]
+            body += ["  " + line for line in loads + [statement(n) for n in lanes + closing]
+                     + (stores if k == last else [])]
+            body.append("}")
+        for n in closing:
+            body.append(f"{local[n.outputs[0]]} = pw_block_sum({local[n.outputs[0]]}, scratch);")
+            if n.op_type == "ReduceMean":
+                body.append(f"{local[n.outputs[0]]} /= (float)n;")
+        body += [f"if (threadIdx.x == 0) ((float*)a.out[{j}])[r] = {local[v]};" for j, v in enumerate(outputs)
+                 if out_kind[j] == 1 and phase[v.producer()] == k]
+    return "\n".join([_CUDA_MARK + json.dumps(meta), "template <typename I>",
+                      f"static __device__ __forceinline__ void {name}_row(const PwCudaArgs& a, I r, float* scratch) {{",
+                      *["  " + line for line in body], "}", f"PW_CUDA_ROW_ENTRY({name})"]) + "\n"
 
 
 def cuda_table_source(kernels: list[str]) -> str:
@@ -1511,9 +1560,11 @@ def cuda_table_source(kernels: list[str]) -> str:
         meta = json.loads(kernel.splitlines()[0][len(_CUDA_MARK):])
         n = meta["name"]
         names.append(n)
+        kinds = meta.get("out_kinds")
         lines += [f"static const int {n}_in[] = {{{', '.join(map(str, meta['in']))}}};",
                   f"static const int {n}_out[] = {{{', '.join(map(str, meta['out']))}}};",
+                  *([f"static const int {n}_out_kinds[] = {{{', '.join(map(str, kinds))}}};"] if kinds else []),
                   f'static const PwCudaKernelDef {n}_def = {{"{n}", {len(meta["in"])}, {n}_in, '
-                  f'{len(meta["out"])}, {n}_out}};']
+                  f'{len(meta["out"])}, {n}_out, {1 if kinds else 0}, {f"{n}_out_kinds" if kinds else "0"}}};']
     lines.append(f"const PwCudaKernelDef* const pw_cuda_kernels[] = {{{''.join(f'&{n}_def, ' for n in names)}0}};")
     return "\n".join(lines) + "\n"

@@ -1448,18 +1448,20 @@ def _cuda_kernels_on_cpu(kernels, folder):
     source = "\n".join(['#include "cuda_on_cpu.h"', *kernels,
                         'extern "C" int prepare(PwCudaArgs* a, int n, const int64_t (*shapes)[PW_MAX_RANK], '
                         "const size_t* ranks) { return pw_cuda_prepare(a, n, shapes, ranks); }",
-                        *[f'extern "C" void run_{n}(const PwCudaArgs* a) {{ {n}(*a); }}' for n in names]])
+                        *[f'extern "C" void run_{n}(const PwCudaArgs* a, unsigned grid, unsigned block) '
+                          f'{{ pw_launch<{n}>(a, grid, block); }}' for n in names]])
     src, lib = os.path.join(folder, "kernels.cpp"), os.path.join(folder, "kernels.so")
     with open(src, "w") as fh:
         fh.write(source)
     csrc = os.path.join(os.path.dirname(_pointwise.__file__), "csrc")
-    subprocess.run([compiler, "-std=c++17", "-O1", "-fPIC", "-shared", "-w", "-I", csrc, "-I",
+    subprocess.run([compiler, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-w", "-I", csrc, "-I",
                     os.path.join(os.path.dirname(__file__), "csrc"), src, "-o", lib], check=True)
     return ctypes.CDLL(lib), names
 
 
-def _run_cuda_kernel_on_cpu(library, name, inputs, out_dtype):
-    """What the host library and the kernel do for one launch, with these torch tensors."""
+def _run_cuda_kernel_on_cpu(library, name, inputs, out_dtypes, grid=1, block=1, out_kinds=None):
+    """What the host library and the kernel do for one launch with these torch tensors, on
+    ``grid`` blocks of ``block`` threads: the outputs (one per dtype; a row sum's last axis 1)."""
     args = _PwCudaArgs()
     shapes = ((ctypes.c_int64 * 8) * 32)()
     ranks = (ctypes.c_size_t * 32)(*[t.dim() for t in inputs])
@@ -1468,10 +1470,13 @@ def _run_cuda_kernel_on_cpu(library, name, inputs, out_dtype):
         args.inputs[i] = t.data_ptr()
     if library.prepare(ctypes.byref(args), len(inputs), shapes, ranks):
         raise ValueError("the inputs' shapes do not broadcast")
-    out = torch.empty(list(args.dims[:args.rank]), dtype=out_dtype)
-    args.outputs[0] = out.data_ptr()
-    getattr(library, f"run_{name}")(ctypes.byref(args))
-    return out
+    dims = list(args.dims[:args.rank])
+    outs = []
+    for j, dtype in enumerate([out_dtypes] if isinstance(out_dtypes, torch.dtype) else out_dtypes):
+        outs.append(torch.empty(dims[:-1] + [1] if out_kinds and out_kinds[j] == 1 else dims, dtype=dtype))
+        args.outputs[j] = outs[-1].data_ptr()
+    getattr(library, f"run_{name}")(ctypes.byref(args), grid, block)
+    return outs[0] if isinstance(out_dtypes, torch.dtype) else outs
 
 
 def _tanh_chain(half):
@@ -1502,8 +1507,8 @@ def test_a_cuda_kernels_code_broadcasts_and_rounds_as_torch_computes_op_by_op(tm
         dtype, dict(rtol=1e-6, atol=1e-6))
     for y_shape in [(4, 96, 130), (130,), (4, 96, 1), (1,), (4, 1, 130), (96, 1)]:
         y = torch.randn(y_shape).to(dtype)
-        torch.testing.assert_close(_run_cuda_kernel_on_cpu(library, name, [x, y], dtype), torch.tanh(x * y + x) - y,
-                                   **tolerance, msg=lambda m: f"y of shape {y_shape}: {m}")
+        torch.testing.assert_close(_run_cuda_kernel_on_cpu(library, name, [x, y], dtype, grid=3, block=4),
+                                   torch.tanh(x * y + x) - y, **tolerance, msg=lambda m: f"y of shape {y_shape}: {m}")
     small = torch.randn(130).to(dtype)
     torch.testing.assert_close(_run_cuda_kernel_on_cpu(library, name, [small, x], dtype),
                                torch.tanh(small * x + small) - x, **tolerance)
@@ -1542,3 +1547,58 @@ def test_a_broken_nvrtc_turns_cuda_kernels_off_once_with_one_warning(monkeypatch
         assert "sm_120" in caplog.records[0].message
     finally:
         _kernels.cuda_available.cache_clear()
+
+
+def _layer_norm_backward(rows, width):
+    """A LayerNorm's input gradient written out, as the exporter writes it: xhat = (x - mean) *
+    rstd, gw = g * w, dx = (gw - mean(gw) - xhat * mean(gw * xhat)) * rstd; and sum(gw) as a
+    second output (a row sum read elsewhere)."""
+    f32 = ir.DataType.FLOAT
+    x, g = (ir.Value(name=n, shape=ir.Shape([rows, width]), type=ir.TensorType(f32)) for n in "xg")
+    w = ir.Value(name="w", shape=ir.Shape([width]), type=ir.TensorType(f32))
+    mean, rstd = (ir.Value(name=n, shape=ir.Shape([rows, 1]), type=ir.TensorType(f32)) for n in ("mean", "rstd"))
+    axes = ir.Value(name="axes", const_value=ir.tensor(np.array([-1], dtype=np.int64)),
+                    shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64))
+    centered = ir.node("Sub", [x, mean])
+    xhat = ir.node("Mul", [centered.outputs[0], rstd])
+    gw = ir.node("Mul", [g, w])
+    m1 = ir.node("ReduceMean", [gw.outputs[0], axes], attributes={"keepdims": 1})
+    prod = ir.node("Mul", [gw.outputs[0], xhat.outputs[0]])
+    m2 = ir.node("ReduceMean", [prod.outputs[0], axes], attributes={"keepdims": 1})
+    total = ir.node("ReduceSum", [gw.outputs[0], axes], attributes={"keepdims": 1})
+    less = ir.node("Sub", [gw.outputs[0], m1.outputs[0]])
+    along = ir.node("Mul", [xhat.outputs[0], m2.outputs[0]])
+    diff = ir.node("Sub", [less.outputs[0], along.outputs[0]])
+    dx = ir.node("Mul", [diff.outputs[0], rstd])
+    dx.outputs[0].name, total.outputs[0].name = "dx", "total"
+    nodes = [centered, xhat, gw, m1, prod, m2, total, less, along, diff, dx]
+    graph = ir.Graph([x, g, w, mean, rstd], [dx.outputs[0], total.outputs[0]], nodes=nodes, initializers=[axes],
+                     opset_imports={"": 18})
+    return ir.Model(graph, ir_version=10)
+
+
+@pytest.mark.parametrize("rows, width, grid, block", [(6, 100, 4, 8), (33, 768, 5, 32), (3, 7, 2, 16)])
+def test_a_cuda_row_kernel_sums_each_row_across_its_block_as_a_norms_backward_needs(tmp_path, rows, width, grid,
+                                                                                    block):
+    """A norm's backward as one CUDA kernel: a block per row, each phase's row sums added up
+    across the block's threads (more threads than lanes included), rows strided over fewer
+    blocks than rows; a row sum read outside is an output of shape [rows, 1]."""
+    model = _layer_norm_backward(rows, width)
+    kernels = _pointwise.fuse_pointwise(model, device="cuda")
+    assert [n.domain for n in model.graph] == [_pointwise.DOMAIN] and "PW_CUDA_ROW_ENTRY" in kernels[0]
+    meta = json.loads(kernels[0].splitlines()[0].split("kernel ", 1)[1])
+    outputs = [v.name for v in model.graph[0].outputs]  # in the kernel's order
+    assert sorted(outputs) == ["dx", "total"] and meta["out_kinds"][outputs.index("total")] == 1
+    library, [name] = _cuda_kernels_on_cpu(kernels, str(tmp_path))
+    torch.manual_seed(0)
+    x, g, w = torch.randn(rows, width), torch.randn(rows, width), torch.randn(width)
+    mean, rstd = x.mean(-1, keepdim=True), torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5)
+    by_name = {"x": x, "g": g, "w": w, "mean": mean, "rstd": rstd}
+    order = [v.name for v in model.graph[0].inputs]  # the kernel's own order
+    got = dict(zip(outputs, _run_cuda_kernel_on_cpu(library, name, [by_name[n] for n in order], [torch.float32] * 2,
+                                                    grid=grid, block=block, out_kinds=meta["out_kinds"])))
+    dx, total = got["dx"], got["total"]
+    xhat, gw = (x - mean) * rstd, g * w
+    want = (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True)) * rstd
+    torch.testing.assert_close(dx, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(total, gw.sum(-1, keepdim=True), rtol=1e-5, atol=1e-4)

@@ -126,6 +126,20 @@ static __device__ __forceinline__ I pw_index(const PwCudaArgs& a, int i, I e) {
   }
 }
 
+/* The sum of every thread's v, in every thread of the block (blockDim.x a power of two, at
+ * most PW_THREADS; buf: PW_THREADS floats of shared memory). */
+static __device__ __forceinline__ float pw_block_sum(float v, float* buf) {
+  buf[threadIdx.x] = v;
+  __syncthreads();
+  for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) buf[threadIdx.x] += buf[threadIdx.x + s];
+    __syncthreads();
+  }
+  const float total = buf[0];
+  __syncthreads();
+  return total;
+}
+
 /* The two entry points of kernel `name` (its body: name##_body<I>(a, e)): 64-bit indices,
  * and 32-bit ones (the host picks these below 2^31 elements). A grid-stride loop each. */
 #define PW_CUDA_ENTRY(name)                                                                              \
@@ -139,6 +153,20 @@ static __device__ __forceinline__ I pw_index(const PwCudaArgs& a, int i, I e) {
     for (uint32_t e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += step) name##_body<uint32_t>(a, e); \
   }
 
+/* A row kernel's (its body: name##_row<I>(a, r, scratch) for the row r of the last axis): a
+ * block per row, the rows strided over the grid. */
+#define PW_CUDA_ROW_ENTRY(name)                                                                          \
+  extern "C" __global__ void __launch_bounds__(PW_THREADS) name(const __grid_constant__ PwCudaArgs a) { \
+    __shared__ float scratch[PW_THREADS];                                                                \
+    const int64_t rows = a.numel / a.dims[a.rank - 1];                                                   \
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) name##_row<int64_t>(a, r, scratch);           \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(PW_THREADS) name##_32(const __grid_constant__ PwCudaArgs a) { \
+    __shared__ float scratch[PW_THREADS];                                                                \
+    const uint32_t rows = (uint32_t)(a.numel / a.dims[a.rank - 1]);                                      \
+    for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) name##_row<uint32_t>(a, r, scratch);         \
+  }
+
 #endif /* PW_DEVICE_CODE */
 
 #ifndef __CUDACC_RTC__ /* the host library's side */
@@ -150,6 +178,8 @@ typedef struct PwCudaKernelDef {
   const int* types;
   int n_out;
   const int* out_types;
+  int rows;             /* a row kernel (PW_CUDA_ROW_ENTRY): a block per row */
+  const int* out_kinds; /* a row kernel's, per output: 0 full, 1 a row sum (last axis 1) */
 } PwCudaKernelDef;
 
 /* Fills a's shape and each input's read pattern from the inputs' shapes (shapes[i], ranks[i]

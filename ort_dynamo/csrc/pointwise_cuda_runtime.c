@@ -183,9 +183,14 @@ static OrtStatus* pwc_compute(void* kernel, OrtKernelContext* ctx) {
   if (pw_cuda_prepare(&a, def->n_in, (const int64_t(*)[PW_MAX_RANK])shapes, ranks))
     return pwc_error(api, def, "the inputs' shapes do not broadcast", 0);
   const int64_t numel = a.numel;
+  int64_t row_sum_dims[PW_MAX_RANK]; /* a row sum's shape: the last axis 1 */
+  memcpy(row_sum_dims, a.dims, sizeof row_sum_dims);
+  if (a.rank > 0) row_sum_dims[a.rank - 1] = 1;
   for (int j = 0; j < def->n_out; ++j) {
     OrtValue* value;
-    PWC_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, (size_t)j, a.dims, (size_t)a.rank, &value));
+    const int row_sum = def->rows && def->out_kinds[j] == 1;
+    PWC_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, (size_t)j, row_sum ? row_sum_dims : a.dims,
+                                                    (size_t)a.rank, &value));
     PWC_TRY(ORTD_CALL(api, GetTensorMutableData)(value, &a.out[j]));
   }
   if (numel == 0) return NULL;
@@ -194,7 +199,7 @@ static OrtStatus* pwc_compute(void* kernel, OrtKernelContext* ctx) {
   void* stream = NULL;
   PWC_TRY(ORTD_CALL(api, KernelContext_GetGPUComputeStream)(ctx, &stream));
   const int narrow = numel < ((int64_t)1 << 31);
-  int64_t blocks = (numel + PW_THREADS - 1) / PW_THREADS;
+  int64_t blocks = def->rows ? numel / a.dims[a.rank - 1] : (numel + PW_THREADS - 1) / PW_THREADS;
   const int64_t most = (int64_t)module->sms * 16;
   if (blocks > most) blocks = most;
   void* params[] = {&a};

@@ -1,7 +1,9 @@
-/* cuda_on_cpu.h -- ort_dynamo's generated CUDA kernels compiled for the host (C++17), so that a
- * machine without a GPU checks their arithmetic, rounding and broadcasting (tests/test_pointwise.py).
- * One "thread" walks every element: the kernels' grid-stride loops start at 0 with a step of 1.
- * Math functions are the C library's, not CUDA's: the same within an ulp or two. */
+/* cuda_on_cpu.h -- ort_dynamo's generated CUDA kernels compiled for the host (C++20), so that a
+ * machine without a GPU checks their arithmetic, rounding, broadcasting and block sums
+ * (tests/test_pointwise.py). A launch (pw_launch) runs the blocks one after another, each as
+ * blockDim.x std::threads meeting at __syncthreads() (a barrier); __shared__ memory is a static
+ * the block's threads share. Math functions are the C library's, not CUDA's: the same within an
+ * ulp or two. */
 #ifndef ORT_DYNAMO_CUDA_ON_CPU_H
 #define ORT_DYNAMO_CUDA_ON_CPU_H
 
@@ -9,17 +11,25 @@
 #include <stdint.h>
 #include <string.h>
 
+#include <barrier>
+#include <thread>
+#include <vector>
+
 #define PW_CUDA_ON_CPU 1
 #define __device__
 #define __global__
 #define __forceinline__ inline
 #define __launch_bounds__(threads)
 #define __grid_constant__
+#define __shared__ static
 
 struct PwDim3 {
   unsigned x;
 };
-static const PwDim3 blockIdx{0}, threadIdx{0}, blockDim{1}, gridDim{1};
+static thread_local PwDim3 threadIdx{0}, blockIdx{0};
+static PwDim3 blockDim{1}, gridDim{1};
+static std::barrier<>* pw_block_barrier;
+static inline void __syncthreads() { pw_block_barrier->arrive_and_wait(); }
 
 static inline float __uint_as_float(uint32_t u) {
   float f;
@@ -38,5 +48,25 @@ static inline uint32_t __float_as_uint(float f) {
 }
 
 #include "pointwise_cuda.h"
+
+/* kernel<<<grid, block>>>(*a), and back when it is done. */
+template <void (*Kernel)(PwCudaArgs)>
+static void pw_launch(const PwCudaArgs* a, unsigned grid, unsigned block) {
+  blockDim.x = block;
+  gridDim.x = grid;
+  std::barrier<> barrier(block);
+  pw_block_barrier = &barrier;
+  for (unsigned b = 0; b < grid; ++b) {
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < block; ++t)
+      threads.emplace_back([a, b, t] {
+        threadIdx.x = t;
+        blockIdx.x = b;
+        Kernel(*a);
+      });
+    for (auto& thread : threads) thread.join();
+  }
+  pw_block_barrier = nullptr;
+}
 
 #endif
