@@ -31,21 +31,17 @@ static PwDim3 blockDim{1}, gridDim{1};
 static std::barrier<>* pw_block_barrier;
 static inline void __syncthreads() { pw_block_barrier->arrive_and_wait(); }
 
-static inline float __uint_as_float(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
+/* CUDA's bit casts. */
+template <typename To, typename From>
+static inline To pw_bit_cast(From from) {
+  static_assert(sizeof(To) == sizeof(From));
+  To to;
+  memcpy(&to, &from, sizeof to);
+  return to;
 }
-static inline float __int_as_float(int32_t i) {
-  float f;
-  memcpy(&f, &i, sizeof f);
-  return f;
-}
-static inline uint32_t __float_as_uint(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  return u;
-}
+static inline float __uint_as_float(uint32_t u) { return pw_bit_cast<float>(u); }
+static inline float __int_as_float(int32_t i) { return pw_bit_cast<float>(i); }
+static inline uint32_t __float_as_uint(float f) { return pw_bit_cast<uint32_t>(f); }
 
 #include "pointwise_cuda.h"
 
