@@ -2,6 +2,7 @@
 of ORT's separate kernels (ort_dynamo/_pointwise.py, _kernels.py, csrc/pointwise.h)."""
 
 import ctypes
+import functools
 import gc
 import glob
 import json
@@ -1438,12 +1439,23 @@ class _PwCudaArgs(ctypes.Structure):
                 ("inputs", ctypes.c_void_p * 32), ("outputs", ctypes.c_void_p * 32), ("mode", ctypes.c_int32 * 32)]
 
 
+@functools.lru_cache(None)
+def _cxx20():
+    """A C++ compiler that has C++20's <barrier> (the emulation's __syncthreads), or None."""
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        return None
+    probe = subprocess.run([compiler, "-std=c++20", "-fsyntax-only", "-x", "c++", "-"], input="#include <barrier>\n",
+                           capture_output=True, text=True)
+    return compiler if probe.returncode == 0 else None
+
+
 def _cuda_kernels_on_cpu(kernels, folder):
     """The generated CUDA C of ``kernels`` built for this CPU: a ctypes library with
     ``prepare`` (the host library's broadcasting, csrc/pointwise_cuda.h) and ``run_<name>``."""
-    compiler = shutil.which("g++") or shutil.which("c++")
+    compiler = _cxx20()
     if compiler is None:
-        pytest.skip("no C++ compiler to build the CUDA kernels for the CPU with")
+        pytest.skip("no C++20 compiler (with <barrier>) to build the CUDA kernels for the CPU with")
     names = [json.loads(k.splitlines()[0].split("kernel ", 1)[1])["name"] for k in kernels]
     source = "\n".join(['#include "cuda_on_cpu.h"', *kernels,
                         'extern "C" int prepare(PwCudaArgs* a, int n, const int64_t (*shapes)[PW_MAX_RANK], '
