@@ -228,6 +228,8 @@ def _cuda_library_path(kernels: list[str], cache_dir: str, arch: str = "") -> tu
     if not arch:
         import torch
 
+        # The building thread's current device: device 0 in the background builder. A machine
+        # mixing GPU generations would need a binary per device (not done: one cubin, one arch).
         arch = _cuda_arch(torch.cuda.current_device())
     table = _pointwise.cuda_table_source(kernels)
     key = hashlib.sha256("\n".join([_header_digest(), *compiler, *_HOST_FLAGS, arch, _nvrtc.version(), table,
