@@ -188,22 +188,23 @@ def _cuda_kernel_session(shapes, dtype, build):
                                 providers=["CUDAExecutionProvider"])
 
 
-def _run_on_cuda(session, *tensors):
+def _run_on_cuda(session, *tensors, names=None, outputs=("out",)):
     """Run ``session`` on CUDA tensors as ort_dynamo does (OrtValues over their memory, bfloat16
-    included); ORT's default run options wait for the GPU at the end."""
+    included); ORT's default run options wait for the GPU at the end. ``names``: the inputs'
+    (default x0, x1, ...). Returns the first output, or all of ``outputs`` if several."""
     from onnxruntime.capi import _pybind_state as C
 
     from ort_dynamo.run import _wrap, ort_device
 
     where = ort_device(tensors[0].device)
     torch.cuda.synchronize()  # the session runs on ORT's own stream, unordered with PyTorch's
-    inputs, outputs = C.OrtValueVector(), C.OrtValueVector()
+    inputs, results = C.OrtValueVector(), C.OrtValueVector()
     for t in tensors:
-        t = t.contiguous()
         inputs.push_back(_wrap(t, t.data_ptr(), where))
-    session._sess.run_with_ortvaluevector(C.RunOptions(), [f"x{i}" for i in range(len(tensors))], inputs,
-                                          ["out"], outputs, [where])
-    return outputs.to_dlpacks(torch._C._from_dlpack)[0]
+    session._sess.run_with_ortvaluevector(C.RunOptions(), names or [f"x{i}" for i in range(len(tensors))], inputs,
+                                          list(outputs), results, [where] * len(outputs))
+    got = results.to_dlpacks(torch._C._from_dlpack)
+    return got[0] if len(outputs) == 1 else got
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -236,6 +237,33 @@ def test_a_cuda_kernel_broadcasts_as_onnx_does_and_rounds_half_types_op_by_op(dt
                                    msg=lambda m: f"y of shape {y_shape}: {m}")
     small = torch.randn(130, device="cuda", dtype=dtype)
     torch.testing.assert_close(_run_on_cuda(session, small, x), want(small, x), **tolerance)
+
+
+def test_a_cuda_row_kernel_gives_a_norms_backward_and_its_row_sum():
+    """A LayerNorm's input gradient with its row sums, one kernel of a block per row (written
+    out as tests/test_pointwise.py's CPU emulation checks it), on the GPU through ORT."""
+    import onnxruntime as ort
+    import onnx_ir as ir
+    from test_pointwise import _layer_norm_backward
+
+    from ort_dynamo import _kernels, _pointwise
+
+    model = _layer_norm_backward(300, 768)
+    kernels = _pointwise.fuse_pointwise(model, device="cuda")
+    assert len(kernels) == 1 and "PW_CUDA_ROW_ENTRY" in kernels[0]
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library(kernels))
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                   providers=["CUDAExecutionProvider"])
+    torch.manual_seed(0)
+    x, g, w = torch.randn(300, 768, device="cuda"), torch.randn(300, 768, device="cuda"), torch.randn(768, device="cuda")
+    mean, rstd = x.mean(-1, keepdim=True), torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5)
+    dx, total = _run_on_cuda(session, x, g, w, mean, rstd, names=["x", "g", "w", "mean", "rstd"],
+                             outputs=("dx", "total"))
+    xhat, gw = (x - mean) * rstd, g * w
+    want = (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True)) * rstd
+    torch.testing.assert_close(dx, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(total, gw.sum(-1, keepdim=True), rtol=1e-5, atol=1e-4)
 
 
 def test_a_cuda_kernel_reports_shapes_that_do_not_broadcast():
