@@ -1603,14 +1603,14 @@ def test_a_cuda_row_kernel_sums_each_row_across_its_block_as_a_norms_backward_ne
     assert sorted(outputs) == ["dx", "total"] and meta["out_kinds"][outputs.index("total")] == 1
     library, [name] = _cuda_kernels_on_cpu(kernels, str(tmp_path))
     torch.manual_seed(0)
-    x, g, w = torch.randn(rows, width), torch.randn(rows, width), torch.randn(width)
-    mean, rstd = x.mean(-1, keepdim=True), torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5)
-    by_name = {"x": x, "g": g, "w": w, "mean": mean, "rstd": rstd}
     order = [v.name for v in model.graph[0].inputs]  # the kernel's own order
-    got = dict(zip(outputs, _run_cuda_kernel_on_cpu(library, name, [by_name[n] for n in order], [torch.float32] * 2,
-                                                    grid=grid, block=block, out_kinds=meta["out_kinds"])))
-    dx, total = got["dx"], got["total"]
-    xhat, gw = (x - mean) * rstd, g * w
-    want = (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True)) * rstd
-    torch.testing.assert_close(dx, want, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(total, gw.sum(-1, keepdim=True), rtol=1e-5, atol=1e-4)
+    for rows_now, width_now in ((rows, width), (rows + 5, width // 2 + 1)):  # run-time shapes need not be static
+        x, g, w = torch.randn(rows_now, width_now), torch.randn(rows_now, width_now), torch.randn(width_now)
+        mean, rstd = x.mean(-1, keepdim=True), torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + 1e-5)
+        by_name = {"x": x, "g": g, "w": w, "mean": mean, "rstd": rstd}
+        got = dict(zip(outputs, _run_cuda_kernel_on_cpu(library, name, [by_name[n] for n in order], [torch.float32] * 2,
+                                                        grid=grid, block=block, out_kinds=meta["out_kinds"])))
+        xhat, gw = (x - mean) * rstd, g * w
+        want = (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True)) * rstd
+        torch.testing.assert_close(got["dx"], want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got["total"], gw.sum(-1, keepdim=True), rtol=1e-5, atol=1e-4)
