@@ -1452,9 +1452,10 @@ def is_cuda(kernel: str) -> bool:
 
 
 def _fuse_for_cuda(model: ir.Model) -> list[str]:
-    """On the GPU, every chain of two or more elementwise ops (float32, bfloat16 or float16)
-    becomes one kernel: ORT's CUDA provider runs each op as a pass over memory of its own, and stock ONNX
-    Runtime has no fused gradient kernels. Reductions, products and the rest stay ORT's."""
+    """On the GPU, every chain of two or more elementwise ops (float32, bfloat16 or float16),
+    with the row sums between them, becomes one kernel: ORT's CUDA provider runs each op as a
+    launch and a pass over memory of its own, and stock ONNX Runtime has no fused gradient
+    kernels. Column sums, products and the rest stay ORT's."""
     graph = model.graph
     groups, info = _groups(graph, _Graph(half_ops=True), reductions="rows")
     kernels = _fuse_groups(graph, groups, info, cuda=True)
