@@ -13,6 +13,9 @@ something outside needs (another node, a graph output) becomes one of its output
 autograd saves for backward stays computed. Arithmetic is float32, op by op, in ONNX's order
 (no reassociation, no FMA contraction); exp is ``pw_expf`` (csrc/pointwise.h, within 1 ulp),
 log/tanh/erf come from the C library.
+
+On CUDA the same groups (elementwise ops and row sums) become CUDA C (``_emit_cuda``), which
+``_kernels`` compiles with NVRTC into a library for ORT's CUDA provider (csrc/pointwise_cuda*).
 """
 
 from __future__ import annotations
@@ -1327,7 +1330,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str
     and, where ``bfloat16_products()`` says the compiler can build them, CPU autocast's products
     by bfloat16 ones and float32 products with a long inner dimension by ours. Returns each new
     kernel's code (an empty list if nothing was fused): C for the CPU, CUDA C for ``device``
-    "cuda" (``is_cuda``), where only elementwise chains become kernels."""
+    "cuda" (``is_cuda``), where elementwise chains and their row sums become kernels."""
     if device == "cuda":
         return _fuse_for_cuda(model)
     graph = model.graph
