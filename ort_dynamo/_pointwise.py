@@ -489,6 +489,39 @@ def _phases(group: _Group) -> dict[ir.Node, int]:
     return phase
 
 
+def _phase_plan(group: _Group, phase: dict[ir.Node, int], finals: list[ir.Node], also: tuple | list = ()):
+    """What a kernel computes in each phase of a row (``phase``: ``_phases(group)``), on the CPU
+    and the GPU alike: yields (k, the row sums phase k closes, the values per row it computes
+    first (each once in the kernel), the nodes it computes at each lane). Nodes of earlier phases
+    are recomputed where a later one needs them. The last phase computes ``finals`` (the full
+    outputs' producers) and what they, its sums and ``also`` (column sums) read."""
+    last = max(phase.values())
+    reductions = [n for n in group.nodes if _row_reduction(n)]
+
+    def needed(targets):
+        """Non-reduction nodes ``targets`` read, transitively within the group, in order."""
+        want, stack = set(), list(targets)
+        while stack:
+            for v in stack.pop().inputs:
+                p = v.producer() if v is not None else None
+                if p in phase and not _row_reduction(p) and not _column_sum(p) and p not in want:
+                    want.add(p)
+                    stack.append(p)
+        return [n for n in group.nodes if n in want]
+
+    done: set[ir.Node] = set()
+    for k in range(last + 1):
+        closing = [n for n in reductions if phase[n] == k]
+        if k == last:
+            wanted = set(needed([*finals, *closing, *also])) | set(finals)
+            nodes = [n for n in group.nodes if n in wanted]
+        else:
+            nodes = needed(closing)
+        per_row = [n for n in nodes if n.meta.get(_PER_ROW) and n not in done]
+        done.update(per_row)
+        yield k, closing, per_row, [n for n in nodes if not n.meta.get(_PER_ROW)]
+
+
 def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.Value], name: str,
           perms: dict[int, tuple] | None = None, out_perms: dict[int, tuple] | None = None) -> str:
     """C source of one kernel: ``<name>_fast`` with static read patterns and ``<name>_any``
@@ -550,33 +583,12 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
     out_kind = [1 if _row_reduction(v.producer()) else
                 (3 if v.producer().meta[_COLUMN_SUM] else 2) if _column_sum(v.producer()) else 0 for v in outputs]
 
-    def needed(targets):
-        """Non-reduction nodes ``targets`` read, transitively within the phase, in order."""
-        want, stack = set(), list(targets)
-        while stack:
-            node = stack.pop()
-            for v in node.inputs:
-                p = v.producer() if v is not None else None
-                if p in phase and not _row_reduction(p) and not _column_sum(p) and p not in want:
-                    want.add(p)
-                    stack.append(p)
-        return [n for n in group.nodes if n in want]
-
     def loops(load):
         lines = []
-        per_row_done = set()
-        for k in range(last + 1):
-            closing = [n for n in reductions if phase[n] == k]
-            if k == last:
-                finals = [v.producer() for v, kind in zip(outputs, out_kind) if kind == 0]
-                wanted = set(needed(finals + closing + column_sums)) | set(finals)
-                nodes = [n for n in group.nodes if n in wanted]
-            else:
-                nodes = needed(closing)
+        finals = [v.producer() for v, kind in zip(outputs, out_kind) if kind == 0]
+        for k, closing, per_row, nodes in _phase_plan(group, phase, finals, column_sums):
             # Values per row: once, before the lanes (their reductions are complete by now).
-            lines += [statement(n) for n in nodes if n.meta.get(_PER_ROW) and n not in per_row_done]
-            per_row_done.update(n for n in nodes if n.meta.get(_PER_ROW))
-            nodes = [n for n in nodes if not n.meta.get(_PER_ROW)]
+            lines += [statement(n) for n in per_row]
             if closing:
                 lines += [f"float {local[n.outputs[0]]} = {'-INFINITY' if n.op_type == 'ReduceMax' else '0.0f'};"
                           for n in closing]
@@ -1511,33 +1523,11 @@ def _emit_cuda(group: _Group, inputs: list[ir.Value], outputs: list[ir.Value], n
     meta["out_kinds"] = out_kind
     phase = _phases(group)
     last = max(phase.values())
-
-    def needed(targets):
-        """Non-reduction nodes ``targets`` read, transitively within the group, in order."""
-        want, stack = set(), list(targets)
-        while stack:
-            for v in stack.pop().inputs:
-                p = v.producer() if v is not None else None
-                if p in phase and not _row_reduction(p) and p not in want:
-                    want.add(p)
-                    stack.append(p)
-        return [n for n in group.nodes if n in want]
-
     body = ["const I n = (I)a.dims[a.rank - 1], e0 = r * n;"]
-    per_row_done: set = set()
-    for k in range(last + 1):
-        closing = [n for n in reductions if phase[n] == k]
-        if k == last:
-            finals = [v.producer() for v, kind in zip(outputs, out_kind) if kind == 0]
-            wanted = set(needed(finals + closing)) | set(finals)
-            nodes = [n for n in group.nodes if n in wanted and not _row_reduction(n)]
-        else:
-            nodes = needed(closing)
+    finals = [v.producer() for v, kind in zip(outputs, out_kind) if kind == 0]
+    for k, closing, per_row, lanes in _phase_plan(group, phase, finals):
         # Values per row: once, before the lanes (their sums are complete by now).
-        per_row = [n for n in nodes if n.meta.get(_PER_ROW) and n not in per_row_done]
         body += [statement(n) for n in per_row]
-        per_row_done.update(per_row)
-        lanes = [n for n in nodes if not n.meta.get(_PER_ROW)]
         body += [f"float {local[n.outputs[0]]} = 0.0f;" for n in closing]
         if lanes or closing or (k == last and stores):
             body += ["for (I i = threadIdx.x; i < n; i += blockDim.x) {", "  const I e = e0 + i;"]
