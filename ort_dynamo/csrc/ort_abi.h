@@ -118,6 +118,32 @@ typedef OrtStatus* (*ortd_KernelContext_ParallelFor_fn)(const OrtKernelContext* 
 /* ORTD_CALL(api, Name) yields the typed function pointer for slot Name. */
 #define ORTD_CALL(api, name) ((ortd_##name##_fn)((api)->fn[ORTD_SLOT_##name]))
 
+/* ---- helpers both kernel libraries use --------------------------------- */
+
+/* A tensor's shape; dims is filled only for a rank up to max_rank (the caller checks *rank). */
+static inline OrtStatus* ortd_tensor_shape(const OrtApiTable* api, const OrtValue* value, int64_t* dims,
+                                           size_t* rank, size_t max_rank) {
+  OrtTensorTypeAndShapeInfo* info;
+  OrtStatus* status = ORTD_CALL(api, GetTensorTypeAndShape)(value, &info);
+  if (status) return status;
+  status = ORTD_CALL(api, GetDimensionsCount)(info, rank);
+  if (!status && *rank <= max_rank) status = ORTD_CALL(api, GetDimensions)(info, dims, *rank);
+  ORTD_CALL(api, ReleaseTensorTypeAndShapeInfo)(info);
+  return status;
+}
+
+/* OrtCustomOp callbacks: every input and output required, and on the op's own device. */
+static inline int ortd_io_required(const struct OrtCustomOp* op, size_t index) {
+  (void)op;
+  (void)index;
+  return ORTD_IO_REQUIRED;
+}
+static inline int ortd_on_device(const struct OrtCustomOp* op, size_t index) {
+  (void)op;
+  (void)index;
+  return ORTD_MEM_DEFAULT;
+}
+
 /* ---- entry point ------------------------------------------------------- */
 typedef struct OrtApiBase {
   const OrtApiTable* (*GetApi)(uint32_t version); /* NULL if unsupported */

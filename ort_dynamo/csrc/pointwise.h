@@ -177,7 +177,9 @@ typedef struct PwKernel {
 /* An invalid-argument status naming the kernel. */
 PW_HIDDEN OrtStatus* pw_error(const PwKernel* k, const char* what);
 /* A tensor's shape; dims is filled only for a rank up to PW_MAX_RANK. */
-PW_HIDDEN OrtStatus* pw_shape(const OrtApiTable* api, const OrtValue* value, int64_t* dims, size_t* rank);
+static inline OrtStatus* pw_shape(const OrtApiTable* api, const OrtValue* value, int64_t* dims, size_t* rank) {
+  return ortd_tensor_shape(api, value, dims, rank, PW_MAX_RANK);
+}
 /* Items per thread task for about PW_TASK_ELEMENTS of work each, given each item's work. */
 static inline int64_t pw_per_task(int64_t work_per_item) {
   return work_per_item > 0 && PW_TASK_ELEMENTS / work_per_item > 1 ? PW_TASK_ELEMENTS / work_per_item : 1;

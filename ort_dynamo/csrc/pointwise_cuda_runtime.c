@@ -156,15 +156,6 @@ done:
   return status;
 }
 
-static OrtStatus* pwc_shape(const OrtApiTable* api, const OrtValue* value, int64_t* dims, size_t* rank) {
-  OrtTensorTypeAndShapeInfo* info;
-  PWC_TRY(ORTD_CALL(api, GetTensorTypeAndShape)(value, &info));
-  OrtStatus* status = ORTD_CALL(api, GetDimensionsCount)(info, rank);
-  if (!status && *rank <= PW_MAX_RANK) status = ORTD_CALL(api, GetDimensions)(info, dims, *rank);
-  ORTD_CALL(api, ReleaseTensorTypeAndShapeInfo)(info);
-  return status;
-}
-
 static OrtStatus* pwc_compute(void* kernel, OrtKernelContext* ctx) {
   const PwcKernel* k = (const PwcKernel*)kernel;
   const OrtApiTable* api = k->api;
@@ -176,7 +167,7 @@ static OrtStatus* pwc_compute(void* kernel, OrtKernelContext* ctx) {
   for (int i = 0; i < def->n_in; ++i) {
     const OrtValue* value;
     PWC_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, (size_t)i, &value));
-    PWC_TRY(pwc_shape(api, value, shapes[i], &ranks[i]));
+    PWC_TRY(ortd_tensor_shape(api, value, shapes[i], &ranks[i], PW_MAX_RANK));
     if (ranks[i] > PW_MAX_RANK) return pwc_error(api, def, "an input has more than 8 axes", 0);
     PWC_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)value, (void**)&a.in[i]));
   }
@@ -248,16 +239,6 @@ static int pwc_input_type(const OrtCustomOp* op, size_t i) { return pwc_op(op)->
 static size_t pwc_input_count(const OrtCustomOp* op) { return (size_t)pwc_op(op)->def->n_in; }
 static int pwc_output_type(const OrtCustomOp* op, size_t i) { return pwc_op(op)->def->out_types[i]; }
 static size_t pwc_output_count(const OrtCustomOp* op) { return (size_t)pwc_op(op)->def->n_out; }
-static int pwc_required(const OrtCustomOp* op, size_t i) {
-  (void)op;
-  (void)i;
-  return ORTD_IO_REQUIRED;
-}
-static int pwc_device_memory(const OrtCustomOp* op, size_t i) {
-  (void)op;
-  (void)i;
-  return ORTD_MEM_DEFAULT;
-}
 
 ORTD_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
   static PwcOp* ops; /* filled on the first registration; later sessions share them */
@@ -282,9 +263,9 @@ ORTD_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
       p->op.GetOutputTypeCount = pwc_output_count;
       p->op.KernelCompute = pwc_compute_v1;
       p->op.KernelDestroy = pwc_destroy;
-      p->op.GetInputCharacteristic = pwc_required;
-      p->op.GetOutputCharacteristic = pwc_required;
-      p->op.GetInputMemoryType = pwc_device_memory;
+      p->op.GetInputCharacteristic = ortd_io_required;
+      p->op.GetOutputCharacteristic = ortd_io_required;
+      p->op.GetInputMemoryType = ortd_on_device;
       p->op.CreateKernelV2 = pwc_create;
       p->op.KernelComputeV2 = pwc_compute;
     }

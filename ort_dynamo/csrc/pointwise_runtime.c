@@ -63,15 +63,6 @@ static int pw_kind_holds(int kind, const int64_t* shape, const PwArgs* a, int64_
   }
 }
 
-OrtStatus* pw_shape(const OrtApiTable* api, const OrtValue* value, int64_t* dims, size_t* rank) {
-  OrtTensorTypeAndShapeInfo* info;
-  PW_TRY(ORTD_CALL(api, GetTensorTypeAndShape)(value, &info));
-  OrtStatus* status = ORTD_CALL(api, GetDimensionsCount)(info, rank);
-  if (!status && *rank <= PW_MAX_RANK) status = ORTD_CALL(api, GetDimensions)(info, dims, *rank);
-  ORTD_CALL(api, ReleaseTensorTypeAndShapeInfo)(info);
-  return status;
-}
-
 typedef struct PwScatter {
   float* out;
   const float* updates;
@@ -451,8 +442,6 @@ static int pw_output_type(const OrtCustomOp* op, size_t i) {
   return types ? pw_elem_type(types[i]) : ORTD_ELEM_FLOAT;
 }
 static size_t pw_output_count(const OrtCustomOp* op) { return (size_t)pw_def(op)->n_out; }
-static int pw_required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORTD_IO_REQUIRED; }
-static int pw_default_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ORTD_MEM_DEFAULT; }
 
 static void pw_init_op(PwOp* p, const PwKernelDef* def) {
   p->def = def;
@@ -466,9 +455,9 @@ static void pw_init_op(PwOp* p, const PwKernelDef* def) {
   p->op.GetOutputTypeCount = pw_output_count;
   p->op.KernelCompute = pw_compute_v1;
   p->op.KernelDestroy = pw_destroy;
-  p->op.GetInputCharacteristic = pw_required;
-  p->op.GetOutputCharacteristic = pw_required;
-  p->op.GetInputMemoryType = pw_default_memory;
+  p->op.GetInputCharacteristic = ortd_io_required;
+  p->op.GetOutputCharacteristic = ortd_io_required;
+  p->op.GetInputMemoryType = ortd_on_device;
   p->op.CreateKernelV2 = pw_create;
   p->op.KernelComputeV2 = pw_compute;
 }
