@@ -207,14 +207,14 @@ def ordered_with_pytorch(device: torch.device) -> contextlib.AbstractContextMana
     the run (its later work reads the outputs, and may reuse the inputs' memory). Events
     only: the host never waits. Elsewhere (CPU, or any other stream, which ORT runs on itself)
     nothing to do: one shared null context, no generator made per call."""
-    if device.type != "cuda" or torch.cuda.current_stream(device).cuda_stream:
+    if device.type != "cuda":
         return _UNORDERED
-    return _bridged(device)
+    pytorchs = torch.cuda.current_stream(device)
+    return _UNORDERED if pytorchs.cuda_stream else _bridged(pytorchs, _bridge_stream(device))
 
 
 @contextlib.contextmanager
-def _bridged(device: torch.device) -> Iterator[None]:
-    pytorchs, ours = torch.cuda.current_stream(device), _bridge_stream(device)
+def _bridged(pytorchs: "torch.cuda.Stream", ours: "torch.cuda.Stream") -> Iterator[None]:
     ours.wait_stream(pytorchs)
     try:
         yield
