@@ -31,7 +31,8 @@ _BF16_OK_ON_CPU = {
 
 def pointwise_kernels_apply(options: OrtOptions, device: str) -> bool:
     """Whether a graph on ``device`` ("cpu", "cuda") gets generated kernels for its elementwise
-    chains: asked here, and before tracing, where it picks a few decompositions."""
+    chains: asked here, and, for the CPU, before tracing, where it picks a few decompositions
+    the C kernels fuse (the CUDA ones take no column sums)."""
     if not (options.pointwise_kernels and options.enable_compute_optimizer and not options.deterministic_compute):
         return False
     return _kernels.available() if device == "cpu" else device == "cuda" and _kernels.cuda_available()
