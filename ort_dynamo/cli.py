@@ -122,6 +122,11 @@ def _info(args: argparse.Namespace) -> int:
 
     print(f"CPU pointwise kernels: {describe()}")
     print(f"CUDA pointwise kernels: {describe_cuda()}")
+    from ._cuda_allocator import torch_allocator_problem
+
+    problem = torch_allocator_problem()
+    print("ORT allocates CUDA memory from: " + ("PyTorch's caching allocator (cuda_allocator=pytorch)" if not problem
+                                                 else f"its own arena, not PyTorch's allocator: {problem}"))
 
     usable, lines = _cuda_verdict(torch, providers, ort_wheels)
     print(f"CUDA GPU usable: {'yes' if usable else 'no'}")

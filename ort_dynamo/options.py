@@ -86,6 +86,7 @@ class LogLevel(str, enum.Enum):
 
 
 _GRAPH_OPT_LEVELS = ("disable", "basic", "extended", "all")
+_CUDA_ALLOCATORS = ("pytorch", "shared_arena", "per_session")
 _MIN_OPSET, _MAX_OPSET = 18, 23
 
 
@@ -163,11 +164,14 @@ class OrtOptions:
         "`onnxruntime.create_and_register_allocator`). False: sessions use the application's "
         "registered allocator if there is one, else each its own arena. The shared arena's first "
         "region is 256 MB of address space; its pages take memory only once used.", "")
-    shared_cuda_arena: bool = _field(
-        True, "All CUDA sessions on a GPU allocate from one ORT arena, registered by ort_dynamo, growing "
-        "by what is asked (not in doublings). Each session's own arena would keep its peak for good, and "
-        "a model split around PyTorch's attention has dozens of sessions (GPT-2 124M on an H100: 25.6 GB "
-        "against eager's 6.9 GB). False: as `shared_cpu_arena=False`, for the GPU.", "")
+    cuda_allocator: str = _field(
+        "pytorch", "Where CUDA sessions get memory: `pytorch`: from PyTorch's caching allocator, one pool "
+        "for both, as ORTModule had it (needs a C compiler for a 20-line adapter, built once; without "
+        "one, `shared_arena`, with a warning). `shared_arena`: one ORT arena per GPU for all sessions, "
+        "beside PyTorch's pool; each keeps its own peak (GPT-2 124M on an H100: 12.8 GB against eager's "
+        "6.9 GB). `per_session`: each session its own ORT arena, kept at its peak for good (25.6 GB "
+        "there). The first CUDA session's choice holds for the process: ORT keeps one allocator per GPU.",
+        "")
 
     def __post_init__(self) -> None:
         _coerce_fields(self)
@@ -177,6 +181,8 @@ class OrtOptions:
             raise OptionsError(
                 f"graph_optimization_level must be one of {_GRAPH_OPT_LEVELS}, "
                 f"got {self.graph_optimization_level!r}")
+        if self.cuda_allocator not in _CUDA_ALLOCATORS:
+            raise OptionsError(f"cuda_allocator must be one of {_CUDA_ALLOCATORS}, got {self.cuda_allocator!r}")
         if self.intra_op_num_threads < 0:
             raise OptionsError(f"intra_op_num_threads must be >= 0, got {self.intra_op_num_threads}")
         if self.backward_segments < 1:

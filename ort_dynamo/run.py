@@ -17,7 +17,7 @@ import onnxruntime as ort
 import torch
 from onnxruntime.capi import _pybind_state as C
 
-from . import _kernels
+from . import _cuda_allocator, _kernels
 from .errors import OrtRuntimeError
 from .export import ExportedGraph
 from .options import FallbackPolicy, OrtOptions
@@ -69,8 +69,8 @@ def session_options(options: OrtOptions, device_type: str = "cpu", kernel_librar
         so.enable_mem_pattern = False
     if options.shared_cpu_arena:
         _register_shared_cpu_arena()
-    if device_type == "cuda" and options.shared_cuda_arena:
-        _register_shared_cuda_arena(device_index)
+    if device_type == "cuda":
+        _cuda_allocator.register(device_index, options.cuda_allocator, options.cache_dir)
     # The environment's allocator where one is registered (ours, or the application's).
     so.add_session_config_entry("session.use_env_allocators", "1")
     return so
@@ -96,19 +96,6 @@ def _register_shared_cpu_arena() -> None:
         ort.create_and_register_allocator(memory, ort.OrtArenaCfg(_SHARED_ARENA_CONFIG))
     except Exception as exc:  # noqa: BLE001 - sessions then use their own arenas
         log.warning("ort_dynamo: shared CPU arena not registered, each session keeps its own (%s)", exc)
-
-
-@functools.lru_cache(None)
-def _register_shared_cuda_arena(device_index: int) -> None:
-    """One CUDA arena per GPU for all our sessions, as ``_register_shared_cpu_arena`` for the CPU.
-    It grows by what is asked (kSameAsRequested): doubling regions would leave up to half of a
-    GPU's arena unused."""
-    memory = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, device_index, ort.OrtMemType.DEFAULT)
-    try:
-        ort.create_and_register_allocator_v2("CUDAExecutionProvider", memory, {"device_id": str(device_index)},
-                                             ort.OrtArenaCfg({"arena_extend_strategy": 1}))
-    except Exception as exc:  # noqa: BLE001 - sessions then use their own arenas
-        log.warning("ort_dynamo: shared CUDA arena not registered, each session keeps its own (%s)", exc)
 
 
 #: The oldest onnxruntime a session is made with: the release the test suite passes on. Older
@@ -329,6 +316,7 @@ class OrtRunner:
         except OrtRuntimeError:
             raise
         except Exception as exc:
+            _raise_if_out_of_memory(args, exc)
             if not (self.options.fallback_policy & FallbackPolicy.RUNTIME_FAILURE):
                 raise OrtRuntimeError(f"ONNX Runtime failed on partition {self.name}: {exc}") from exc
             self._failed = f"{type(exc).__name__}: {exc}"
@@ -391,6 +379,17 @@ class OrtRunner:
             else:
                 out.append(slot.value)
         return tuple(out) if exported.returns_tuple else out[0]
+
+
+def _raise_if_out_of_memory(args: Sequence, exc: Exception) -> None:
+    """A run that failed because PyTorch's allocator refused ORT memory is out of memory, as
+    PyTorch would say it: never a reason to run the partition in PyTorch from then on."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"), None)
+    refused = _cuda_allocator.refused_bytes(device.index or 0) if device is not None else 0
+    if refused:
+        raise torch.cuda.OutOfMemoryError(
+            f"CUDA out of memory: PyTorch's allocator refused ONNX Runtime {refused / 2**20:.1f} MiB on {device} "
+            f"(ORT: {str(exc)[:300]})") from exc
 
 
 #: onnxruntime before 1.32: ``from_dlpack(capsule, is_bool_tensor)``, its DLPack import rejecting

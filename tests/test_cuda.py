@@ -306,28 +306,60 @@ def test_bf16_transformer_trains_on_cuda_with_generated_kernels_like_eager():
     _cuda_only()
 
 
-_ARENA_SCRIPT = """
-import sys, torch, ort_dynamo
-options = {"shared_cuda_arena": sys.argv[1] == "shared", "pointwise_kernels": False}
+_ALLOCATOR_SCRIPT = """
+import json, sys, torch, ort_dynamo
+options = {"cuda_allocator": sys.argv[1], "pointwise_kernels": False}
 x = torch.randn(64 << 20, device="cuda")  # 256 MB
 torch.cuda.synchronize()
-before = torch.cuda.mem_get_info()[0]
+before, reserved_before = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
 for k in range(4):  # four graphs, four sessions, each with 256 MB intermediates
     fn = torch.compile(lambda x, k=k: ((x * (k + 2)).exp() * 2).sum(), backend="ort", options=options)
     fn(x)
 torch.cuda.synchronize()
-print((before - torch.cuda.mem_get_info()[0]) / 2**20)
+print(json.dumps({"device": (before - torch.cuda.mem_get_info()[0]) / 2**20,
+                  "pytorch": (torch.cuda.memory_reserved() - reserved_before) / 2**20,
+                  "peak": torch.cuda.max_memory_allocated() / 2**20}))
 """
 
 
-def test_cuda_sessions_share_one_arena_rather_than_each_keeping_its_peak():
+def _allocator_run(mode: str) -> dict:
+    import json
     import subprocess
     import sys
 
-    used = {}
-    for mode in ("shared", "apart"):
-        out = subprocess.run([sys.executable, "-c", _ARENA_SCRIPT, mode], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        used[mode] = float(out.stdout.strip().splitlines()[-1])
+    out = subprocess.run([sys.executable, "-c", _ALLOCATOR_SCRIPT, mode], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_cuda_sessions_allocate_from_pytorchs_pool_or_share_one_arena():
+    per_session, shared, pytorch = (_allocator_run(m) for m in ("per_session", "shared_arena", "pytorch"))
     # Apart, each session keeps at least its 256 MB intermediate; shared, they reuse one another's.
-    assert used["apart"] >= 4 * 256 and used["shared"] <= 0.75 * used["apart"], used
+    assert per_session["device"] >= 4 * 256 and shared["device"] <= 0.75 * per_session["device"], (per_session, shared)
+    # ORT's arenas are invisible to PyTorch; through its allocator, ORT's intermediates are
+    # PyTorch's blocks (x's 256 MB and at least one 256 MB intermediate at once), and the
+    # device holds little beyond them.
+    assert shared["peak"] < 300 <= 512 <= pytorch["peak"], (shared, pytorch)
+    assert pytorch["device"] <= pytorch["pytorch"] + 64, pytorch
+
+
+_OUT_OF_MEMORY_SCRIPT = """
+import torch, ort_dynamo
+x = torch.randn(64 << 20, device="cuda")  # 256 MB
+free, total = torch.cuda.mem_get_info()
+torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + (128 << 20)) / total)
+fn = torch.compile(lambda x: ((x * 2).exp() * 2).sum(), backend="ort", options={"pointwise_kernels": False})
+try:
+    fn(x)
+except torch.cuda.OutOfMemoryError as exc:
+    print("OOM", exc)
+"""
+
+
+def test_memory_pytorch_refuses_ort_is_an_out_of_memory_error_not_a_fallback():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _OUT_OF_MEMORY_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "OOM CUDA out of memory: PyTorch's allocator refused ONNX Runtime" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -513,3 +513,65 @@ def test_a_compiled_graph_keeps_the_onnx_bytes_it_runs_not_the_ir_they_came_from
     assert len(models) == 2 and ort_dynamo.report().fallback_nodes == 0
     assert [ref() for ref in models] == [None, None]
     assert torch.allclose(model[0].weight.grad, expected[0].weight.grad, atol=1e-6)
+
+
+def test_the_cuda_allocator_adapter_hands_ort_pytorchs_blocks_and_names_a_refused_size():
+    """ORT's CUDA provider calls ``void* alloc(size_t)``/``free(void*)``; PyTorch's C shim has
+    ``int raw_alloc(uint64, void**)``/``raw_delete(void*)``. The adapter between them, with
+    stand-ins for PyTorch's two (no GPU here): blocks pass through, and a refusal is NULL to
+    ORT and a size ort_dynamo can name in its out-of-memory error."""
+    import ctypes
+
+    from ort_dynamo import _cuda_allocator, _kernels
+
+    if _kernels._compiler() is None:
+        pytest.skip("no C compiler")
+    adapter = _cuda_allocator._adapter()
+    blocks, freed = {}, []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p))
+    def raw_alloc(nbytes, out):
+        if nbytes > 1 << 20:
+            return 1  # PyTorch's shim: an error code, its exception caught
+        block = ctypes.create_string_buffer(nbytes)
+        blocks[ctypes.addressof(block)] = block
+        out[0] = ctypes.addressof(block)
+        return 0
+
+    @ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p)
+    def raw_delete(pointer):
+        freed.append(pointer)
+        return 0
+
+    adapter.ortd_torch_allocator_init(ctypes.cast(raw_alloc, ctypes.c_void_p), ctypes.cast(raw_delete, ctypes.c_void_p))
+    pointer = adapter.ortd_torch_alloc(4096)
+    assert pointer in blocks and adapter.ortd_torch_refused_bytes() == 0
+    adapter.ortd_torch_free(pointer)
+    adapter.ortd_torch_free(None)  # ORT frees null pointers: not PyTorch's business
+    assert freed == [pointer]
+    assert adapter.ortd_torch_alloc(3 << 20) is None
+    assert adapter.ortd_torch_refused_bytes() == 3 << 20
+    assert adapter.ortd_torch_refused_bytes() == 0  # read once
+
+
+def test_without_pytorchs_cuda_allocator_sessions_fall_back_to_an_ort_arena_and_say_why(monkeypatch, caplog):
+    """``cuda_allocator="pytorch"`` where it cannot be had (here: a torch without CUDA, an
+    onnxruntime without the CUDA provider): a warning names the reason and what is used
+    instead; the choice is made once per GPU and kept."""
+    from ort_dynamo import _cuda_allocator
+
+    monkeypatch.setattr(_cuda_allocator, "_registered", {})
+    monkeypatch.setattr(_cuda_allocator, "_register_shared_arena", lambda device_index: None)
+    problem = _cuda_allocator.torch_allocator_problem()
+    if not problem:
+        pytest.skip("PyTorch's CUDA allocator is available here (tests/test_cuda.py covers it)")
+    with caplog.at_level("WARNING", logger="ort_dynamo"):
+        assert _cuda_allocator.register(0, "pytorch") == "shared_arena"
+    assert problem in caplog.text and "share one ORT arena instead" in caplog.text
+    assert _cuda_allocator.register(0, "per_session") == "shared_arena" == _cuda_allocator.registered(0)
+    assert _cuda_allocator.refused_bytes(0) == 0
+
+
+def test_cuda_allocator_option_names_its_choices():
+    with pytest.raises(ort_dynamo.OptionsError, match="cuda_allocator must be one of .*pytorch.*got 'torch'"):
+        ort_dynamo.OrtOptions(cuda_allocator="torch")

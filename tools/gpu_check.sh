@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/performance.md "GPU", as one call on the lent GPU machine, in the
 # order they matter: environment, the CUDA tests, the training-step benchmark (GPT-2 124M,
-# bf16 autocast; ort with and without its generated CUDA kernels), whether the host runs ahead
-# of the GPU, where ORT placed GPT-2's nodes and each backend's GPU kernel times, peak memory,
-# then per-call overhead and ort with attention written out on ORT (not PyTorch's fused
+# bf16 autocast; ort with and without its generated CUDA kernels, and with its own arena instead
+# of PyTorch's allocator), peak memory, where ORT placed GPT-2's nodes and each backend's GPU
+# kernel times, whether the host runs ahead of the GPU, then per-call overhead and ort with attention written out on ORT (not PyTorch's fused
 # kernels). About 9 minutes in all: a 420 s budget leaves out the last two. Each step has its own time limit
 # inside one budget, so a slow or hung step still leaves the others' results.
 #
@@ -59,11 +59,11 @@ printf '[torch_dynamo_backends]\nort = ort_dynamo.capture:ort_backend\n' >"$site
 step info 45 python3 -m ort_dynamo info
 step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests -rs
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
-  --backends eager,inductor,ort,ort_unfused,aot_eager --steps 20 --warmup 3
-step host-ahead 60 python3 benchmarks/host_ahead.py
+  --backends eager,inductor,ort,ort_arena,ort_unfused,aot_eager --steps 20 --warmup 3
+step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
+  --backends eager,ort,ort_arena --steps 5 --warmup 2 --memory --memory-cold-only
 step placement 200 python3 benchmarks/profile_step.py --device cuda --model gpt2-124m --steps 3
-step memory 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
-  --backends eager,ort --steps 5 --warmup 2 --memory --memory-cold-only
+step host-ahead 60 python3 benchmarks/host_ahead.py
 step call-overhead 45 python3 benchmarks/call_overhead.py --device cuda --calls 500
 step math-attention 120 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort,ort_math_attention --steps 20 --warmup 3
