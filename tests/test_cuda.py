@@ -337,10 +337,11 @@ def test_cuda_sessions_allocate_from_pytorchs_pool_or_share_one_arena():
     # Apart, each session keeps at least its 256 MB intermediate; shared, they reuse one another's.
     assert per_session["device"] >= 4 * 256 and shared["device"] <= 0.75 * per_session["device"], (per_session, shared)
     # ORT's arenas are invisible to PyTorch; through its allocator, ORT's intermediates are
-    # PyTorch's blocks (x's 256 MB and at least one 256 MB intermediate at once), and the
-    # device holds little beyond them.
+    # PyTorch's blocks (x's 256 MB and at least one 256 MB intermediate at once), so what the
+    # device holds beyond PyTorch's pool (CUDA libraries' handles and workspaces) shrinks by them.
     assert shared["peak"] < 300 <= 512 <= pytorch["peak"], (shared, pytorch)
-    assert pytorch["device"] <= pytorch["pytorch"] + 64, pytorch
+    beyond = {name: run["device"] - run["pytorch"] for name, run in (("shared", shared), ("pytorch", pytorch))}
+    assert beyond["pytorch"] <= beyond["shared"] - 256, (shared, pytorch)
 
 
 _OUT_OF_MEMORY_SCRIPT = """
