@@ -7,11 +7,12 @@ after a call returns, the work should still be queued on PyTorch's stream, and t
 have taken the host far less than that. Checked for eager, for ort_dynamo, and for plain ORT
 sessions made with ort_dynamo's settings and one setting changed each.
 
-On an H200 (2026-11-26, before ort_dynamo's bridge stream) every plain session given PyTorch's
-legacy default stream (handle 0) returned in under a millisecond with PyTorch's stream idle:
-ORT ran on a stream of its own. "side stream" checks that a non-zero handle is honoured, and
-"legacy stream handle" whether ORT runs on PyTorch's default stream given it as cudaStreamLegacy
-(handle 1), ordered with PyTorch's work (then ort_dynamo would need no bridge stream there).
+On an H200 (2026-11-26) every plain session given PyTorch's legacy default stream as PyTorch
+names it (handle 0) returned in under a millisecond with PyTorch's stream idle: ORT ran on a
+stream of its own ("stream handle 0" below). Given cudaStreamLegacy (handle 1), which is how
+ort_dynamo names that stream now (``run.compute_stream``), ORT runs on it, ordered with
+PyTorch's work (H100, 2026-11-26: host ahead, and a result read from a still-queued input
+right). "side stream" checks that a non-zero handle of another stream is honoured.
 """
 
 from __future__ import annotations
@@ -64,14 +65,14 @@ def ahead(call, x, calls: int = 4, stream=None) -> tuple[list[bool], float]:
 
 
 def plain_session(variant: str, stream=None):
-    """A session made as ort_dynamo makes one, with ``variant`` changed, on PyTorch's legacy
-    default stream (handle 0) or ``stream``; returns a call."""
+    """A session made as ort_dynamo makes one, with ``variant`` changed, on PyTorch's default
+    stream or ``stream``; returns a call."""
     device = torch.device("cuda")
     options = OrtOptions()
     so = run_stage.session_options(options, "cuda")
     providers = run_stage.providers_for(device, options)
     cuda = dict(providers[0][1])
-    cuda["user_compute_stream"] = str(stream.cuda_stream if stream is not None else 0)
+    cuda["user_compute_stream"] = str(stream.cuda_stream if stream is not None else run_stage.compute_stream(device))
     run_options = run_stage.run_options(device)
     if variant == "no memory pattern":
         so.enable_mem_pattern = False
@@ -82,10 +83,9 @@ def plain_session(variant: str, stream=None):
         run_options = C.RunOptions()
     elif variant == "no env allocators":
         so.add_session_config_entry("session.use_env_allocators", "0")
-    elif variant == "legacy stream handle":
-        # cudaStreamLegacy: PyTorch's default stream named explicitly, which ORT might take as
-        # a stream given (it takes 0 for none); if so, no bridge stream would be needed.
-        cuda["user_compute_stream"] = "1"
+    elif variant == "stream handle 0":
+        # PyTorch's name for its default stream, which ORT takes for "none given".
+        cuda["user_compute_stream"] = "0"
     sess = run_stage.ort.InferenceSession(heavy_model(), so, providers=[("CUDAExecutionProvider", cuda),
                                                                         "CPUExecutionProvider"])
     where = run_stage.ort_device(device)
@@ -114,7 +114,7 @@ def main() -> None:
     rows = [("eager", heavy), ("ort_dynamo", torch.compile(heavy, backend="ort"))]
     rows += [(f"plain session: {v}", plain_session(v)) for v in
              ("as ort_dynamo", "no memory pattern", "no user stream", "synchronizing run options",
-              "no env allocators", "io binding", "legacy stream handle")]
+              "no env allocators", "io binding", "stream handle 0")]
     side = torch.cuda.Stream()
     rows.append(("plain session: side stream", plain_session("side stream", side)))
     for name, call in rows:
@@ -125,15 +125,15 @@ def main() -> None:
             print(f"{name:40s} host ran ahead after each call: {pending}  host {host_ms:6.2f} ms per call")
         except Exception as exc:  # noqa: BLE001 - a diagnostic: report and go on
             print(f"{name:40s} failed: {type(exc).__name__}: {str(exc)[:200]}")
-    legacy = plain_session("legacy stream handle")
+    legacy = plain_session("as ort_dynamo")
     try:  # ordered with PyTorch's work? its input is still being computed when the call is made
         torch.cuda.synchronize()
         got = legacy(heavy(x))
         torch.cuda.synchronize()
         same = torch.allclose(got, heavy(heavy(x)), rtol=1e-3, atol=1e-3)
-        print(f"{'legacy stream handle, input still queued':40s} result as eager's: {same}")
+        print(f"{'plain session, input still queued':40s} result as eager's: {same}")
     except Exception as exc:  # noqa: BLE001
-        print(f"legacy stream handle failed: {type(exc).__name__}: {str(exc)[:200]}")
+        print(f"plain session with a queued input failed: {type(exc).__name__}: {str(exc)[:200]}")
     print(ort_dynamo.report())
 
 

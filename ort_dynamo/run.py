@@ -6,11 +6,10 @@ ORT allocates outputs, which come back to PyTorch through DLPack. Nothing goes v
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import warnings
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -25,7 +24,7 @@ from .partition import is_compute
 from .report import GraphReport
 
 __all__ = ["OrtRunner", "session_options", "providers_for", "torch_settings", "compute_stream",
-           "ordered_with_pytorch", "run_options", "ort_device", "onnxruntime_problem", "MIN_ONNXRUNTIME",
+           "run_options", "ort_device", "onnxruntime_problem", "MIN_ONNXRUNTIME",
            "OrtRuntimeError"]
 
 log = logging.getLogger("ort_dynamo")
@@ -166,47 +165,23 @@ def _tf32_matmuls() -> bool:
     return torch.get_float32_matmul_precision() != "highest"
 
 
+#: cudaStreamLegacy: the CUDA runtime's and driver's handle for the legacy default stream, which
+#: PyTorch's default stream is. PyTorch names that stream 0, but ORT takes 0 for "none given" and
+#: runs on a non-blocking stream of its own, unordered with PyTorch's work (seen on an H200:
+#: the host came back before the GPU was done, and PyTorch's stream was idle). Given 1, ORT runs
+#: on PyTorch's default stream itself (benchmarks/host_ahead.py, "legacy stream handle", H100).
+_LEGACY_STREAM = 1
+
+
 def compute_stream(device: torch.device) -> int:
-    """The CUDA stream ORT runs on (0 on CPU): PyTorch's current stream, or ours
-    (``_bridge_stream``) where that is PyTorch's legacy default stream. A CUDA session runs on
-    the stream it was made with, so sessions are kept per stream: run on another, a session
-    would read its inputs before PyTorch's work on that stream had written them."""
+    """The CUDA stream ORT runs on (0 on CPU): PyTorch's current stream, its default one as
+    ``_LEGACY_STREAM``. ORT's work and PyTorch's are then in one stream's order, with no event
+    and no host wait between them. A CUDA session runs on the stream it was made with, so
+    sessions are kept per stream: run on another, a session would read its inputs before
+    PyTorch's work on that stream had written them."""
     if device.type != "cuda":
         return 0
-    return torch.cuda.current_stream(device).cuda_stream or _bridge_stream(device).cuda_stream
-
-
-@functools.lru_cache(None)
-def _bridge_stream(device: torch.device) -> "torch.cuda.Stream":
-    """ort_dynamo's stream on ``device`` for runs called on PyTorch's legacy default stream.
-    That stream's handle is 0, which ORT takes for "no stream given": it then runs on a
-    non-blocking stream of its own that nothing orders with PyTorch's work (seen on an H200:
-    the host came back before the GPU was done, and PyTorch's stream was idle)."""
-    return torch.cuda.Stream(device)
-
-
-_UNORDERED = contextlib.nullcontext()
-
-
-def ordered_with_pytorch(device: torch.device) -> contextlib.AbstractContextManager:
-    """Around each run. Where ORT runs on ``_bridge_stream``, that stream first waits for the
-    work PyTorch queued before (which writes the inputs), and PyTorch's stream then waits for
-    the run (its later work reads the outputs, and may reuse the inputs' memory). Events
-    only: the host never waits. Elsewhere (CPU, or any other stream, which ORT runs on itself)
-    nothing to do: one shared null context, no generator made per call."""
-    if device.type != "cuda":
-        return _UNORDERED
-    pytorchs = torch.cuda.current_stream(device)
-    return _UNORDERED if pytorchs.cuda_stream else _bridged(pytorchs, _bridge_stream(device))
-
-
-@contextlib.contextmanager
-def _bridged(pytorchs: "torch.cuda.Stream", ours: "torch.cuda.Stream") -> Iterator[None]:
-    ours.wait_stream(pytorchs)
-    try:
-        yield
-    finally:
-        pytorchs.wait_stream(ours)
+    return torch.cuda.current_stream(device).cuda_stream or _LEGACY_STREAM
 
 
 def run_options(device: torch.device) -> "C.RunOptions":
@@ -354,9 +329,8 @@ class OrtRunner:
             for t, pointer in zip(tensors, pointers):
                 inputs.push_back(_wrap(t, pointer, where))
         outputs = C.OrtValueVector()
-        with ordered_with_pytorch(device):
-            sess._sess.run_with_ortvaluevector(options, exported.input_names, inputs,
-                                               exported.output_names, outputs, out_devices)
+        sess._sess.run_with_ortvaluevector(options, exported.input_names, inputs, exported.output_names, outputs,
+                                           out_devices)
         self.report.runs += 1
         results = outputs.to_dlpacks(torch._C._from_dlpack)
         for i, want in enumerate(exported.output_dtypes):

@@ -146,8 +146,8 @@ def test_an_ort_run_leaves_the_host_ahead_of_the_gpu():
 
 def test_on_pytorchs_default_stream_ort_waits_for_its_inputs_and_pytorch_for_its_outputs():
     """PyTorch's legacy default stream has the handle 0, which ORT takes for "none" and replaces
-    by a non-blocking stream of its own (benchmarks/host_ahead.py, H200). Without events between
-    the two, ORT would read an input PyTorch is still computing, and PyTorch an output ORT is."""
+    by a non-blocking stream of its own (benchmarks/host_ahead.py, H200): ORT would read an input
+    PyTorch is still computing, and PyTorch an output ORT is. ort_dynamo names it cudaStreamLegacy."""
     assert torch.cuda.current_stream().cuda_stream == 0  # the case under test
     x = torch.randn(4096, 4096, device="cuda") / 64
     reads = torch.compile(lambda y: y * 2 + 1, backend="ort")

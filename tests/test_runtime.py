@@ -397,6 +397,9 @@ def test_a_cuda_partition_gets_a_session_for_each_stream_it_runs_on(monkeypatch)
     assert second.stream == "2222"
     current["stream"] = 1111
     assert runner._session(gpu)[0] is first
+    # PyTorch's default stream is 0 to PyTorch, "none given" to ORT: it is named cudaStreamLegacy.
+    current["stream"] = 0
+    assert runner._session(gpu)[0].stream == "1"
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from onnxruntime.capi import _pybind_state as C
 from .. import _kernels, _pointwise
 from ..errors import OrtRuntimeError
 from ..options import resolve_options
-from ..run import ordered_with_pytorch, ort_device, providers_for, run_options, session_options
+from ..run import ort_device, providers_for, run_options, session_options
 
 __all__ = ["BoundSession", "input_names", "onnx_type"]
 
@@ -178,5 +178,4 @@ class BoundSession:
     def run(self) -> None:
         if self._pending is not None and self._pending[1].done():
             self._switch_to_kernels()
-        with ordered_with_pytorch(self.device):
-            self.session._sess.run_with_iobinding(self._binding, self._run_options)
+        self.session._sess.run_with_iobinding(self._binding, self._run_options)
