@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/performance.md "GPU", as one call on the lent GPU machine, in the
-# order they matter: environment, the CUDA tests, the training-step benchmark (GPT-2 124M,
-# bf16 autocast; ort with and without its generated CUDA kernels, and with its own arena instead
-# of PyTorch's allocator), peak memory, where ORT placed GPT-2's nodes and each backend's GPU
-# kernel times, whether the host runs ahead of the GPU, then per-call overhead and ort with attention written out on ORT (not PyTorch's fused
-# kernels). About 9 minutes in all: a 420 s budget leaves out the last two. Each step has its own time limit
-# inside one budget, so a slow or hung step still leaves the others' results.
+# order they matter: environment; the CUDA tests; training parity of a compiled copy alone in
+# its process and of a second copy beside another (second copies went wrong on 2026-11-26);
+# the training-step benchmark (GPT-2 124M, bf16 autocast; ort with and without its generated
+# CUDA kernels, and with its own arena instead of PyTorch's allocator); peak memory; where ORT
+# placed GPT-2's nodes and each backend's GPU kernel times; whether the host runs ahead of the
+# GPU; then per-call overhead and ort with attention written out on ORT (not PyTorch's fused
+# kernels). About 11 minutes in all: a 560 s budget leaves out the last two. Each step has its
+# own time limit inside one budget, so a slow or hung step still leaves the others' results.
 #
-#   bash tools/gpu_check.sh [budget-seconds [step...]]   # default 420, all steps; from the repository root
+#   bash tools/gpu_check.sh [budget-seconds [step...]]   # default 560, all steps; from the repository root
 #   bash tools/gpu_check.sh 250 cuda-tests host-ahead train-step   # only these (a second, shorter call)
 #
 # Needs onnxruntime-gpu installed into /tmp/ortsite (../shared/device/README.md, steps 1-3).
@@ -16,7 +18,7 @@
 set -u
 out="${OUT:-gpu-check}"
 mkdir -p "$out/logs"
-budget="${1:-420}"
+budget="${1:-560}"
 only=" ${*:2} "
 site=/tmp/ortsite
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -58,6 +60,8 @@ printf '[torch_dynamo_backends]\nort = ort_dynamo.capture:ort_backend\n' >"$site
 
 step info 45 python3 -m ort_dynamo info
 step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests -rs
+step parity 150 python3 benchmarks/gpu_parity.py --steps 6 'alone={}' \
+  'second_copy={"_second": true, "log_level": "WARNING"}' 'second_copy_arena={"_second": true, "cuda_allocator": "shared_arena"}'
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,inductor,ort,ort_arena,ort_unfused,aot_eager --steps 20 --warmup 3
 step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \

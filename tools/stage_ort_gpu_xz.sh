@@ -7,7 +7,7 @@
 #   mkdir -p /tmp/ortgpu && cp .ortgpu/qK/* /tmp/ortgpu/             # K = 0, 1, 2
 #   mkdir -p /tmp/ortgpu && cp .ortgpu/q3/* /tmp/ortgpu/ && cd /tmp/ortgpu && cat part-0 part-1 part-2 part-3 \
 #     > /tmp/ort.tar.xz && python3 -c "import tarfile; tarfile.open('/tmp/ort.tar.xz').extractall('/tmp/ortsite')" \
-#     && rm -f /tmp/ort.tar.xz && cd - >/dev/null && bash tools/gpu_check.sh 420
+#     && rm -f /tmp/ort.tar.xz && cd - >/dev/null && bash tools/gpu_check.sh 560
 #
 # (/tmp/ortsite is where tools/gpu_check.sh imports onnxruntime from.)
 set -euo pipefail
