@@ -125,7 +125,8 @@ def compiled_copy(model, backend: str, cache_dir: str = "", copy_model: bool = T
     on CUDA, attention written out on ORT instead of PyTorch's fused kernels; on CPU the same as ort)
     or "ort_unfused" (ort with ``pointwise_kernels=False``: every elementwise op ORT's own kernel)
     or "ort_arena" (ort with ``cuda_allocator="shared_arena"``: on CUDA, ORT's own arena beside
-    PyTorch's pool instead of PyTorch's allocator; on CPU the same as ort).
+    PyTorch's pool instead of PyTorch's allocator; on CPU the same as ort) or "ort_whole_backward"
+    (ort with ``backward_segments=1``: each backward partition one ORT run, fewer runs per step).
     ``copy_model=False`` compiles ``model`` itself."""
     clone = copy.deepcopy(model) if copy_model else model
     if backend == "eager":
@@ -139,6 +140,8 @@ def compiled_copy(model, backend: str, cache_dir: str = "", copy_model: bool = T
         backend, options = "ort", {"pointwise_kernels": False}
     if backend == "ort_arena":
         backend, options = "ort", {"cuda_allocator": "shared_arena"}
+    if backend == "ort_whole_backward":
+        backend, options = "ort", {"backward_segments": 1}
     if backend == "ort" and cache_dir:
         options["cache_dir"] = cache_dir
     kwargs = {"options": options} if options else {}
@@ -363,7 +366,7 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,bert,llama")
     parser.add_argument("--backends", default="eager,inductor,ort,aot_eager",
                         help="comma-separated: eager, inductor, aot_eager, ort, ort_keep, ort_recompute, "
-                             "ort_math_attention, ort_unfused, ort_arena")
+                             "ort_math_attention, ort_unfused, ort_arena, ort_whole_backward")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)

@@ -5,6 +5,7 @@ lower -> partition -> export -> rewrite -> run.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import warnings
@@ -174,6 +175,8 @@ def ort_backend(gm: torch.fx.GraphModule, example_inputs, options=None):
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptions, kind: str):
     """Compile one AOTAutograd graph: returns a boxed callable."""
     graph_report = current_report().new_graph(kind)
+    if _device_type(example_inputs) == "cuda":
+        _warn_if_a_copy(gm, kind)
     lower_stage.stacked_row_gradients(gm)
     registry = functools.partial(export_stage.onnx_registry, options.opset)  # built on first need
     graph_key = cache_stage.cache_key(gm, options) if options.cache_dir else None
@@ -200,6 +203,24 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptio
              graph_report.name, graph_report.ort_nodes, graph_report.torch_nodes,
              len(parts.ort_submodules))
     return watch(_boxed(split))
+
+
+#: Digests of the CUDA graphs compiled in this process (``_warn_if_a_copy``).
+_CUDA_GRAPHS: set[str] = set()
+
+
+def _warn_if_a_copy(gm: torch.fx.GraphModule, kind: str) -> None:
+    """Warn when a CUDA graph the process already compiled comes again: on an H100 the second
+    and third compiled copies of one model in a process trained wrongly, for a reason not yet
+    found (docs/gpu.md, known defect). A warning, not an error: a recompile of the same graph
+    is the other way to get here."""
+    digest = hashlib.sha256(f"{kind}\n{gm.code}".encode()).hexdigest()
+    if digest in _CUDA_GRAPHS:
+        warnings.warn("ort_dynamo: this CUDA graph was compiled before in this process (a second compiled "
+                      "copy of a model?). On an H100 such copies trained wrongly, a defect not yet found: "
+                      "compile one copy per process on CUDA, or check training against eager "
+                      "(docs/gpu.md, 'Known defect').", stacklevel=2)
+    _CUDA_GRAPHS.add(digest)
 
 
 class _ArgumentListCodeGen(torch.fx.graph.CodeGen):

@@ -578,3 +578,23 @@ def test_without_pytorchs_cuda_allocator_sessions_fall_back_to_an_ort_arena_and_
 def test_cuda_allocator_option_names_its_choices():
     with pytest.raises(ort_dynamo.OptionsError, match="cuda_allocator must be one of .*pytorch.*got 'torch'"):
         ort_dynamo.OrtOptions(cuda_allocator="torch")
+
+
+def test_a_cuda_graph_compiled_again_in_the_process_warns_of_the_open_copies_defect(monkeypatch):
+    """docs/gpu.md "Known defect": second compiled copies of a model trained wrongly on an H100.
+    Until that is found, a CUDA graph that comes again says so (no GPU needed to check the
+    warning: the graph's device is what is asked)."""
+    from ort_dynamo import capture
+
+    monkeypatch.setattr(capture, "_CUDA_GRAPHS", set())
+    gm = torch.fx.symbolic_trace(lambda x: x.sin() * 2)
+    other = torch.fx.symbolic_trace(lambda x: x.cos() * 2)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        capture._warn_if_a_copy(gm, "forward")
+        capture._warn_if_a_copy(other, "forward")
+        capture._warn_if_a_copy(gm, "backward")
+    with pytest.warns(UserWarning, match="compiled before in this process"):
+        capture._warn_if_a_copy(gm, "forward")

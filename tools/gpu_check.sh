@@ -3,11 +3,12 @@
 # order they matter: environment; the CUDA tests; training parity of a compiled copy alone in
 # its process and of a second copy beside another (second copies went wrong on 2026-11-26);
 # the training-step benchmark (GPT-2 124M, bf16 autocast; ort with and without its generated
-# CUDA kernels, and with its own arena instead of PyTorch's allocator); peak memory; where ORT
-# placed GPT-2's nodes and each backend's GPU kernel times; whether the host runs ahead of the
-# GPU; then per-call overhead and ort with attention written out on ORT (not PyTorch's fused
-# kernels). About 11 minutes in all: a 560 s budget leaves out the last two. Each step has its
-# own time limit inside one budget, so a slow or hung step still leaves the others' results.
+# CUDA kernels, and with one ORT run per backward partition); peak memory (ort with PyTorch's
+# allocator and with its own arena); where ORT placed GPT-2's nodes and each backend's GPU
+# kernel times; whether the host runs ahead of the GPU; then per-call overhead and ort with
+# attention written out on ORT (not PyTorch's fused kernels). About 11 minutes in all: a 560 s
+# budget leaves out the last two. Each step has its own time limit inside one budget, so a
+# slow or hung step still leaves the others' results.
 #
 #   bash tools/gpu_check.sh [budget-seconds [step...]]   # default 560, all steps; from the repository root
 #   bash tools/gpu_check.sh 250 cuda-tests host-ahead train-step   # only these (a second, shorter call)
@@ -63,7 +64,7 @@ step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests -rs
 step parity 150 python3 benchmarks/gpu_parity.py --steps 6 'alone={}' \
   'second_copy={"_second": true, "log_level": "WARNING"}' 'second_copy_arena={"_second": true, "cuda_allocator": "shared_arena"}'
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
-  --backends eager,inductor,ort,ort_arena,ort_unfused,aot_eager --steps 20 --warmup 3
+  --backends eager,inductor,ort,ort_whole_backward,ort_unfused,aot_eager --steps 20 --warmup 3
 step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort,ort_arena --steps 5 --warmup 2 --memory --memory-cold-only
 step placement 200 python3 benchmarks/profile_step.py --device cuda --model gpt2-124m --steps 3
