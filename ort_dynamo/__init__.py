@@ -5,12 +5,14 @@ The public API lives here and nowhere else.
 
 from __future__ import annotations
 
-from .capture import OrtBackend, ort_backend
+from .capture import OrtBackend, ort_backend, register_name_without_entry_point
 from .errors import ExportFailedError, OptionsError, OrtDynamoError, OrtRuntimeError, UnsupportedOpError
 from .options import FallbackPolicy, LogLevel, OrtOptions
 from .report import FallbackNode, GraphReport, Report
 
 __version__ = "0.1.0"
+
+register_name_without_entry_point()
 
 __all__ = [
     "ExportFailedError", "FallbackNode", "OptionsError", "OrtDynamoError", "FallbackPolicy", "GraphReport", "LogLevel",

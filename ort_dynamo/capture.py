@@ -26,7 +26,7 @@ from .errors import ExportFailedError, OptionsError
 from .options import FallbackPolicy, OrtOptions, resolve_options
 from .report import current_report
 
-__all__ = ["OrtBackend", "ort_backend", "ExportFailedError"]
+__all__ = ["OrtBackend", "ort_backend", "register_name_without_entry_point", "ExportFailedError"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -165,6 +165,19 @@ def _hashable(value):
 def _backend_for(options: OrtOptions) -> OrtBackend:
     # Dynamo guards on the backend object: the same options must give the same object.
     return OrtBackend(options)
+
+
+def register_name_without_entry_point() -> None:
+    """``backend="ort"`` where no installed package declares it (this checkout on PYTHONPATH,
+    not pip-installed): registered when ort_dynamo is imported. An installed entry point under
+    that name, ours or another package's, is left as it is."""
+    from importlib.metadata import entry_points
+
+    from torch._dynamo.backends import registry
+
+    if "ort" in registry._COMPILER_FNS or "ort" in entry_points(group="torch_dynamo_backends").names:
+        return
+    registry.register_backend(ort_backend, name="ort")
 
 
 def ort_backend(gm: torch.fx.GraphModule, example_inputs, options=None):

@@ -183,6 +183,30 @@ def test_backend_name_works_in_a_fresh_interpreter_without_importing_ort_dynamo(
     assert result.stdout.strip().endswith("OK")
 
 
+def test_backend_name_works_from_a_checkout_without_an_installed_entry_point():
+    """Run from source (PYTHONPATH, no pip install), no entry point declares "ort": importing
+    ort_dynamo registers the name, so ``backend="ort"`` still works."""
+    code = textwrap.dedent("""
+        import importlib.metadata as metadata
+        real = metadata.entry_points
+        def without_ours(**selection):
+            if selection.get("group") == "torch_dynamo_backends":
+                return metadata.EntryPoints([])
+            return real(**selection)
+        metadata.entry_points = without_ours
+        import torch
+        import ort_dynamo
+        from torch._dynamo.backends import registry
+        assert registry._COMPILER_FNS["ort"] is ort_dynamo.ort_backend
+        fn = torch.compile(lambda x: x.sin() * 2, backend="ort")
+        x = torch.randn(4)
+        assert torch.allclose(fn(x), x.sin() * 2)
+        print("ok", ort_dynamo.report().ort_nodes)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split()[0] == "ok" and int(out.stdout.split()[1]) > 0, out.stderr[-2000:]
+
+
 def test_reset_clears_report_and_recompiles():
     model = nn.Linear(2, 2)
     compiled = torch.compile(model, backend="ort")

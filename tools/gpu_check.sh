@@ -61,8 +61,8 @@ printf '[torch_dynamo_backends]\nort = ort_dynamo.capture:ort_backend\n' >"$site
 
 step info 45 python3 -m ort_dynamo info
 step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests -rs
-step parity 150 python3 benchmarks/gpu_parity.py --steps 6 'alone={}' \
-  'second_copy={"_second": true, "log_level": "WARNING"}' 'second_copy_arena={"_second": true, "cuda_allocator": "shared_arena"}'
+step parity 200 python3 benchmarks/gpu_parity.py --steps 6 'alone={}' 'second_copy={"_second": true, "_check": true}' \
+  'second_copy_per_session={"_second": {"cuda_allocator": "per_session"}, "cuda_allocator": "per_session"}'
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,inductor,ort,ort_whole_backward,ort_unfused,aot_eager --steps 20 --warmup 3
 step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
