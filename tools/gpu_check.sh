@@ -3,12 +3,13 @@
 # order they matter: environment; the CUDA tests; training parity of a compiled copy alone in
 # its process and of a second copy beside another (second copies went wrong on 2026-11-26);
 # the training-step benchmark (GPT-2 124M, bf16 autocast; ort with and without its generated
-# CUDA kernels, and with one ORT run per backward partition); peak memory (ort with PyTorch's
-# allocator and with its own arena); where ORT placed GPT-2's nodes and each backend's GPU
-# kernel times; whether the host runs ahead of the GPU; then per-call overhead and ort with
-# attention written out on ORT (not PyTorch's fused kernels). About 11 minutes in all: a 560 s
-# budget leaves out the last two. Each step has its own time limit inside one budget, so a
-# slow or hung step still leaves the others' results.
+# CUDA kernels, and with one ORT run per backward partition); peak memory (the same two ort
+# variants: fewer backward runs are fewer sessions, each with its CUDA libraries' handles);
+# where ORT placed GPT-2's nodes and each backend's GPU kernel times; whether the host runs
+# ahead of the GPU; then per-call overhead and ort with attention written out on ORT (not
+# PyTorch's fused kernels). About 11 minutes in all: a 560 s budget leaves out the last two.
+# Each step has its own time limit inside one budget, so a slow or hung step still leaves the
+# others' results.
 #
 #   bash tools/gpu_check.sh [budget-seconds [step...]]   # default 560, all steps; from the repository root
 #   bash tools/gpu_check.sh 250 cuda-tests host-ahead train-step   # only these (a second, shorter call)
@@ -66,7 +67,7 @@ step parity 200 python3 benchmarks/gpu_parity.py --steps 6 'alone={}' 'second_co
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,inductor,ort,ort_whole_backward,ort_unfused,aot_eager --steps 20 --warmup 3
 step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
-  --backends eager,ort,ort_arena --steps 5 --warmup 2 --memory --memory-cold-only
+  --backends eager,ort,ort_whole_backward --steps 5 --warmup 2 --memory --memory-cold-only
 step placement 200 python3 benchmarks/profile_step.py --device cuda --model gpt2-124m --steps 3
 step host-ahead 60 python3 benchmarks/host_ahead.py
 step call-overhead 45 python3 benchmarks/call_overhead.py --device cuda --calls 500
