@@ -6,8 +6,9 @@
 # CUDA kernels, and with one ORT run per backward partition); peak memory (the same two ort
 # variants: fewer backward runs are fewer sessions, each with its CUDA libraries' handles);
 # where ORT placed GPT-2's nodes and each backend's GPU kernel times; whether the host runs
-# ahead of the GPU; then per-call overhead and ort with attention written out on ORT (not
-# PyTorch's fused kernels). About 11 minutes in all: a 560 s budget leaves out the last two.
+# ahead of the GPU; then the first step with a cold and a warm on-disk cache (fresh processes),
+# per-call overhead and ort with attention written out on ORT (not PyTorch's fused kernels).
+# About 13 minutes in all: a 560 s budget leaves out the last three.
 # Each step has its own time limit inside one budget, so a slow or hung step still leaves the
 # others' results.
 #
@@ -70,6 +71,8 @@ step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124
   --backends eager,ort,ort_whole_backward --steps 5 --warmup 2 --memory --memory-cold-only
 step placement 200 python3 benchmarks/profile_step.py --device cuda --model gpt2-124m --steps 3
 step host-ahead 60 python3 benchmarks/host_ahead.py
+step first-step-cache 150 python3 benchmarks/train_step.py --device cuda --models gpt2-124m --backends eager,ort \
+  --steps 2 --warmup 1 --cache --first-step-rounds 1
 step call-overhead 45 python3 benchmarks/call_overhead.py --device cuda --calls 500
 step math-attention 120 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort,ort_math_attention --steps 20 --warmup 3
