@@ -2,13 +2,13 @@
 # The GPU checks of docs/performance.md "GPU", as one call on the lent GPU machine, in the
 # order they matter: environment; the CUDA tests; training parity of a compiled copy alone in
 # its process and of a second copy beside another (second copies went wrong on 2026-11-26);
-# the training-step benchmark (GPT-2 124M, bf16 autocast; ort with and without its generated
-# CUDA kernels, and with one ORT run per backward partition); peak memory (the same two ort
-# variants: fewer backward runs are fewer sessions, each with its CUDA libraries' handles);
-# where ORT placed GPT-2's nodes and each backend's GPU kernel times; whether the host runs
-# ahead of the GPU; then the first step with a cold and a warm on-disk cache (fresh processes),
-# per-call overhead and ort with attention written out on ORT (not PyTorch's fused kernels).
-# About 13 minutes in all: a 560 s budget leaves out the last three.
+# the GPU memory each ORT session holds beyond PyTorch's pool; the training-step benchmark
+# (GPT-2 124M, bf16 autocast; ort with and without its generated CUDA kernels, and with one ORT
+# run per backward partition); peak memory (the same two ort variants: fewer backward runs are
+# fewer sessions); where ORT placed GPT-2's nodes and each backend's GPU kernel times; whether
+# the host runs ahead of the GPU; then the first step with a cold and a warm on-disk cache
+# (fresh processes), per-call overhead and ort with attention written out on ORT (not
+# PyTorch's fused kernels). About 14 minutes in all: a 560 s budget leaves out the last three.
 # Each step has its own time limit inside one budget, so a slow or hung step still leaves the
 # others' results.
 #
@@ -65,6 +65,7 @@ step info 45 python3 -m ort_dynamo info
 step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests -rs
 step parity 200 python3 benchmarks/gpu_parity.py --steps 6 'alone={}' 'second_copy={"_second": true, "_check": true}' \
   'second_copy_per_session={"_second": {"cuda_allocator": "per_session"}, "cuda_allocator": "per_session"}'
+step session-memory 60 python3 benchmarks/session_memory.py --sessions 16
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,inductor,ort,ort_whole_backward,ort_unfused,aot_eager --steps 20 --warmup 3
 step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
