@@ -622,3 +622,47 @@ def test_a_cuda_graph_compiled_again_in_the_process_warns_of_the_open_copies_def
         capture._warn_if_a_copy(gm, "backward")
     with pytest.warns(UserWarning, match="compiled before in this process"):
         capture._warn_if_a_copy(gm, "forward")
+
+
+def test_pytorchs_allocator_is_registered_with_ort_as_the_gpus_external_allocator(monkeypatch):
+    """What ``cuda_allocator="pytorch"`` hands ORT (no GPU here: torch's shim and ORT's
+    registration are stand-ins): the adapter's two functions as the CUDA provider's
+    ``gpu_external_alloc``/``gpu_external_free`` (decimal addresses, as ORT parses them), for
+    the right device, once; the adapter forwards to torch's shim functions it was given."""
+    import ctypes
+
+    from ort_dynamo import _cuda_allocator, _kernels
+
+    if _kernels._compiler() is None:
+        pytest.skip("no C compiler")
+    calls = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p))
+    def raw_alloc(nbytes, out):
+        calls.append(("alloc", nbytes))
+        out[0] = 4096
+        return 0
+
+    @ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p)
+    def raw_delete(pointer):
+        calls.append(("delete", pointer))
+        return 0
+
+    shim = type("Shim", (), {"aoti_torch_cuda_caching_allocator_raw_alloc": raw_alloc,
+                             "aoti_torch_cuda_caching_allocator_raw_delete": raw_delete})()
+    registered = []
+    monkeypatch.setattr(_cuda_allocator, "_registered", {})
+    monkeypatch.setattr(_cuda_allocator, "_adapters", {})
+    monkeypatch.setattr(_cuda_allocator, "torch_allocator_problem", lambda: "")
+    monkeypatch.setattr(_cuda_allocator, "_torch_cuda_library", lambda: shim)
+    monkeypatch.setattr(_cuda_allocator.ort, "create_and_register_allocator_v2",
+                        lambda provider, memory, options, arena: registered.append((provider, options)))
+    assert _cuda_allocator.register(1, "pytorch") == "pytorch" == _cuda_allocator.registered(1)
+    assert _cuda_allocator.register(1, "pytorch") == "pytorch" and len(registered) == 1  # once per GPU
+    provider, options = registered[0]
+    assert provider == "CUDAExecutionProvider" and options["device_id"] == "1"
+    alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t)(int(options["gpu_external_alloc"]))
+    free = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(int(options["gpu_external_free"]))
+    assert alloc(100) == 4096
+    free(4096)
+    assert calls == [("alloc", 100), ("delete", 4096)]
