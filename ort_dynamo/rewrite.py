@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
 import onnx_ir as ir
 
 from . import _fusions, _kernels, _pointwise
@@ -65,6 +66,8 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         if exported.device == "cpu":
             # Chains ORT's optimizer misses -> its fused CPU kernels (Gelu, FastGelu, RMSNorm).
             _fusions.fuse(model)
+    if exported.device == "cuda":
+        _integer_pads_as_concat(model.graph)
     _reshaped_outputs_as_views(exported)
     if not options.save_onnx:
         _drop_provenance(model)
@@ -193,6 +196,53 @@ def _propagate_nan_through_min_max(graph: ir.Graph) -> None:
         graph.insert_after(node, [*added, any_nan, fixed])
         _fusions._take_over(result, fixed.outputs[0], "nan_blind")
         fixed.replace_input_with(2, result)  # which the take-over pointed at the fix itself
+
+
+#: Element types ORT's CUDA provider pads itself (its Pad kernels are for float types).
+_CUDA_PAD_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+
+def _integer_pads_as_concat(graph: ir.Graph) -> int:
+    """A constant Pad of an integer or bool tensor -> a Concat with constant blocks, on CUDA.
+    ORT's CUDA provider has no such Pad, so ORT runs it on the CPU, with a copy each way and
+    the host waiting for the GPU in between (GPT-2's loss pads its labels: the one node of its
+    step not on the GPU, H100). Only static shapes and non-negative constant pads; the count."""
+    done = 0
+    for node in list(graph):
+        if node.op_type != "Pad" or node.domain not in ("", "ai.onnx") or \
+                node.attributes.get_string("mode", "constant") != "constant":
+            continue
+        x = node.inputs[0]
+        dims = list(x.shape) if x is not None and x.shape is not None else None
+        if x is None or x.dtype is None or x.dtype in _CUDA_PAD_TYPES or dims is None or \
+                not all(isinstance(d, int) for d in dims) or (len(node.inputs) > 3 and node.inputs[3] is not None):
+            continue
+        pads = _fusions._ints(node.inputs[1]) if len(node.inputs) > 1 else None
+        fill = _fusions._constant_tensor(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None \
+            else ir.tensor(np.zeros((), x.dtype.numpy()))
+        if pads is None or fill is None or len(pads) != 2 * len(dims) or min(pads) < 0:
+            continue
+        value, added = x, []
+        for axis, (before, after) in enumerate(zip(pads[:len(dims)], pads[len(dims):])):
+            if not before and not after:
+                continue
+            parts = []
+            for width, where in ((before, "before"), (after, "after")):
+                if width:
+                    block = np.full([width if d == axis else n for d, n in enumerate(dims)],
+                                    fill.numpy().reshape(-1)[0], dtype=x.dtype.numpy())
+                    parts.append(_fusions._initializer(graph, f"{node.name}_pad{axis}_{where}", block))
+            parts.insert(1 if before else 0, value)
+            added.append(ir.node("Concat", parts, attributes={"axis": axis}))
+            value = added[-1].outputs[0]
+            dims[axis] += before + after
+        if not added:
+            continue
+        graph.insert_before(node, added)
+        _fusions._take_over(node.outputs[0], value, "padded")
+        graph.remove(node, safe=True)
+        done += 1
+    return done
 
 
 def _constant_like(number: float, like: ir.Value) -> list[ir.Node]:

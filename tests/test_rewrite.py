@@ -333,3 +333,51 @@ def test_split_qkv_bias_leaves_the_gemm_whatever_holds_the_split_sizes(sizes_fro
 
     for got, want in zip(run(ir.serde.serialize_model(model)), run(proto)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, fill", [(torch.int64, -100), (torch.int32, 7), (torch.bool, True)])
+def test_an_integer_pad_is_a_concat_on_cuda_with_the_same_values(dtype, fill):
+    """ORT's CUDA provider pads float types only: an int64 Pad (GPT-2's loss pads its labels)
+    ran on the CPU, with copies and a host wait for the GPU. On CUDA it becomes a Concat of
+    constant blocks: run here on the CPU provider, both give torch's values."""
+    import onnx_ir as ir
+
+    from ort_dynamo.export import export_graph
+    from ort_dynamo.rewrite import _integer_pads_as_concat
+
+    x = torch.randint(0, 2, (3, 5)).to(dtype)
+    gm = torch.fx.symbolic_trace(lambda t: torch.nn.functional.pad(t, (0, 1, 2, 0), value=fill))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(gm)(x)
+    FakeTensorProp(gm, FakeTensorMode()).propagate(x)
+    exported = export_graph(gm, 18)
+    model = exported.model
+    ir.passes.common.InlinePass()(model)
+    import onnxscript.optimizer
+
+    onnxscript.optimizer.fold_constants(model, onnx_shape_inference=False)
+    before = ir.serde.serialize_model(model).SerializeToString()
+    assert [n.op_type for n in model.graph].count("Pad") == 1
+    assert _integer_pads_as_concat(model.graph) == 1
+    assert "Pad" not in [n.op_type for n in model.graph] and "Concat" in [n.op_type for n in model.graph]
+    after = ir.serde.serialize_model(model).SerializeToString()
+    want = torch.nn.functional.pad(x, (0, 1, 2, 0), value=fill).numpy()
+    feed = {exported.input_names[0]: x.numpy()}
+    for blob in (before, after):
+        got = ort.InferenceSession(blob, providers=["CPUExecutionProvider"]).run(None, feed)[0]
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_float_pad_stays_a_pad_on_cuda():
+    import onnx_ir as ir
+
+    from ort_dynamo.rewrite import _integer_pads_as_concat
+
+    x = ir.Value(name="x", shape=ir.Shape([2, 3]), type=ir.TensorType(ir.DataType.FLOAT))
+    pads = ir.Value(name="pads", shape=ir.Shape([4]), type=ir.TensorType(ir.DataType.INT64),
+                    const_value=ir.tensor(np.array([0, 1, 0, 1], dtype=np.int64)))
+    node = ir.node("Pad", [x, pads])
+    graph = ir.Graph([x], [node.outputs[0]], nodes=[node], initializers=[pads], opset_imports={"": 18})
+    assert _integer_pads_as_concat(graph) == 0 and [n.op_type for n in graph] == ["Pad"]
