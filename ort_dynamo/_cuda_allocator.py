@@ -2,11 +2,11 @@
 
 With two pools on one GPU, each keeps the peak it once reached: ORT's arena holds the
 activations of the forward and the gradients of the backward, PyTorch's the rest, and neither
-can reuse what the other has cached (GPT-2 124M on an H100: 12.8 GB against eager's 6.9 GB).
-Through PyTorch's allocator there is one pool, as ORTModule had it (it gave ORT PyTorch's
-allocator as ``gpu_external_alloc``). The allocator is registered with ORT's environment, once
-per GPU, and every session takes it (``session.use_env_allocators``).
-"""
+can reuse what the other has cached. Through PyTorch's allocator there is one pool, as
+ORTModule had it (it gave ORT PyTorch's allocator as ``gpu_external_alloc``): GPT-2 124M's step
+on an H100 peaked at 9.6 GB so, 12.0 GB with one ORT arena, 6.9 GB in eager. The allocator is
+registered with ORT's environment, once per GPU, and every session takes it
+(``session.use_env_allocators``)."""
 
 from __future__ import annotations
 
