@@ -125,10 +125,10 @@ def main() -> None:
             print(f"{name:40s} host ran ahead after each call: {pending}  host {host_ms:6.2f} ms per call")
         except Exception as exc:  # noqa: BLE001 - a diagnostic: report and go on
             print(f"{name:40s} failed: {type(exc).__name__}: {str(exc)[:200]}")
-    legacy = plain_session("as ort_dynamo")
+    plain = plain_session("as ort_dynamo")
     try:  # ordered with PyTorch's work? its input is still being computed when the call is made
         torch.cuda.synchronize()
-        got = legacy(heavy(x))
+        got = plain(heavy(x))
         torch.cuda.synchronize()
         same = torch.allclose(got, heavy(heavy(x)), rtol=1e-3, atol=1e-3)
         print(f"{'plain session, input still queued':40s} result as eager's: {same}")

@@ -13,17 +13,20 @@ MB of CUDA library handles and workspaces, fewer sessions is the way to less mem
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import threading
 
 import torch
 
-import ort_dynamo
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_step  # noqa: E402
+
+import ort_dynamo  # noqa: E402
 
 
 def beyond_pytorch_mb() -> float:
-    torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    return (total - free - torch.cuda.memory_reserved()) / 2**20
+    return train_step._device_used_mb() - torch.cuda.memory_reserved() / 2**20
 
 
 def main() -> None:

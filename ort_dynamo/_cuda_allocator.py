@@ -15,7 +15,6 @@ import functools
 import hashlib
 import logging
 import os
-import tempfile
 
 import onnxruntime as ort
 
@@ -146,14 +145,9 @@ def adapter_path(cache_dir: str = "") -> str:
     with open(_SOURCE, "rb") as fh:
         source = fh.read()
     key = hashlib.sha256(b"\n".join([source, *(part.encode() for part in (*compiler, *_kernels._HOST_FLAGS))]))
-    folder = _kernels._folder(cache_dir)
-    path = os.path.join(folder, f"torch_cuda_allocator_{key.hexdigest()[:24]}.so")
-    if os.path.exists(path):
-        return path
-    os.makedirs(folder, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as work:
-        _kernels._run([compiler[0], *_kernels._HOST_FLAGS, "-shared", "-o", "adapter.so", _SOURCE], work)
-        os.replace(os.path.join(work, "adapter.so"), path)  # atomic: whole library or none
+    path = os.path.join(_kernels._folder(cache_dir), f"torch_cuda_allocator_{key.hexdigest()[:24]}.so")
+    if not os.path.exists(path):
+        _kernels.host_library(path, [_SOURCE])
     return path
 
 

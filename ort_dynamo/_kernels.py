@@ -24,7 +24,7 @@ import weakref
 from . import _nvrtc, _pointwise
 
 __all__ = ["available", "bfloat16_products", "build", "built", "cuda_available", "describe", "describe_cuda",
-           "library", "wait", "KernelBuildError"]
+           "host_library", "library", "wait", "KernelBuildError"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -251,22 +251,28 @@ def _cuda_library(kernels: list[str], cache_dir: str, arch: str = "") -> str:
                                     {"pointwise_cuda.h": header})
     except _nvrtc.NvrtcError as exc:
         raise KernelBuildError(str(exc)) from exc
+    image = f"{table}const unsigned char pw_cuda_image[] = {{{','.join(str(b) for b in cubin)}}};\n"
+    host_library(path, ["-I", _CSRC, os.path.join(_CSRC, "pointwise_cuda_runtime.c"), "table.c", "-ldl", "-lpthread"],
+                 {"table.c": image})
+    log.debug("built %d CUDA pointwise kernel(s) for %s into %s", len(kernels), arch, path)
+    return path
+
+
+def host_library(path: str, arguments: list[str], files: dict[str, str] | None = None) -> None:
+    """Make the shared library ``path`` with the C compiler (``_HOST_FLAGS``) from ``arguments``,
+    in a scratch folder beside it where ``files`` (name: text) are written first: the whole
+    library lands or none, and a folder that cannot be written is a ``KernelBuildError``."""
     folder = os.path.dirname(path)
     try:
         os.makedirs(folder, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as work:
-            with open(os.path.join(work, "table.c"), "w") as fh:
-                fh.write(table)
-                fh.write("const unsigned char pw_cuda_image[] = {")
-                fh.write(",".join(str(b) for b in cubin))
-                fh.write("};\n")
-            _run([_compiler()[0], *_HOST_FLAGS, "-shared", "-I", _CSRC, "-o", "kernels.so",
-                  os.path.join(_CSRC, "pointwise_cuda_runtime.c"), "table.c", "-ldl", "-lpthread"], work)
-            os.replace(os.path.join(work, "kernels.so"), path)
+            for name, text in (files or {}).items():
+                with open(os.path.join(work, name), "w") as fh:
+                    fh.write(text)
+            _run([_compiler()[0], *_HOST_FLAGS, "-shared", "-o", "library.so", *arguments], work)
+            os.replace(os.path.join(work, "library.so"), path)
     except OSError as exc:
         raise KernelBuildError(f"cannot write the kernels' files under {folder}: {exc}") from exc
-    log.debug("built %d CUDA pointwise kernel(s) for %s into %s", len(kernels), arch, path)
-    return path
 
 
 @functools.lru_cache(None)
