@@ -2,7 +2,8 @@
 # The GPU checks of docs/performance.md "GPU", as one call on the lent GPU machine, in the
 # order they matter: environment; the CUDA tests; training parity of a compiled copy alone in
 # its process and of a second copy beside another (second copies went wrong on 2026-11-26);
-# the GPU memory each ORT session holds beyond PyTorch's pool; the training-step benchmark
+# the GPU memory each ORT session holds beyond PyTorch's pool (and with cuBLAS's workspace
+# made 4 MiB); the training-step benchmark
 # (GPT-2 124M, bf16 autocast; ort with and without its generated CUDA kernels, and with one ORT
 # run per backward partition); peak memory (the same two ort variants: fewer backward runs are
 # fewer sessions); where ORT placed GPT-2's nodes and each backend's GPU kernel times; whether
@@ -66,6 +67,7 @@ step cuda-tests 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests -rs
 step parity 200 python3 benchmarks/gpu_parity.py --steps 6 'alone={}' 'second_copy={"_second": true, "_check": true}' \
   'second_copy_per_session={"_second": {"cuda_allocator": "per_session"}, "cuda_allocator": "per_session"}'
 step session-memory 60 python3 benchmarks/session_memory.py --sessions 16
+step session-memory-cublas-4mb 60 env CUBLAS_WORKSPACE_CONFIG=:4096:1 python3 benchmarks/session_memory.py --sessions 16
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,inductor,ort,ort_whole_backward,ort_unfused,aot_eager --steps 20 --warmup 3
 step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
