@@ -216,6 +216,9 @@ class OrtRunner:
         self.nodes = nodes if nodes is not None else sum(1 for n in torch_fn.graph.nodes if is_compute(n))
         self._sessions: dict[tuple, tuple] = {}  # by device and torch_settings
         self._failed: str | None = None
+        #: Every input a tensor ORT takes as it is (``_inputs``'s short way).
+        self._plain_inputs = (all(kind == "tensor" for kind in exported.input_kinds)
+                              and not any(order is not None for order in exported.input_permutations or ()))
         #: The compiled library of ``exported.kernels``, if any: a future, built in the
         #: background. Until it is ready the model without the kernels runs (if there is
         #: one: ``exported.unfused``), so the compiler's time never holds up a step.
@@ -300,7 +303,15 @@ class OrtRunner:
             self.report.partition_to_pytorch(self.name, "runtime failure: " + self._failed[:300], self.nodes)
             return self.torch_fn(*args)
 
-    def _run(self, args: Sequence):
+    def _inputs(self, args: Sequence) -> tuple[list, torch.device]:
+        """The tensors ORT reads (contiguous, in the graph's layout, on one device), and that device."""
+        if self._plain_inputs and args:
+            # The usual graph: tensors only, none permuted. One pass per check: this runs per
+            # partition and step, and on CUDA the host's time is the step's (docs/performance.md).
+            device = args[0].device
+            index = device.index if device.type == "cuda" else -1
+            if all(t.get_device() == index for t in args):
+                return [t if t.is_contiguous() else t.contiguous() for t in args], device
         exported = self.exported
         tensors = []
         device = None
@@ -315,8 +326,12 @@ class OrtRunner:
         device = device or torch.device("cpu")
         # One session sees one device: a CPU scalar tensor in a CUDA graph moves (as eager
         # would promote it); wrapping its host pointer as device memory would be garbage.
-        tensors = [(t if t.device == device else t.to(device)) if isinstance(t, torch.Tensor)
-                   else _scalar_tensor(t, device) for t in tensors]
+        return [(t if t.device == device else t.to(device)) if isinstance(t, torch.Tensor)
+                else _scalar_tensor(t, device) for t in tensors], device
+
+    def _run(self, args: Sequence):
+        exported = self.exported
+        tensors, device = self._inputs(args)
         sess, where, out_devices, options, _ = self._session(device)
         inputs = C.OrtValueVector()
         inputs.reserve(len(tensors))
