@@ -17,6 +17,7 @@ import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 
+from . import _torch_attention
 from . import cache as cache_stage
 from . import export as export_stage
 from . import inspectors
@@ -55,9 +56,11 @@ class OrtBackend:
     def _compile(self, gm: torch.fx.GraphModule, example_inputs):
         options = self.options
         device = _device_type(example_inputs)
+        cpu_torch_attention = device == "cpu" and _cpu_torch_attention(options)
         lower_stage.lower_graph(gm, fuse=options.enable_compute_optimizer and not options.deterministic_compute,
                                 recompute_attention=options.memory_opt_level >= 1,
-                                torch_attention=device == "cuda" and options.cuda_torch_attention)
+                                torch_attention=device == "cuda" and options.cuda_torch_attention,
+                                cpu_torch_attention=cpu_torch_attention)
         compiler = functools.partial(compile_graph, options=self.options)
         kwargs = {}
         if self.options.memory_opt_level >= 1:
@@ -69,9 +72,24 @@ class OrtBackend:
                 inference_compiler=functools.partial(compiler, kind="inference"),
                 decompositions=lower_stage.decomposition_table(
                     self.options.opset, self.options.cache_dir,
-                    device == "cpu" and rewrite_stage.pointwise_kernels_apply(options, device)),
+                    device == "cpu" and rewrite_stage.pointwise_kernels_apply(options, device), cpu_torch_attention),
                 **kwargs,
             )(gm, example_inputs)
+
+
+def _cpu_torch_attention(options: OrtOptions) -> bool:
+    """``cpu_torch_attention`` asked and possible here (else said once: attention stays ORT's)."""
+    if not options.cpu_torch_attention:
+        return False
+    problem = _torch_attention.problem()
+    if problem and problem not in _WARNED:
+        _WARNED.add(problem)
+        warnings.warn(f"ort_dynamo: cpu_torch_attention: attention runs on ORT written out instead: {problem}",
+                      stacklevel=3)
+    return not problem
+
+
+_WARNED: set[str] = set()
 
 
 def _device_type(example_inputs) -> str:
@@ -194,11 +212,12 @@ def ort_backend(gm: torch.fx.GraphModule, example_inputs, options=None):
 @contextlib.contextmanager
 def collector_paused():
     """Python's cyclic garbage collector off while a graph compiles (tracing, export and
-    rewrite allocate hundreds of thousands of objects), as it was on before, after. A cold
-    first step paid two full collections of the whole process (0.25-0.35 s each, BERT) where
-    one now runs after the compile; memory peaks as before (docs/performance.md). Collections
-    the application asks for (``gc.collect()``) still run; a collector the application turned
-    off stays off."""
+    rewrite allocate hundreds of thousands of objects), and back on after, if it was on, with
+    one collection of the youngest generation: the compile's own garbage (left to a later
+    collection, it held BERT's training 4 MB higher), not a walk of the whole process. A cold
+    first step paid two full collections (0.25-0.35 s each, BERT); it now pays one
+    (docs/performance.md). Collections the application asks for (``gc.collect()``) still run;
+    a collector the application turned off stays off."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -206,6 +225,7 @@ def collector_paused():
     finally:
         if was_enabled:
             gc.enable()
+            gc.collect(0)
 
 
 def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptions, kind: str):
@@ -230,7 +250,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOpti
         segments = options.backward_segments if kind == "backward" else 1
         kept = lower_stage.TORCH_ATTENTION if options.cuda_torch_attention else frozenset()
         parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report, known, segments,
-                                          kept)
+                                          kept, _cpu_torch_attention(options))
     if graph_key and known is None:
         cache_stage.store_json(options.cache_dir, graph_key, "verdicts", parts.verdicts)
     split = parts.module
