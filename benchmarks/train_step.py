@@ -126,7 +126,9 @@ def compiled_copy(model, backend: str, cache_dir: str = "", copy_model: bool = T
     or "ort_unfused" (ort with ``pointwise_kernels=False``: every elementwise op ORT's own kernel)
     or "ort_arena" (ort with ``cuda_allocator="shared_arena"``: on CUDA, ORT's own arena beside
     PyTorch's pool instead of PyTorch's allocator; on CPU the same as ort) or "ort_whole_backward"
-    (ort with ``backward_segments=1``: each backward partition one ORT run, fewer runs per step).
+    (ort with ``backward_segments=1``: each backward partition one ORT run, fewer runs per step)
+    or "ort_torch_attention" (ort with ``cpu_torch_attention=True``: on CPU, PyTorch's flash
+    attention inside the ORT session; on CUDA the same as ort).
     ``copy_model=False`` compiles ``model`` itself."""
     clone = copy.deepcopy(model) if copy_model else model
     if backend == "eager":
@@ -142,6 +144,8 @@ def compiled_copy(model, backend: str, cache_dir: str = "", copy_model: bool = T
         backend, options = "ort", {"cuda_allocator": "shared_arena"}
     if backend == "ort_whole_backward":
         backend, options = "ort", {"backward_segments": 1}
+    if backend == "ort_torch_attention":
+        backend, options = "ort", {"cpu_torch_attention": True}
     if backend == "ort" and cache_dir:
         options["cache_dir"] = cache_dir
     kwargs = {"options": options} if options else {}
@@ -366,7 +370,7 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,bert,llama")
     parser.add_argument("--backends", default="eager,inductor,ort,aot_eager",
                         help="comma-separated: eager, inductor, aot_eager, ort, ort_keep, ort_recompute, "
-                             "ort_math_attention, ort_unfused, ort_arena, ort_whole_backward")
+                             "ort_math_attention, ort_unfused, ort_arena, ort_whole_backward, ort_torch_attention")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)

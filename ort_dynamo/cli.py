@@ -127,6 +127,10 @@ def _info(args: argparse.Namespace) -> int:
     problem = torch_allocator_problem()
     print("ORT allocates CUDA memory from: " + ("PyTorch's caching allocator (cuda_allocator=pytorch)" if not problem
                                                  else f"its own arena, not PyTorch's allocator: {problem}"))
+    from ._torch_attention import problem as torch_attention_problem
+
+    problem = torch_attention_problem()
+    print("PyTorch's CPU attention inside ORT (cpu_torch_attention): " + (problem or "available"))
 
     usable, lines = _cuda_verdict(torch, providers, ort_wheels)
     print(f"CUDA GPU usable: {'yes' if usable else 'no'}")

@@ -283,14 +283,55 @@ for _name, _math in (("_linear_cross_entropy_batch_chunked", linear_cross_entrop
         pass
 
 
+#: Flash attention for CPU, forward and backward: what SDPA becomes on CPU when left to
+#: AOTAutograd; with ``cpu_torch_attention`` it runs inside ORT (``lowerings/attention.py``).
+FLASH_FOR_CPU = frozenset({aten._scaled_dot_product_flash_attention_for_cpu.default,
+                           aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
+_SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def flash_for_cpu_applies(query, key, value, dropout_p=0.0, attn_mask=None) -> bool:
+    """Whether torch's flash attention for CPU runs inside ORT for these operands (values or
+    fake tensors): float32 [batch, heads, length, head size] operands of one batch and head
+    count, one head size, no dropout, and no mask or a float32 or bool one."""
+    operands = (query, key, value)
+    if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 4 for t in operands):
+        return False
+    if not (query.shape[:2] == key.shape[:2] == value.shape[:2] and query.shape[-1] == value.shape[-1]):
+        return False
+    if attn_mask is not None and not (isinstance(attn_mask, torch.Tensor) and attn_mask.dim() <= 4
+                                      and attn_mask.dtype in (torch.float32, torch.bool)):
+        return False
+    return isinstance(dropout_p, (int, float)) and dropout_p == 0.0
+
+
+def _sdpa_for_flash_for_cpu(node: torch.fx.Node) -> bool:
+    """A Dynamo graph's SDPA call that AOTAutograd will trace to flash attention for CPU that
+    ``flash_for_cpu_applies`` takes (its mask needing no gradient, no grouped heads)."""
+    bound = dict(zip(_SDPA_PARAMETERS, node.args), **node.kwargs)
+
+    def value(name, default=None):
+        item = bound.get(name, default)
+        return item.meta.get("example_value") if isinstance(item, torch.fx.Node) else item
+
+    mask = value("attn_mask")
+    if bound.get("enable_gqa") or (isinstance(mask, torch.Tensor) and mask.requires_grad):
+        return False
+    operands = [value(name) for name in ("query", "key", "value")]
+    if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in operands):
+        return False
+    return flash_for_cpu_applies(*operands, value("dropout_p", 0.0), mask)
+
+
 def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True, recompute_attention: bool = False,
-                torch_attention: bool = False) -> int:
+                torch_attention: bool = False, cpu_torch_attention: bool = False) -> int:
     """Replace torch-level calls that would leave ORT-less backward kernels, and (``fuse``)
     tanh-GELU written out in Python by one ``F.gelu`` call, a LayerNorm over channels between
     two permutes by one in place, and an STFT's magnitude by real arithmetic. With
     ``recompute_attention`` (``memory_opt_level=1``), attention's backward recomputes its
     probabilities instead of keeping them. With ``torch_attention`` (CUDA), scaled dot-product
-    attention is left to AOTAutograd, which gives PyTorch's fused kernels (``TORCH_ATTENTION``).
+    attention is left to AOTAutograd, which gives PyTorch's fused kernels (``TORCH_ATTENTION``);
+    with ``cpu_torch_attention``, the CPU's where ``flash_for_cpu_applies`` (``FLASH_FOR_CPU``).
     Returns the count."""
     replaced = 0
     for module in gm.modules():
@@ -300,7 +341,7 @@ def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True, recompute_attention
                    + _stft_magnitudes_in_real_arithmetic(module.graph)) if fuse else 0
         for node in module.graph.nodes:
             if node.op == "call_function" and node.target in _DYNAMO_REWRITES and not (
-                    torch_attention and node.target in _SDPA):
+                    node.target in _SDPA and (torch_attention or (cpu_torch_attention and _sdpa_for_flash_for_cpu(node)))):
                 node.target = _DYNAMO_REWRITES[node.target]
                 if recompute_attention:
                     node.target = _RECOMPUTING.get(node.target, node.target)
@@ -454,7 +495,8 @@ _NEVER_DECOMPOSE = {aten.lift, aten.lift_fresh, aten.sym_numel, aten.is_same_siz
 
 
 @functools.lru_cache(None)
-def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = False) -> dict:
+def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = False,
+                        cpu_torch_attention: bool = False) -> dict:
     """Decompositions for AOTAutograd: only ops that torchlib cannot lower (correctly).
 
     torch's registered decompositions, functional ops only (in-place/out variants are gone
@@ -462,7 +504,9 @@ def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = 
     Not ``core_aten_decompositions()``: what it adds are entries for CompositeImplicitAutograd
     ops, which decompose before AOTAutograd's tracer sees them anyway, and collecting them
     takes 0.08 s of every process's first step. ``pointwise``: the graph's elementwise chains
-    will become generated kernels, which changes the cheaper way to write a few ops."""
+    will become generated kernels, which changes the cheaper way to write a few ops.
+    ``cpu_torch_attention``: flash attention for CPU stays whole where ORT runs it
+    (``flash_for_cpu_applies``)."""
     lowered = _onnx_lowered_ops(opset, cache_dir) - TORCHLIB_WRONG
     table = {op: fn for op, fn in _torch_decompositions.items()
              if isinstance(op, torch._ops.OpOverload) and op not in lowered
@@ -474,7 +518,31 @@ def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = 
     table.update(own_decompositions())
     if pointwise:
         table.update(pointwise_decompositions())
+    if cpu_torch_attention:
+        table.update(_flash_for_cpu_kept(table))
     return table
+
+
+def _flash_for_cpu_kept(table: dict) -> dict:
+    """Flash attention for CPU's decompositions, declining (NotImplemented: the op stays) where
+    ORT runs torch's kernel."""
+    forward = table[aten._scaled_dot_product_flash_attention_for_cpu.default]
+    backward = table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default]
+
+    def kept_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        if flash_for_cpu_applies(query, key, value, dropout_p, attn_mask):
+            return NotImplemented
+        return forward(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+    def kept_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
+                      scale=None):
+        if flash_for_cpu_applies(query, key, value, dropout_p, attn_mask):
+            return NotImplemented
+        return backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask,
+                        scale=scale)
+
+    return {aten._scaled_dot_product_flash_attention_for_cpu.default: kept_forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default: kept_backward}
 
 
 #: Ops torch decomposes in Python above autograd while tracing (``py_impl`` kernels): nearest

@@ -14,7 +14,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partit
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from .errors import UnsupportedOpError
-from .lower import TORCHLIB_FAKE_LOGSUMEXP, TORCHLIB_WRONG
+from .lower import FLASH_FOR_CPU, TORCHLIB_FAKE_LOGSUMEXP, TORCHLIB_WRONG
 from .lowerings import dtype_refusal
 from .options import FallbackPolicy
 from .report import FallbackNode, GraphReport
@@ -130,7 +130,7 @@ def _split_off_output_views(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 class _OnnxSupport(OperatorSupportBase):
     def __init__(self, registry: Callable, known: dict[str, str] | None,
-                 by_design: set[torch.fx.Node] = frozenset()) -> None:
+                 by_design: set[torch.fx.Node] = frozenset(), cpu_torch_attention: bool = False) -> None:
         from torch.onnx._internal.exporter import _dispatching
 
         self._dispatch = _dispatching.dispatch
@@ -138,6 +138,8 @@ class _OnnxSupport(OperatorSupportBase):
         self._known = known or {}  # verdicts of an identical graph, from the on-disk cache
         self.verdicts: dict[torch.fx.Node, str] = {}  # node -> "" if supported, else the reason
         self.by_design = by_design  # taken in PyTorch by design, not fallbacks
+        #: Flash attention for CPU left whole by the decompositions runs in ORT as torch's kernel.
+        self.cpu_torch_attention = cpu_torch_attention
 
     def reason(self, node: torch.fx.Node) -> str:
         if node in self.verdicts:
@@ -151,7 +153,7 @@ class _OnnxSupport(OperatorSupportBase):
             verdict = "not a tensor computation"
         elif not isinstance(node.target, torch._ops.OpOverload):
             verdict = f"{node.target} is not an ATen op"
-        elif node.target in TORCHLIB_WRONG:
+        elif node.target in TORCHLIB_WRONG and not (self.cpu_torch_attention and node.target in FLASH_FOR_CPU):
             verdict = "torchlib's lowering of this op is wrong for training"
         elif node.target in TORCHLIB_FAKE_LOGSUMEXP:
             verdict = "torchlib's lowering returns a logsumexp of zeros, which this op's backward reads"
@@ -205,7 +207,7 @@ def _short(message: str) -> str:
 
 def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPolicy,
               graph_report: GraphReport, known: dict[str, str] | None = None,
-              segments: int = 1, kept: frozenset = frozenset()) -> Partitioned:
+              segments: int = 1, kept: frozenset = frozenset(), cpu_torch_attention: bool = False) -> Partitioned:
     """Split ``gm`` into ORT-bound submodules (``fused_N``) and PyTorch nodes.
 
     ``registry`` is called (once) only if a node needs torchlib's verdict: ``known`` verdicts
@@ -214,11 +216,12 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     Raises ``UnsupportedOpError`` if that is not allowed by ``policy``.
     Each ORT partition is cut into up to ``segments`` consecutive runs (see ``_in_segments``).
     Nodes of the ``kept`` ops stay in PyTorch by design (faster there): reported as such, never
-    refused by ``policy``.
+    refused by ``policy``. ``cpu_torch_attention``: flash attention for CPU, where the
+    decompositions left it, runs in ORT (torch's kernel as a custom op).
     """
     host_views = _split_off_output_views(gm)
     in_pytorch = host_views | {node for node in gm.graph.nodes if node.target in kept}
-    support = _OnnxSupport(registry, known, in_pytorch)
+    support = _OnnxSupport(registry, known, in_pytorch, cpu_torch_attention)
     unsupported = []
     for node in gm.graph.nodes:
         if node.target in kept:

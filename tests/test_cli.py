@@ -37,6 +37,10 @@ def test_info_prints_versions_real_providers_and_gpu_verdict():
 
     kernels_line = next(line for line in out.splitlines() if line.startswith("CPU pointwise kernels:"))
     assert kernels_line.split(": ", 1)[1].startswith("yes (" if _kernels.available() else "no: ")
+    from ort_dynamo import _torch_attention
+
+    attention_line = next(line for line in out.splitlines() if line.startswith("PyTorch's CPU attention inside ORT"))
+    assert attention_line.endswith(_torch_attention.problem() or ": available")
 
 
 def test_report_prints_what_a_run_saved(tmp_path):

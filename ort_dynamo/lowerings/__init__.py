@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from onnxscript.values import Opset, TracedOnnxFunction
 
-from . import bessel, core, fixes, library, linalg, special
+from . import attention, bessel, core, fixes, library, linalg, special
 from ..lower import _overload  # "namespace::name" -> the op, None until a library defines it
 
 import torch
@@ -25,7 +25,7 @@ import torch
 __all__ = ["register", "register_library_ops", "dtype_refusal", "REMOVED_LOWERINGS"]
 
 _OPSET = Opset("pkg.ort_dynamo", 1)
-_MODULES = (core, special, bessel, linalg, fixes)
+_MODULES = (core, special, bessel, linalg, fixes, attention)
 
 REMOVED_LOWERINGS = core.REMOVED_LOWERINGS
 
