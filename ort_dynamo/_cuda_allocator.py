@@ -11,8 +11,6 @@ registered with ORT's environment, once per GPU, and every session takes it
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
 import logging
 import os
 
@@ -88,7 +86,7 @@ def _register_pytorch(device_index: int, cache_dir: str) -> None:
     if problem:
         raise RuntimeError(problem)
     adapter = _adapter(cache_dir)
-    shim = _torch_cuda_library()
+    shim = _kernels.torch_library("libtorch_cuda.so")
     adapter.ortd_torch_allocator_init(*(ctypes.cast(getattr(shim, name), ctypes.c_void_p) for name in _SHIM))
     address = {name: ctypes.cast(getattr(adapter, name), ctypes.c_void_p).value
                for name in ("ortd_torch_alloc", "ortd_torch_free")}
@@ -105,22 +103,7 @@ def torch_allocator_problem() -> str:
 
     if not torch.cuda.is_available():
         return "this torch has no CUDA"
-    if _kernels._compiler() is None:
-        return "no C compiler for the adapter between the two (install gcc, or set CC)"
-    try:
-        shim = _torch_cuda_library()
-        for name in _SHIM:
-            getattr(shim, name)
-    except (OSError, AttributeError) as exc:
-        return f"this torch's libtorch_cuda lacks its C allocator functions ({exc})"
-    return ""
-
-
-@functools.lru_cache(None)
-def _torch_cuda_library() -> ctypes.CDLL:
-    import torch
-
-    return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so"))
+    return _kernels.torch_shim_problem("libtorch_cuda.so", _SHIM, "the allocator adapter")
 
 
 def _adapter(cache_dir: str = "") -> ctypes.CDLL:
@@ -139,16 +122,7 @@ def _adapter(cache_dir: str = "") -> ctypes.CDLL:
 
 def adapter_path(cache_dir: str = "") -> str:
     """Path of the compiled adapter; built here if no earlier process left it."""
-    compiler = _kernels._compiler()
-    if compiler is None:
-        raise _kernels.KernelBuildError("no C compiler found (set CC, or install gcc)")
-    with open(_SOURCE, "rb") as fh:
-        source = fh.read()
-    key = hashlib.sha256(b"\n".join([source, *(part.encode() for part in (*compiler, *_kernels._HOST_FLAGS))]))
-    path = os.path.join(_kernels._folder(cache_dir), f"torch_cuda_allocator_{key.hexdigest()[:24]}.so")
-    if not os.path.exists(path):
-        _kernels.host_library(path, [_SOURCE])
-    return path
+    return _kernels.built_host_library("torch_cuda_allocator", [_SOURCE], cache_dir)
 
 
 def refused_bytes(device_index: int) -> int:

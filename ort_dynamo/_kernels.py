@@ -258,6 +258,45 @@ def _cuda_library(kernels: list[str], cache_dir: str, arch: str = "") -> str:
     return path
 
 
+def built_host_library(stem: str, sources: list[str], cache_dir: str = "") -> str:
+    """Path of a host library of ``sources`` (files of ``_CSRC``, whose includes are read from
+    there too), built here unless an earlier process left it: kept on disk by the hash of
+    that folder's files, the compiler and its flags."""
+    compiler = _compiler()
+    if compiler is None:
+        raise KernelBuildError("no C compiler found (set CC, or install gcc)")
+    key = hashlib.sha256("\n".join([*compiler, *_HOST_FLAGS, *map(os.path.basename, sources), _header_digest()]).encode())
+    path = os.path.join(_folder(cache_dir), f"{stem}_{key.hexdigest()[:24]}.so")
+    if not os.path.exists(path):
+        host_library(path, ["-I", _CSRC, *sources])
+    return path
+
+
+@functools.lru_cache(None)
+def torch_library(name: str) -> "ctypes.CDLL":
+    """One of torch's own libraries (``libtorch_cpu.so``, ``libtorch_cuda.so``), loaded: its C
+    shim's functions are looked up there (torch does not load its libraries globally)."""
+    import ctypes
+
+    import torch
+
+    return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", name))
+
+
+def torch_shim_problem(library: str, functions: tuple[str, ...], what: str) -> str:
+    """Why ``functions`` of torch's ``library`` cannot be called from a host library here (no
+    compiler, or a torch without them), or "" if they can; ``what`` names the use."""
+    if _compiler() is None:
+        return f"no C compiler for {what} (install gcc, or set CC)"
+    try:
+        shim = torch_library(library)
+        for name in functions:
+            getattr(shim, name)
+    except (OSError, AttributeError) as exc:
+        return f"this torch's {library} lacks the C shim functions of {what} ({exc})"
+    return ""
+
+
 def host_library(path: str, arguments: list[str], files: dict[str, str] | None = None) -> None:
     """Make the shared library ``path`` with the C compiler (``_HOST_FLAGS``) from ``arguments``,
     in a scratch folder beside it where ``files`` (name: text) are written first: the whole

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 
 from . import _kernels
@@ -29,22 +28,7 @@ _CODES = ("aoti_torch_dtype_float32", "aoti_torch_dtype_bool", "aoti_torch_devic
 @functools.lru_cache(None)
 def problem() -> str:
     """Why torch's attention cannot run inside ORT here, or "" if it can."""
-    if _kernels._compiler() is None:
-        return "no C compiler for its custom-op library (install gcc, or set CC)"
-    try:
-        torch_cpu = _torch_cpu_library()
-        for name in (*_SHIM, *_CODES):
-            getattr(torch_cpu, name)
-    except (OSError, AttributeError) as exc:
-        return f"this torch's libtorch_cpu lacks the C shim's attention functions ({exc})"
-    return ""
-
-
-@functools.lru_cache(None)
-def _torch_cpu_library() -> ctypes.CDLL:
-    import torch
-
-    return ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    return _kernels.torch_shim_problem("libtorch_cpu.so", (*_SHIM, *_CODES), "its attention's custom-op library")
 
 
 @functools.lru_cache(None)
@@ -53,17 +37,9 @@ def library(cache_dir: str = "") -> str:
     shim's functions (the same loaded copy ORT registers: one path, one handle)."""
     if problem():
         raise _kernels.KernelBuildError(problem())
-    compiler = _kernels._compiler()
-    with open(_SOURCE, "rb") as fh:
-        source = fh.read()
-    with open(os.path.join(_kernels._CSRC, "ort_abi.h"), "rb") as fh:
-        header = fh.read()
-    key = hashlib.sha256(b"\n".join([source, header, *(p.encode() for p in (*compiler, *_kernels._HOST_FLAGS))]))
-    path = os.path.join(_kernels._folder(cache_dir), f"torch_attention_{key.hexdigest()[:24]}.so")
-    if not os.path.exists(path):
-        _kernels.host_library(path, ["-I", _kernels._CSRC, _SOURCE])
+    path = _kernels.built_host_library("torch_attention", [_SOURCE], cache_dir)
     loaded = ctypes.CDLL(path)
-    torch_cpu = _torch_cpu_library()
+    torch_cpu = _kernels.torch_library("libtorch_cpu.so")
     functions = (ctypes.c_void_p * len(_SHIM))(*(ctypes.cast(getattr(torch_cpu, n), ctypes.c_void_p) for n in _SHIM))
     codes = []
     for name in _CODES:

@@ -654,7 +654,7 @@ def test_pytorchs_allocator_is_registered_with_ort_as_the_gpus_external_allocato
     monkeypatch.setattr(_cuda_allocator, "_registered", {})
     monkeypatch.setattr(_cuda_allocator, "_adapters", {})
     monkeypatch.setattr(_cuda_allocator, "torch_allocator_problem", lambda: "")
-    monkeypatch.setattr(_cuda_allocator, "_torch_cuda_library", lambda: shim)
+    monkeypatch.setattr(_kernels, "torch_library", lambda name: shim)
     monkeypatch.setattr(_cuda_allocator.ort, "create_and_register_allocator_v2",
                         lambda provider, memory, options, arena: registered.append((provider, options)))
     assert _cuda_allocator.register(1, "pytorch") == "pytorch" == _cuda_allocator.registered(1)
