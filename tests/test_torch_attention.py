@@ -104,3 +104,21 @@ def test_hf_models_train_like_eager_with_torchs_attention_inside_ort(kind):
     result = train_both(model, lambda: batch, lambda out: out.loss, options={"cpu_torch_attention": True})
     assert_same_training(*result, rtol=1e-5, atol=1e-5)
     assert_all_on_ort()
+
+
+def test_new_lengths_reuse_the_exported_attention_with_eagers_values():
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, backend="ort", dynamic=True, options={**OPTIONS, "memory_opt_level": 0})
+    for length in (8, 13, 21):
+        q, k, v = (torch.randn(2, 3, length, 16) for _ in range(3))
+        got, got_grads = _forward_and_gradients(compiled, (q, k, v))
+        want, want_grads = _forward_and_gradients(attention, (q, k, v))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for a, b in zip(got_grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert ort_dynamo.report().exports == 2  # the forward and the backward graph, once each
+    assert_all_on_ort()
