@@ -250,7 +250,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOpti
         segments = options.backward_segments if kind == "backward" else 1
         kept = lower_stage.TORCH_ATTENTION if options.cuda_torch_attention else frozenset()
         parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report, known, segments,
-                                          kept, _cpu_torch_attention(options))
+                                          kept, _device_type(example_inputs) == "cpu" and _cpu_torch_attention(options))
     if graph_key and known is None:
         cache_stage.store_json(options.cache_dir, graph_key, "verdicts", parts.verdicts)
     split = parts.module
