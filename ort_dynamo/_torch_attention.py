@@ -3,8 +3,8 @@
 ``csrc/torch_attention.c`` is a custom-op library (domain ``ort_dynamo.torch``) whose two ops call
 torch's flash attention for CPU, forward and backward, through torch's stable C shim. Attention
 then runs as eager runs it, inside the partition, instead of as ORT's products and softmax. The
-library is built once per machine with the C compiler (kept on disk by its source's hash) and
-handed the shim's functions when first loaded."""
+library is built once per machine with the C compiler (kept on disk by the hash of ``csrc``'s
+files, ``_kernels.built_host_library``) and handed the shim's functions when first loaded."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def problem() -> str:
 def library(cache_dir: str = "") -> str:
     """Path of the custom-op library, built here if no earlier process left it, and handed the
     shim's functions (the same loaded copy ORT registers: one path, one handle)."""
-    if problem():
-        raise _kernels.KernelBuildError(problem())
+    if reason := problem():
+        raise _kernels.KernelBuildError(reason)
     path = _kernels.built_host_library("torch_attention", [_SOURCE], cache_dir)
     loaded = ctypes.CDLL(path)
     torch_cpu = _kernels.torch_library("libtorch_cpu.so")

@@ -237,7 +237,8 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptio
 
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptions, kind: str):
     graph_report = current_report().new_graph(kind)
-    if _device_type(example_inputs) == "cuda":
+    device = _device_type(example_inputs)
+    if device == "cuda":
         _warn_if_a_copy(gm, kind)
     lower_stage.stacked_row_gradients(gm)
     registry = functools.partial(export_stage.onnx_registry, options.opset)  # built on first need
@@ -250,7 +251,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOpti
         segments = options.backward_segments if kind == "backward" else 1
         kept = lower_stage.TORCH_ATTENTION if options.cuda_torch_attention else frozenset()
         parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report, known, segments,
-                                          kept, _device_type(example_inputs) == "cpu" and _cpu_torch_attention(options))
+                                          kept, device == "cpu" and _cpu_torch_attention(options))
     if graph_key and known is None:
         cache_stage.store_json(options.cache_dir, graph_key, "verdicts", parts.verdicts)
     split = parts.module

@@ -120,16 +120,24 @@ typedef OrtStatus* (*ortd_KernelContext_ParallelFor_fn)(const OrtKernelContext* 
 
 /* ---- helpers both kernel libraries use --------------------------------- */
 
-/* A tensor's shape; dims is filled only for a rank up to max_rank (the caller checks *rank). */
-static inline OrtStatus* ortd_tensor_shape(const OrtApiTable* api, const OrtValue* value, int64_t* dims,
-                                           size_t* rank, size_t max_rank) {
+/* A tensor's shape and, where element_type is not NULL, its element type (ORTD_ELEM_*); dims
+ * is filled only for a rank up to max_rank (the caller checks *rank). */
+static inline OrtStatus* ortd_tensor_type_and_shape(const OrtApiTable* api, const OrtValue* value, int* element_type,
+                                                    int64_t* dims, size_t* rank, size_t max_rank) {
   OrtTensorTypeAndShapeInfo* info;
   OrtStatus* status = ORTD_CALL(api, GetTensorTypeAndShape)(value, &info);
   if (status) return status;
   status = ORTD_CALL(api, GetDimensionsCount)(info, rank);
   if (!status && *rank <= max_rank) status = ORTD_CALL(api, GetDimensions)(info, dims, *rank);
+  if (!status && element_type) status = ORTD_CALL(api, GetTensorElementType)(info, element_type);
   ORTD_CALL(api, ReleaseTensorTypeAndShapeInfo)(info);
   return status;
+}
+
+/* A tensor's shape (``ortd_tensor_type_and_shape`` without the type). */
+static inline OrtStatus* ortd_tensor_shape(const OrtApiTable* api, const OrtValue* value, int64_t* dims,
+                                           size_t* rank, size_t max_rank) {
+  return ortd_tensor_type_and_shape(api, value, NULL, dims, rank, max_rank);
 }
 
 /* OrtCustomOp callbacks: every input and output required, and on the op's own device. */

@@ -84,16 +84,10 @@ static OrtStatus* fail(const OrtApiTable* api, const char* what) {
 static OrtStatus* wrap(const OrtApiTable* api, OrtValue* value, Handles* handles, AtenTensorHandle* out) {
   int64_t dims[MAX_RANK], strides[MAX_RANK];
   size_t rank = 0;
-  OrtStatus* status = ortd_tensor_shape(api, value, dims, &rank, MAX_RANK);
+  int type = 0;
+  OrtStatus* status = ortd_tensor_type_and_shape(api, value, &type, dims, &rank, MAX_RANK);
   if (status) return status;
   if (rank > MAX_RANK) return fail(api, "ort_dynamo.torch attention: a tensor of more than 4 dimensions");
-  OrtTensorTypeAndShapeInfo* info;
-  int type = 0;
-  status = ORTD_CALL(api, GetTensorTypeAndShape)(value, &info);
-  if (status) return status;
-  status = ORTD_CALL(api, GetTensorElementType)(info, &type);
-  ORTD_CALL(api, ReleaseTensorTypeAndShapeInfo)(info);
-  if (status) return status;
   int32_t dtype;
   if (type == ORTD_ELEM_FLOAT) dtype = torch_fns.float32;
   else if (type == ORTD_ELEM_BOOL) dtype = torch_fns.boolean;
