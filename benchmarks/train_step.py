@@ -42,8 +42,13 @@ import torch
 
 import ort_dynamo
 
-#: ort at an explicit memory_opt_level, beside "ort" (the defaults).
-ORT_LEVELS = {"ort_keep": 0, "ort_recompute": 1}
+#: ort with some options set, beside "ort" (the defaults): ``compiled_copy`` says what each is.
+ORT_VARIANTS = {
+    "ort_keep": {"memory_opt_level": 0}, "ort_recompute": {"memory_opt_level": 1},
+    "ort_math_attention": {"cuda_torch_attention": False}, "ort_unfused": {"pointwise_kernels": False},
+    "ort_arena": {"cuda_allocator": "shared_arena"}, "ort_whole_backward": {"backward_segments": 1},
+    "ort_torch_attention": {"cpu_torch_attention": True},
+}
 CPU_SIZE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=1024)
 
 
@@ -134,18 +139,8 @@ def compiled_copy(model, backend: str, cache_dir: str = "", copy_model: bool = T
     if backend == "eager":
         return clone, clone
     options = {}
-    if backend in ORT_LEVELS:
-        backend, options = "ort", {"memory_opt_level": ORT_LEVELS[backend]}
-    if backend == "ort_math_attention":
-        backend, options = "ort", {"cuda_torch_attention": False}
-    if backend == "ort_unfused":
-        backend, options = "ort", {"pointwise_kernels": False}
-    if backend == "ort_arena":
-        backend, options = "ort", {"cuda_allocator": "shared_arena"}
-    if backend == "ort_whole_backward":
-        backend, options = "ort", {"backward_segments": 1}
-    if backend == "ort_torch_attention":
-        backend, options = "ort", {"cpu_torch_attention": True}
+    if backend in ORT_VARIANTS:
+        backend, options = "ort", dict(ORT_VARIANTS[backend])
     if backend == "ort" and cache_dir:
         options["cache_dir"] = cache_dir
     kwargs = {"options": options} if options else {}
@@ -369,8 +364,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="gpt2,bert,llama")
     parser.add_argument("--backends", default="eager,inductor,ort,aot_eager",
-                        help="comma-separated: eager, inductor, aot_eager, ort, ort_keep, ort_recompute, "
-                             "ort_math_attention, ort_unfused, ort_arena, ort_whole_backward, ort_torch_attention")
+                        help="comma-separated: eager, inductor, aot_eager, ort, " + ", ".join(ORT_VARIANTS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
