@@ -164,7 +164,7 @@ class OrtOptions:
         "torch's kernel through its C shim, instead of as ORT's products and softmax; no graph split. "
         "Needs a C compiler (built once, like the kernels); without one, attention runs on ORT "
         "written out, with a warning. Off by default: on the 2-core CPU measured, steps were 0-7% "
-        "slower with it, cold first steps 5-17% faster (docs/performance.md).", "")
+        "slower with it, cold first steps 3-18% faster (docs/performance.md).", "")
     shared_cpu_arena: bool = _field(
         True, "All CPU sessions of the process allocate from one ORT arena, registered by ort_dynamo "
         "(it replaces a CPU allocator the application registered with "
