@@ -1,6 +1,9 @@
 """ORT's Transpose against the ``TransposeRows`` kernel, one op per session, on permutations
 convolutional and attention layers give them; says which of them the pointwise stage hands to
-the kernel (``_op_kernels._moves_elementwise``).
+the kernel (``_op_kernels._moves_elementwise``), or to ``MergeHeads`` (``_op_kernels.moves_heads``:
+attention's heads back into rows). Then ORT's Transpose against ``MergeHeads``, and three
+Transposes and a Concat (GPT-2's q, k and v gradients) against ``ConcatHeads3``, on attention's
+output as the CPU benchmark models have it, warm and with the caches evicted before each call.
 
     .venv/bin/python benchmarks/transposes.py
     .venv/bin/python benchmarks/transposes.py --bfloat16   # bfloat16 tensors (CPU autocast's)
@@ -14,6 +17,7 @@ which of them the stage hands to ``TransposeRowsBf16`` (``_op_kernels._bfloat16_
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 
@@ -38,6 +42,8 @@ CASES = [
     ((8, 128, 4, 64), (0, 2, 1, 3), "attention's heads, rows of 64"),
     ((8, 4, 128, 64), (0, 1, 3, 2), "attention's k transposed"),
 ]
+#: Attention's output, [batch, heads, sequence, depth], as the CPU benchmark models have it.
+HEADS = (8, 4, 128, 64)
 
 
 def session(dims, perm, kernel: bool, bfloat16: bool = False) -> ort.InferenceSession:
@@ -91,9 +97,69 @@ def bfloat16_main() -> None:
         float32 = mean_ms(session(dims, perm, False), x.numpy(), perm)
         x = x.bfloat16()
         theirs, ours = (mean_ms_bf16(session(dims, perm, kernel, True), x, perm) for kernel in (False, True))
-        chosen = "kernel" if _op_kernels._bfloat16_moves_slowly(list(dims), list(perm)) else "ORT"
+        chosen = _taken_by(dims, perm, _op_kernels._bfloat16_moves_slowly)
         print(f"{str(dims):22s} {str(perm):20s} ORT {theirs:6.2f} ms  kernel {ours:6.2f} ms  "
-              f"ORT/kernel {theirs / ours:5.2f}  taken by: {chosen:6s} (ORT's float32: {float32:6.2f} ms; {what})")
+              f"ORT/kernel {theirs / ours:5.2f}  taken by: {chosen:10s} (ORT's float32: {float32:6.2f} ms; {what})")
+
+
+def heads_session(inputs: int, kernel: bool) -> ort.InferenceSession:
+    """``inputs`` attention outputs [8, 4, 128, 64] moved back into rows: one, a Transpose; several,
+    reshaped to [8, 128, 256] and concatenated (GPT-2's q, k and v gradients). ``kernel``: as the
+    pointwise stage writes them, ``MergeHeads`` or ``ConcatHeads<n>``."""
+    xs = [ir.Value(name=f"x{i}", shape=ir.Shape(list(HEADS)), type=ir.TensorType(ir.DataType.FLOAT))
+          for i in range(inputs)]
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opsets, initializers = {"": 18}, []
+    if kernel:
+        name, unit = _op_kernels.merge_heads_kernel(inputs, False)
+        nodes = [ir.node(name, xs, domain=_pointwise.DOMAIN)]
+        opsets[_pointwise.DOMAIN] = 1
+        so.register_custom_ops_library(_kernels.library([unit]))
+    else:
+        nodes = [ir.node("Transpose", [x], attributes={"perm": [0, 2, 1, 3]}) for x in xs]
+        if inputs > 1:
+            rows = ir.Value(name="rows", const_value=ir.tensor(np.array([8, 128, 256], dtype=np.int64)))
+            initializers.append(rows)
+            nodes += [ir.node("Reshape", [t.outputs[0], rows]) for t in nodes]
+            nodes.append(ir.node("Concat", [r.outputs[0] for r in nodes[inputs:]], attributes={"axis": -1}))
+    out = nodes[-1].outputs[0]
+    out.name, out.dtype = "y", ir.DataType.FLOAT
+    graph = ir.Graph(xs, [out], nodes=nodes, initializers=initializers, opset_imports=opsets)
+    model = ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString()
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def heads_main() -> None:
+    """ORT's Transpose (and Concat) against ``MergeHeads`` / ``ConcatHeads3``, calls alternating;
+    each call also with the caches evicted first (not timed), as in a training step."""
+    evict = np.zeros(8 << 20, np.float32)  # 32 MB, more than this machine's last-level cache
+    rng = np.random.default_rng(0)
+    for inputs in (1, 3):
+        feeds = [{f"x{i}": rng.standard_normal(HEADS, dtype=np.float32) for i in range(inputs)} for _ in range(6)]
+        sessions = heads_session(inputs, False), heads_session(inputs, True)
+        want, got = (s.run(None, feeds[0])[0] for s in sessions)
+        np.testing.assert_array_equal(got, want)
+        for cold in (False, True):
+            times = [[], []]
+            for call in range(200):
+                for sess, spent in zip(sessions, times):
+                    if cold:
+                        np.add(evict, 1.0, out=evict)
+                    start = time.perf_counter()
+                    sess.run(None, feeds[call % 6])
+                    spent.append(time.perf_counter() - start)
+            theirs, ours = (statistics.median(t) * 1e3 for t in times)
+            what = "Transpose -> MergeHeads" if inputs == 1 else "3 Transposes + Concat -> ConcatHeads3"
+            print(f"{str(HEADS):22s} {what:38s} {'cold' if cold else 'warm'}  ORT {theirs:6.3f} ms  "
+                  f"kernel {ours:6.3f} ms  ORT/kernel {theirs / ours:5.2f}")
+
+
+def _taken_by(dims, perm, slow=_op_kernels._moves_elementwise) -> str:
+    if _op_kernels.moves_heads(list(dims), list(perm)):
+        return "MergeHeads"
+    return "kernel" if slow(list(dims), list(perm)) else "ORT"
 
 
 def main() -> None:
@@ -103,9 +169,10 @@ def main() -> None:
     for dims, perm, what in CASES:
         x = np.random.default_rng(0).standard_normal(dims, dtype=np.float32)
         theirs, ours = mean_ms(session(dims, perm, False), x, perm), mean_ms(session(dims, perm, True), x, perm)
-        chosen = "kernel" if _op_kernels._moves_elementwise(list(dims), list(perm)) else "ORT"
         print(f"{str(dims):22s} {str(perm):20s} ORT {theirs:6.2f} ms  kernel {ours:6.2f} ms  "
-              f"ORT/kernel {theirs / ours:5.2f}  taken by: {chosen:6s} ({what})")
+              f"ORT/kernel {theirs / ours:5.2f}  taken by: {_taken_by(dims, perm):10s} ({what})")
+    print("attention's heads back into rows: median ms of 200 calls, alternating")
+    heads_main()
 
 
 if __name__ == "__main__":

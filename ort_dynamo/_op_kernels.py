@@ -14,6 +14,10 @@ CPU provider runs slowly (csrc/max_pool.h, csrc/pointwise_runtime.c):
   slower still (attention's heads): ``TransposeRowsBf16``. (``decompositions`` writes pixel shuffle as such a
   transpose of static shapes.)
 
+- Attention's heads moved back into rows, a Transpose [0, 2, 1, 3] of [B, H, S, D] that ORT
+  copies slower than rows of D can be: ``MergeHeads``; and GPT-2's q, k and v gradients, three
+  such moves concatenated for its one projection, which ORT runs as three Transposes and a
+  Concat: ``ConcatHeads3``, one pass (csrc/pointwise_runtime.c, ``pw_merge_heads``).
 - 2-D convolutions with one output channel per group, which ORT runs as an im2col and a GEMM
   per (image, group): depthwise convolutions (ConvNeXt's, MobileNet's, SegFormer's), their
   input gradients (a grouped ConvTranspose) and their weight gradients (the batch-1 grouped
@@ -37,8 +41,8 @@ import onnx_ir as ir
 from ._fusions import _int64_constant, _op, _remove_if_dead, _scalar, _take_over, element_type
 
 __all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels",
-           "group_convs_as_kernels", "max_pools_as_kernels", "scatter_adds_along_last_axis",
-           "slow_transposes_as_kernels", "transpose_rows_kernel"]
+           "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
+           "moves_heads", "scatter_adds_along_last_axis", "slow_transposes_as_kernels", "transpose_rows_kernel"]
 
 #: The domain of the custom-op library (csrc/pointwise_runtime.c): these ops' and ``_pointwise``'s.
 DOMAIN = "ort_dynamo.pointwise"
@@ -78,6 +82,8 @@ _MIN_BLOCK = 16
 _SHORT_ROW = 64
 #: ORT folds a Transpose into these (FusedMatMul): no kernel there.
 _READS_TRANSPOSED = {"MatMul", "Gemm", "FusedMatMul"}
+#: The types ``MergeHeads`` and ``ConcatHeads`` move.
+_HEAD_TYPES = (ir.DataType.FLOAT, ir.DataType.BFLOAT16)
 
 
 def _pooling(node: ir.Node) -> tuple | None:
@@ -372,6 +378,96 @@ def slow_transposes_as_kernels(graph: ir.Graph) -> list[str]:
         _take_over(node.outputs[0], kernel.outputs[0])
         kernel.outputs[0].dtype = ir.DataType.BFLOAT16 if bfloat16 else ir.DataType.FLOAT
         graph.remove(node, safe=True)
+        units.append(unit)
+    return list(dict.fromkeys(units))
+
+
+#: The heads' order of attention ([batch, heads, sequence, depth] -> [batch, sequence, heads, depth]).
+_HEADS_TO_ROWS = [0, 2, 1, 3]
+
+
+def merge_heads_kernel(inputs: int, bfloat16: bool) -> tuple[str, str]:
+    """(op name, C unit) of the kernel merging attention's heads back into rows (csrc/pointwise.h,
+    ``pw_merge_heads``), float32 or ``bfloat16``: ``MergeHeads`` for one input (a Transpose),
+    ``ConcatHeads<n>`` for ``inputs`` > 1 (their Concat along the last axis)."""
+    name = ("MergeHeads" if inputs == 1 else "ConcatHeads") + ("Bf16" if bfloat16 else "") \
+        + ("" if inputs == 1 else str(inputs))
+    kind = "PW_BF16" if bfloat16 else "PW_FLOAT"
+    return name, "\n".join([
+        '#include "pointwise.h"',
+        f"static const int {name}_types[] = {{{', '.join([kind] * inputs)}}};",
+        f"static const int {name}_out[] = {{{kind}}};",
+        f"static const int {name}_none[] = {{0}};",
+        f"PW_KERNEL({name}, {inputs}, {name}_types, {name}_none, 1, {name}_none, 0, 0, 0, 0, pw_merge_heads, 0, "
+        f"{name}_out);",
+    ]) + "\n"
+
+
+def moves_heads(dims: list, perm: list[int]) -> bool:
+    """Whether a Transpose of x of ``dims`` by ``perm`` is ``MergeHeads``' (``merged_heads_as_kernels``):
+    [B, H, S, D] -> [B, S, H, D], H and D known, rows of D long enough to copy whole."""
+    return list(perm) == _HEADS_TO_ROWS and len(dims) == 4 and isinstance(dims[1], int) \
+        and isinstance(dims[3], int) and dims[3] >= _MIN_BLOCK
+
+
+def _heads_to_rows(transpose: ir.Node | None) -> ir.Value | None:
+    """x where ``transpose`` is ``MergeHeads``' Transpose (``moves_heads``) of float32 or bfloat16
+    x; else None."""
+    if not _op(transpose, "Transpose"):
+        return None
+    x = transpose.inputs[0]
+    if x is None or x.shape is None or element_type(x, _BF16_VIEWS) not in _HEAD_TYPES:
+        return None
+    return x if moves_heads(list(x.shape.dims), list(transpose.attributes.get_ints("perm", []))) else None
+
+
+def _concatenated_heads(value: ir.Value) -> ir.Value | None:
+    """x where ``value``, read only by one Concat, is ``Reshape(Transpose(x, [0, 2, 1, 3]))`` of x
+    [B, H, S, D] to [B, S, H * D], the Transpose read only by that Reshape; else None."""
+    reshape = value.producer()
+    if not _op(reshape, "Reshape") or len(value.uses()) != 1 or value.is_graph_output() \
+            or value.shape is None or value.shape.rank() != 3:
+        return None
+    moved = reshape.inputs[0]
+    x = _heads_to_rows(moved.producer()) if moved is not None else None
+    if x is None or len(moved.uses()) != 1 or moved.is_graph_output():
+        return None
+    batch, heads, seq, depth = x.shape.dims
+    out = value.shape.dims
+    return x if out[0] == batch and out[1] == seq and out[2] == heads * depth else None
+
+
+def merged_heads_as_kernels(graph: ir.Graph) -> list[str]:
+    """Attention's heads moved back into rows (a Transpose [0, 2, 1, 3] of [B, H, S, D]) ->
+    ``MergeHeads``, one pass of row copies where ORT's Transpose is slower
+    (benchmarks/transposes.py); and a Concat along the last axis of such moves, each reshaped to
+    [B, S, H * D] (GPT-2's q, k and v gradients, for its one projection), which ORT runs as a
+    Transpose per input and a Concat -> ``ConcatHeads<n>``, one pass. Returns the kernels' C units."""
+    units = []
+    concats = [n for n in graph if _op(n, "Concat")]  # first: their inputs' Transposes are theirs
+    for node in concats + [n for n in graph if _op(n, "Transpose")]:
+        if node.graph is None:
+            continue
+        if _op(node, "Concat"):
+            if node.attributes.get_int("axis", 0) not in (-1, 2) or len(node.inputs) < 2:
+                continue
+            sources = [_concatenated_heads(v) if v is not None else None for v in node.inputs]
+            if None in sources or len({element_type(x, _BF16_VIEWS) for x in sources}) != 1:
+                continue
+            removed = [v.producer() for v in node.inputs]
+        else:
+            x = _heads_to_rows(node)
+            if x is None or any(use.node.op_type in _READS_TRANSPOSED for use in node.outputs[0].uses()):
+                continue
+            sources, removed = [x], []
+        name, unit = merge_heads_kernel(len(sources), element_type(sources[0], _BF16_VIEWS) == ir.DataType.BFLOAT16)
+        kernel = ir.node(name, sources, domain=DOMAIN)
+        graph.insert_before(node, kernel)
+        _take_over(node.outputs[0], kernel.outputs[0])
+        graph.remove(node, safe=True)
+        for reshape in removed:
+            transpose = reshape.inputs[0].producer()
+            _remove_if_dead(graph, [reshape, transpose])
         units.append(unit)
     return list(dict.fromkeys(units))
 

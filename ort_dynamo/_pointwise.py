@@ -1375,6 +1375,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str
             and repeats[_chain(group)] < MIN_REPEATS
 
     kernels += _fuse_groups(graph, [g for g in groups if not small(g)], info, cuda=False)
+    kernels += _op_kernels.merged_heads_as_kernels(graph)
     kernels += _op_kernels.slow_transposes_as_kernels(graph)
     _unfold_rotate_half(graph)
     if kernels:

@@ -6,6 +6,7 @@ import functools
 import gc
 import glob
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -1164,22 +1165,127 @@ def test_transposes_ort_moves_element_by_element_run_as_kernels(dims, perm, kern
     np.testing.assert_array_equal(session.run(None, {"x": data})[0], data.transpose(perm))
 
 
-@pytest.mark.parametrize("dims, perm, kernel", [
-    ((8, 128, 4, 64), (0, 2, 1, 3), True),   # attention's heads: ORT's float32 Transpose is fine here, its bfloat16 one slow
-    ((8, 4, 128, 64), (0, 1, 3, 2), True),   # k transposed
-    ((5, 7, 9, 64), (3, 0, 2, 1), True),     # every axis moves
-    ((8, 56, 56, 64), (0, 3, 1, 2), False),  # NHWC to NCHW: ORT's is the faster (benchmarks/transposes.py --bfloat16)
+@pytest.mark.parametrize("dims, perm, op", [
+    ((8, 128, 4, 64), (0, 2, 1, 3), "MergeHeadsBf16"),     # attention's heads back into rows
+    ((8, 4, 128, 64), (0, 1, 3, 2), "TransposeRowsBf16"),  # k transposed: ORT's bfloat16 Transpose is slow
+    ((5, 7, 9, 64), (3, 0, 2, 1), "TransposeRowsBf16"),    # every axis moves
+    ((8, 56, 56, 64), (0, 3, 1, 2), "Transpose"),  # NHWC to NCHW: ORT's is the faster (benchmarks/transposes.py --bfloat16)
 ])
-def test_a_bfloat16_transpose_runs_as_a_kernel_where_orts_is_slower(dims, perm, kernel):
+def test_a_bfloat16_transpose_runs_as_a_kernel_where_orts_is_slower(dims, perm, op):
     """ORT's bfloat16 Transpose copies rows slower than its float32 one (attention's heads under
     autocast): there, and where its float32 one is slow, the Transpose is a kernel."""
     from ort_dynamo.run import _wrap
 
     ops, session = _one_transpose(dims, perm, ir.DataType.BFLOAT16)
-    assert ops == ["TransposeRowsBf16" if kernel else "Transpose"]
+    assert ops == [op]
     data = torch.randn(*dims).bfloat16()
     (out,) = session.run_with_ort_values(["y"], {"x": ort.OrtValue(_wrap(data, data.data_ptr(), None))})
     assert torch.equal(torch.from_dlpack(out._ortvalue.to_dlpack()), data.permute(*perm))
+
+
+@pytest.mark.parametrize("dims, op", [
+    ((8, 4, 128, 64), "MergeHeads"),       # BERT's and Llama's attention output, and their q, k and v gradients
+    ((2, 12, 7, 16), "MergeHeads"),        # rows of 16 floats: still whole rows
+    ((2, 12, 7, 8), "Transpose"),          # rows of 8: ORT's
+    (("batch", 4, "seq", 64), "MergeHeads"),  # dynamic batch and sequence length: read at run time
+])
+def test_attention_heads_move_back_into_rows_in_one_kernel(dims, op):
+    """A Transpose [0, 2, 1, 3] of attention's [B, H, S, D] copies rows of D: ``MergeHeads``,
+    faster than ORT's Transpose (benchmarks/transposes.py)."""
+    ops, session = _one_transpose(dims, (0, 2, 1, 3), ir.DataType.FLOAT)
+    assert ops == [op]
+    for size in ((8, 4, 128, 64), (3, 4, 5, 64)) if isinstance(dims[0], str) else (dims,):
+        data = np.random.randn(*size).astype(np.float32)
+        np.testing.assert_array_equal(session.run(None, {"x": data})[0], data.transpose(0, 2, 1, 3))
+
+
+def _heads_concat(parts: list[tuple[int, int]], also_read: bool = False):
+    """The model of GPT-2's q, k and v gradients side by side: ``Concat([Reshape(Transpose(x_i,
+    [0, 2, 1, 3]), [B, S, H_i * D_i])], -1)`` for x_i [B, H_i, S, D_i] of ``parts``' (H_i, D_i),
+    after the pointwise stage; ``also_read``: the first Reshape is also a graph output. Returns
+    its op types and a session."""
+    batch, seq = 2, 9
+    xs = [ir.Value(name=f"x{i}", shape=ir.Shape([batch, h, seq, d]), type=ir.TensorType(ir.DataType.FLOAT))
+          for i, (h, d) in enumerate(parts)]
+    nodes, rows = [], []
+    for i, (x, (h, d)) in enumerate(zip(xs, parts)):
+        shape = ir.Value(name=f"shape{i}", const_value=ir.tensor(np.array([batch, seq, h * d], dtype=np.int64)))
+        moved = ir.node("Transpose", [x], attributes={"perm": [0, 2, 1, 3]})
+        reshape = ir.node("Reshape", [moved.outputs[0], shape])
+        for node, dims in ((moved, [batch, seq, h, d]), (reshape, [batch, seq, h * d])):
+            node.outputs[0].shape, node.outputs[0].dtype = ir.Shape(dims), ir.DataType.FLOAT
+        nodes += [moved, reshape]
+        rows.append(reshape.outputs[0])
+    concat = ir.node("Concat", rows, attributes={"axis": -1})
+    concat.outputs[0].name, concat.outputs[0].dtype = "y", ir.DataType.FLOAT
+    outputs = [concat.outputs[0]] + ([rows[0]] if also_read else [])
+    initializers = [n.inputs[1] for n in nodes if n.op_type == "Reshape"]
+    model = ir.Model(ir.Graph(xs, outputs, nodes=nodes + [concat], initializers=initializers,
+                              opset_imports={"": 18}), ir_version=10)
+    kernels = _pointwise.fuse_pointwise(model)
+    so = ort.SessionOptions()
+    if kernels:
+        so.register_custom_ops_library(_kernels.library(kernels))
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    return [n.op_type for n in model.graph], session
+
+
+@pytest.mark.parametrize("parts", [[(4, 64)] * 3, [(4, 64), (2, 32), (3, 16)]])
+def test_heads_concatenated_for_one_projection_are_one_kernel(parts):
+    """GPT-2's q, k and v gradients: three heads-to-rows moves and their Concat, which ORT runs
+    as three Transposes and a Concat (two passes), are one ``ConcatHeads3`` (one pass); the
+    parts may have their own heads and depths."""
+    ops, session = _heads_concat(parts)
+    assert ops == ["ConcatHeads3"], ops
+    data = {f"x{i}": np.random.randn(2, h, 9, d).astype(np.float32) for i, (h, d) in enumerate(parts)}
+    want = np.concatenate([x.transpose(0, 2, 1, 3).reshape(2, 9, -1) for x in data.values()], -1)
+    np.testing.assert_array_equal(session.run(None, data)[0], want)
+
+
+def test_heads_read_elsewhere_are_not_concatenated_in_a_kernel():
+    """A part the graph also returns must exist on its own: the Concat stays ORT's (its moves
+    are ``MergeHeads``), with the same values."""
+    ops, session = _heads_concat([(4, 64)] * 3, also_read=True)
+    assert "Concat" in ops and not any(op.startswith("ConcatHeads") for op in ops), ops
+    data = {f"x{i}": np.random.randn(2, 4, 9, 64).astype(np.float32) for i in range(3)}
+    y, first = session.run(None, data)
+    np.testing.assert_array_equal(first, data["x0"].transpose(0, 2, 1, 3).reshape(2, 9, -1))
+    np.testing.assert_array_equal(y, np.concatenate([x.transpose(0, 2, 1, 3).reshape(2, 9, -1)
+                                                     for x in data.values()], -1))
+
+
+class _FusedProjectionAttention(nn.Module):
+    """nanoGPT's attention: one q/k/v projection split into heads, causal softmax, heads merged."""
+
+    def __init__(self, width: int = 128, heads: int = 4):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x):
+        b, s, c = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(c, -1))
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(c // self.heads)
+        mask = torch.ones(s, s, dtype=torch.bool).tril()
+        attention = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        return self.out(attention.transpose(1, 2).reshape(b, s, c))
+
+
+def test_a_fused_projections_attention_trains_with_its_heads_moved_by_kernels(tmp_path):
+    """Training through one q/k/v projection: its gradient's three heads-to-rows moves and their
+    Concat are one ``ConcatHeads3``, the attention output's move a ``MergeHeads``; values and
+    gradients are eager's."""
+    torch.manual_seed(0)
+    model, x = _FusedProjectionAttention(), torch.randn(4, 64, 128)
+    got = _step(model, x, {}, tmp_path)
+    model.zero_grad()
+    out = model(x)
+    out.square().sum().backward()
+    want = [out.detach()] + [p.grad.clone() for p in model.parameters()]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    ops = _ops(glob.glob(str(tmp_path / "*.onnx")))
+    assert "ConcatHeads3" in ops and "MergeHeads" in ops and "Concat" not in ops, ops
 
 
 def test_transpose_kernel_rejects_a_perm_that_is_no_permutation():

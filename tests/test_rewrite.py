@@ -160,7 +160,8 @@ def test_attention_biases_are_added_in_the_heads_layout_not_by_gemm(tmp_path, ke
     """q, k and v are addmm, two views and a Transpose into heads (GPT-2: one addmm split
     in three first). The bias moves past the views (as [heads, d]; split in three with the
     product); with pointwise kernels the Add is a kernel that writes the heads' layout itself,
-    so the Transpose's pass goes too. Same outputs and gradients."""
+    so the Transpose's pass goes too; the context's move back into rows is ``MergeHeads``.
+    Same outputs and gradients."""
     torch.manual_seed(0)
     model = _BiasedAttention(fused=fused_qkv)
     _, ops = _train_fused_and_plain(model, torch.randn(4, 64, 64), tmp_path,
@@ -170,7 +171,8 @@ def test_attention_biases_are_added_in_the_heads_layout_not_by_gemm(tmp_path, ke
     plain = glob.glob(str(tmp_path / "plain" / "*forward*.onnx"))[0]
     # Plain: q, k and v each split into heads by a Transpose (the context's is [0, 2, 1, 3] too).
     assert _head_split_transposes(plain) == 4
-    assert _head_split_transposes(forward) == (1 if kernels else 4)
+    assert _head_split_transposes(forward) == (0 if kernels else 4)
+    assert [n.op_type for n in onnx.load(forward).graph.node].count("MergeHeads") == (1 if kernels else 0)
 
 
 class _NewGelu(nn.Module):

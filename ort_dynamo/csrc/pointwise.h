@@ -207,6 +207,12 @@ PW_HIDDEN OrtStatus* pw_scatter_add_last_axis(const OrtApiTable* api, OrtKernelC
  * patches: einops' rearrangements, a patch convolution's weight gradient), and for the
  * bfloat16 ones ORT moves slower than float32 (attention's heads; _op_kernels says which). */
 PW_HIDDEN OrtStatus* pw_transpose(const OrtApiTable* api, OrtKernelContext* ctx, const struct PwKernelDef* def);
+/* Attention's heads moved back into rows, x_i [B, H_i, S, D_i] (float32, or bfloat16 when the
+ * kernel's types are PW_BF16), in one pass of row copies. One input: out = Transpose(x, [0, 2, 1,
+ * 3]), [B, S, H, D]. Several: out = Concat([Reshape(Transpose(x_i, [0, 2, 1, 3]), [B, S, H_i *
+ * D_i]) ...], last axis), GPT-2's q, k and v gradients side by side for its one projection,
+ * where ORT makes a Transpose per input and a Concat. */
+PW_HIDDEN OrtStatus* pw_merge_heads(const OrtApiTable* api, OrtKernelContext* ctx, const struct PwKernelDef* def);
 PW_HIDDEN OrtStatus* pw_register(OrtSessionOptions* options, const OrtApiBase* base,
                                  const PwKernelDef* const* defs);
 

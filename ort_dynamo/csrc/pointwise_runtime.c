@@ -278,6 +278,71 @@ OrtStatus* pw_transpose(const OrtApiTable* api, OrtKernelContext* ctx, const PwK
                       pw_task_count(p.blocks, p.blocks_per_task), &p);
 }
 
+typedef struct PwMergeHeads {
+  const char* x[PW_MAX_ARGS];
+  int64_t heads[PW_MAX_ARGS], depth[PW_MAX_ARGS], offset[PW_MAX_ARGS]; /* offset: in out's row, in elements */
+  int n;
+  int64_t seq, width, rows, rows_per_task;
+  size_t size; /* bytes per element */
+  char* out;
+} PwMergeHeads;
+
+static void pw_merge_heads_task(void* user, size_t t) {
+  const PwMergeHeads* p = (const PwMergeHeads*)user;
+  const int64_t r0 = (int64_t)t * p->rows_per_task;
+  const int64_t r1 = r0 + p->rows_per_task < p->rows ? r0 + p->rows_per_task : p->rows;
+  for (int64_t r = r0; r < r1; ++r) { /* r = b * seq + s: one output row */
+    const int64_t b = r / p->seq, s = r % p->seq;
+    char* o = p->out + (size_t)(r * p->width) * p->size;
+    for (int i = 0; i < p->n; ++i) {
+      const int64_t H = p->heads[i], D = p->depth[i];
+      for (int64_t h = 0; h < H; ++h)
+        memcpy(o + (size_t)(p->offset[i] + h * D) * p->size, p->x[i] + (size_t)(((b * H + h) * p->seq + s) * D) * p->size,
+               (size_t)D * p->size);
+    }
+  }
+}
+
+OrtStatus* pw_merge_heads(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) {
+  const PwKernel k = {api, def};
+  PwMergeHeads p = {0};
+  p.n = def->n_in;
+  p.size = def->types[0] == PW_BF16 ? 2 : 4;
+  int64_t batch = -1;
+  for (int i = 0; i < p.n; ++i) {
+    const OrtValue* value;
+    int64_t dims[PW_MAX_RANK];
+    size_t rank;
+    void* data;
+    PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, (size_t)i, &value));
+    PW_TRY(pw_shape(api, value, dims, &rank));
+    if (rank != 4) return pw_error(&k, "each input must be [batch, heads, sequence, depth]");
+    if (i == 0) {
+      batch = dims[0];
+      p.seq = dims[2];
+    } else if (dims[0] != batch || dims[2] != p.seq) {
+      return pw_error(&k, "the inputs' batch and sequence sizes differ");
+    }
+    PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)value, &data));
+    p.x[i] = (const char*)data;
+    p.heads[i] = dims[1];
+    p.depth[i] = dims[3];
+    p.offset[i] = p.width;
+    p.width += dims[1] * dims[3];
+  }
+  /* One input: its Transpose, [B, S, H, D]; several: their Concat, [B, S, sum of H * D]. */
+  const int64_t out_dims[4] = {batch, p.seq, p.n == 1 ? p.heads[0] : p.width, p.depth[0]};
+  OrtValue* out;
+  void* out_data;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, out_dims, p.n == 1 ? 4 : 3, &out));
+  p.rows = batch * p.seq;
+  if (p.rows == 0 || p.width == 0) return NULL;
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(out, &out_data));
+  p.out = (char*)out_data;
+  p.rows_per_task = pw_per_task(p.width);
+  return pw_run_tasks(api, ctx, pw_merge_heads_task, pw_task_count(p.rows, p.rows_per_task), &p);
+}
+
 static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
   const PwKernel* k = (const PwKernel*)kernel;
   const PwKernelDef* def = k->def;
