@@ -202,6 +202,42 @@ def test_row_sums_and_softmax_fuse_with_their_neighbours_and_match_eager(tmp_pat
     assert not [n for n in onnx.load(forward).graph.node if n.op_type in ("Softmax", "LogSoftmax")]
 
 
+def _softmax_kernel_session():
+    """``x * Softmax(x)`` over rows of [64, 256], after the pointwise stage: the kernel's C code
+    and a session."""
+    x = ir.Value(name="x", shape=ir.Shape([64, 256]), type=ir.TensorType(ir.DataType.FLOAT))
+    softmax = ir.node("Softmax", [x], attributes={"axis": -1})
+    node = ir.node("Mul", [x, softmax.outputs[0]])
+    node.outputs[0].name, node.outputs[0].dtype = "y", ir.DataType.FLOAT
+    model = ir.Model(ir.Graph([x], node.outputs, nodes=[softmax, node], opset_imports={"": 18}), ir_version=10)
+    (kernel,) = _pointwise.fuse_pointwise(model)
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library([kernel]))
+    return kernel, ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                        providers=["CPUExecutionProvider"])
+
+
+def test_softmax_kernel_computes_each_exp_once_and_not_over_its_input():
+    """The softmax kernel's exp, needed for the row sum and again for the result, is computed
+    once and kept in the output's row. Bound over its own input (as optimizer steps bind
+    outputs), where the stash would overwrite the x the result reads again, the kernel runs its
+    strided version, which recomputes: the same values."""
+    kernel, session = _softmax_kernel_session()
+    fast = kernel[kernel.index("_fast("):kernel.index("_any(")]
+    assert fast.count("pw_expf(") == 1, fast
+    data = np.random.default_rng(0).standard_normal((64, 256), dtype=np.float32) * 4
+    want = np.exp(data - data.max(-1, keepdims=True))
+    want = data * want / want.sum(-1, keepdims=True)
+    np.testing.assert_allclose(session.run(None, {"x": data})[0], want, rtol=1e-6, atol=1e-7)
+    in_place = data.copy()
+    value = ort.OrtValue.ortvalue_from_numpy(in_place)
+    binding = session.io_binding()
+    binding.bind_ortvalue_input("x", value)
+    binding.bind_ortvalue_output("y", value)
+    session.run_with_iobinding(binding)
+    np.testing.assert_allclose(value.numpy(), want, rtol=1e-6, atol=1e-7)
+
+
 def test_softmax_over_channels_is_reductions_over_that_axis_and_kernels(tmp_path):
     """A softmax or log-softmax over an axis that is not the last (a segmentation loss over
     NCHW logits, channel attention): ORT's Softmax moves that axis last and back and walks rows

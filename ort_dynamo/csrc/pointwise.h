@@ -136,6 +136,9 @@ typedef struct PwKernelDef {
   const int* perms;
   /* Per output, a PW_FLOAT, PW_INT64 or PW_BF16; NULL: all float. */
   const int* out_types;
+  /* The fast function keeps an earlier phase's values in an output's row until the last phase
+   * reads them back: an output sharing memory with an input runs the strided one instead. */
+  int stashes;
 } PwKernelDef;
 
 static inline int64_t pw_row_length(const PwArgs* a, int64_t r) {

@@ -343,6 +343,26 @@ OrtStatus* pw_merge_heads(const OrtApiTable* api, OrtKernelContext* ctx, const P
   return pw_run_tasks(api, ctx, pw_merge_heads_task, pw_task_count(p.rows, p.rows_per_task), &p);
 }
 
+static size_t pw_type_size(int type) {
+  return type == PW_BOOL ? 1 : type == PW_BF16 ? 2 : type == PW_INT64 ? 8 : 4;
+}
+
+/* Whether a full output's memory overlaps an input's (an optimizer step binds outputs in place):
+ * a value stashed in the output's row would overwrite what the last phase reads. */
+static int pw_outputs_overlap_inputs(const PwArgs* a, const PwKernelDef* def) {
+  for (int j = 0; j < def->n_out; ++j) {
+    if (def->out_kinds[j] != PW_OUT_FULL) continue;
+    const char* out = (const char*)a->out[j];
+    const char* out_end = out + (size_t)a->numel * pw_type_size(def->out_types ? def->out_types[j] : PW_FLOAT);
+    for (int i = 0; i < def->n_in; ++i) {
+      const char* in = (const char*)a->in[i];
+      const char* in_end = in + (size_t)a->numel_in[i] * pw_type_size(def->types[i]);
+      if (in < out_end && out < in_end) return 1;
+    }
+  }
+  return 0;
+}
+
 static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
   const PwKernel* k = (const PwKernel*)kernel;
   const PwKernelDef* def = k->def;
@@ -437,6 +457,7 @@ static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
     }
     return NULL;
   }
+  if (fast && def->stashes) fast = !pw_outputs_overlap_inputs(&a, def);
   a.rows_fn = fast ? def->fast : def->any;
   if (fast && def->flat) {
     a.inner = PW_BLOCK;
