@@ -559,7 +559,8 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
     """C source of one kernel: ``<name>_fast`` with static read patterns and ``<name>_any``
     with runtime strides (used when the actual shapes do not fit the static ones). Each row is
     walked once per phase: a phase ends with the row sums the next one reads; nodes of earlier
-    phases are recomputed where a later phase needs them rather than stored. ``perms``: inputs
+    phases are recomputed where a later phase needs them rather than stored, except the costly
+    ones ``_stashes`` keeps in an output's row (the fast version only). ``perms``: inputs
     read through a transpose (by index: iteration axis -> axis in memory); ``out_perms``:
     outputs written transposed (keeping the last axis)."""
     perms, out_perms = perms or {}, out_perms or {}
