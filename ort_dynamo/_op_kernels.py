@@ -11,7 +11,7 @@ CPU provider runs slowly (csrc/max_pool.h, csrc/pointwise_runtime.c):
 - Transposes that move the innermost axis and more than one axis, or keep it but it is short,
   which ORT moves element by element (or a few floats at a time) on one thread (pixel shuffle and its gradient, einops' patch
   rearrangements): ``TransposeRows``; and bfloat16 Transposes where ORT's bfloat16 path is
-  slower still (attention's heads): ``TransposeRowsBf16``. (``decompositions`` writes pixel shuffle as such a
+  slower still (attention's k transposed): ``TransposeRowsBf16``. (``decompositions`` writes pixel shuffle as such a
   transpose of static shapes.)
 
 - Attention's heads moved back into rows, a Transpose [0, 2, 1, 3] of [B, H, S, D] that ORT
@@ -388,10 +388,9 @@ _HEADS_TO_ROWS = [0, 2, 1, 3]
 
 def merge_heads_kernel(inputs: int, bfloat16: bool) -> tuple[str, str]:
     """(op name, C unit) of the kernel merging attention's heads back into rows (csrc/pointwise.h,
-    ``pw_merge_heads``), float32 or ``bfloat16``: ``MergeHeads`` for one input (a Transpose),
-    ``ConcatHeads<n>`` for ``inputs`` > 1 (their Concat along the last axis)."""
-    name = ("MergeHeads" if inputs == 1 else "ConcatHeads") + ("Bf16" if bfloat16 else "") \
-        + ("" if inputs == 1 else str(inputs))
+    ``pw_merge_heads``), float32 or ``bfloat16`` (``...Bf16``): ``MergeHeads`` for one input (a
+    Transpose), ``ConcatHeads<n>`` for ``inputs`` > 1 (their Concat along the last axis)."""
+    name = ("MergeHeads" if inputs == 1 else f"ConcatHeads{inputs}") + ("Bf16" if bfloat16 else "")
     kind = "PW_BF16" if bfloat16 else "PW_FLOAT"
     return name, "\n".join([
         '#include "pointwise.h"',

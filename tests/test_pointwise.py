@@ -1235,13 +1235,13 @@ def test_attention_heads_move_back_into_rows_in_one_kernel(dims, op):
         np.testing.assert_array_equal(session.run(None, {"x": data})[0], data.transpose(0, 2, 1, 3))
 
 
-def _heads_concat(parts: list[tuple[int, int]], also_read: bool = False):
+def _heads_concat(parts: list[tuple[int, int]], also_read: bool = False, dtype=ir.DataType.FLOAT):
     """The model of GPT-2's q, k and v gradients side by side: ``Concat([Reshape(Transpose(x_i,
     [0, 2, 1, 3]), [B, S, H_i * D_i])], -1)`` for x_i [B, H_i, S, D_i] of ``parts``' (H_i, D_i),
     after the pointwise stage; ``also_read``: the first Reshape is also a graph output. Returns
     its op types and a session."""
     batch, seq = 2, 9
-    xs = [ir.Value(name=f"x{i}", shape=ir.Shape([batch, h, seq, d]), type=ir.TensorType(ir.DataType.FLOAT))
+    xs = [ir.Value(name=f"x{i}", shape=ir.Shape([batch, h, seq, d]), type=ir.TensorType(dtype))
           for i, (h, d) in enumerate(parts)]
     nodes, rows = [], []
     for i, (x, (h, d)) in enumerate(zip(xs, parts)):
@@ -1249,11 +1249,11 @@ def _heads_concat(parts: list[tuple[int, int]], also_read: bool = False):
         moved = ir.node("Transpose", [x], attributes={"perm": [0, 2, 1, 3]})
         reshape = ir.node("Reshape", [moved.outputs[0], shape])
         for node, dims in ((moved, [batch, seq, h, d]), (reshape, [batch, seq, h * d])):
-            node.outputs[0].shape, node.outputs[0].dtype = ir.Shape(dims), ir.DataType.FLOAT
+            node.outputs[0].shape, node.outputs[0].dtype = ir.Shape(dims), dtype
         nodes += [moved, reshape]
         rows.append(reshape.outputs[0])
     concat = ir.node("Concat", rows, attributes={"axis": -1})
-    concat.outputs[0].name, concat.outputs[0].dtype = "y", ir.DataType.FLOAT
+    concat.outputs[0].name, concat.outputs[0].dtype = "y", dtype
     outputs = [concat.outputs[0]] + ([rows[0]] if also_read else [])
     initializers = [n.inputs[1] for n in nodes if n.op_type == "Reshape"]
     model = ir.Model(ir.Graph(xs, outputs, nodes=nodes + [concat], initializers=initializers,
@@ -1277,6 +1277,20 @@ def test_heads_concatenated_for_one_projection_are_one_kernel(parts):
     data = {f"x{i}": np.random.randn(2, h, 9, d).astype(np.float32) for i, (h, d) in enumerate(parts)}
     want = np.concatenate([x.transpose(0, 2, 1, 3).reshape(2, 9, -1) for x in data.values()], -1)
     np.testing.assert_array_equal(session.run(None, data)[0], want)
+
+
+def test_bfloat16_heads_concatenate_in_one_kernel():
+    """Under CPU autocast the q, k and v gradients are bfloat16: ``ConcatHeads3Bf16``, the same
+    row copies of 2-byte elements."""
+    from ort_dynamo.run import _wrap
+
+    ops, session = _heads_concat([(4, 64)] * 3, dtype=ir.DataType.BFLOAT16)
+    assert ops == ["ConcatHeads3Bf16"], ops
+    data = [torch.randn(2, 4, 9, 64).bfloat16() for _ in range(3)]
+    feeds = {f"x{i}": ort.OrtValue(_wrap(x, x.data_ptr(), None)) for i, x in enumerate(data)}
+    (out,) = session.run_with_ort_values(["y"], feeds)
+    want = torch.cat([x.permute(0, 2, 1, 3).reshape(2, 9, -1) for x in data], -1)
+    assert torch.equal(torch.from_dlpack(out._ortvalue.to_dlpack()), want)
 
 
 def test_heads_read_elsewhere_are_not_concatenated_in_a_kernel():
