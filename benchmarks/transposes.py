@@ -3,7 +3,9 @@ convolutional and attention layers give them; says which of them the pointwise s
 the kernel (``_op_kernels._moves_elementwise``), or to ``MergeHeads`` (``_op_kernels.moves_heads``:
 attention's heads back into rows). Then ORT's Transpose against ``MergeHeads``, and three
 Transposes and a Concat (GPT-2's q, k and v gradients) against ``ConcatHeads3``, on attention's
-output as the CPU benchmark models have it, warm and with the caches evicted before each call.
+output as the CPU benchmark models have it, and GPT-2's projection split into q, k and v heads
+(ORT's Split and a bias kernel per part) against ``SplitHeads3Bias``: warm and with the caches
+evicted before each call.
 
     .venv/bin/python benchmarks/transposes.py
     .venv/bin/python benchmarks/transposes.py --bfloat16   # bfloat16 tensors (CPU autocast's)
@@ -132,28 +134,81 @@ def heads_session(inputs: int, kernel: bool) -> ort.InferenceSession:
 
 
 def heads_main() -> None:
-    """ORT's Transpose (and Concat) against ``MergeHeads`` / ``ConcatHeads3``, calls alternating;
-    each call also with the caches evicted first (not timed), as in a training step."""
-    evict = np.zeros(8 << 20, np.float32)  # 32 MB, more than this machine's last-level cache
+    """ORT's Transpose (and Concat) against ``MergeHeads`` / ``ConcatHeads3``, and ORT's Split with
+    a bias kernel per part against ``SplitHeads3Bias``."""
     rng = np.random.default_rng(0)
     for inputs in (1, 3):
         feeds = [{f"x{i}": rng.standard_normal(HEADS, dtype=np.float32) for i in range(inputs)} for _ in range(6)]
-        sessions = heads_session(inputs, False), heads_session(inputs, True)
-        want, got = (s.run(None, feeds[0])[0] for s in sessions)
+        what = "Transpose -> MergeHeads" if inputs == 1 else "3 Transposes + Concat -> ConcatHeads3"
+        _alternating((heads_session(inputs, False), heads_session(inputs, True)), feeds, f"{HEADS} {what}")
+    feeds = [{"x": rng.standard_normal((8, 128, 768), dtype=np.float32),
+              "b": rng.standard_normal(768, dtype=np.float32)} for _ in range(6)]
+    _alternating((split_session(False), split_session(True)), feeds,
+                 "(8, 128, 768) Split + 3 bias kernels -> SplitHeads3Bias")
+
+
+def split_session(kernel: bool) -> ort.InferenceSession:
+    """GPT-2's q, k and v from its one projection x [8, 128, 768]: a Split, each part viewed as
+    [8, 128, 4, 64], plus its piece of the bias, moved into [8, 4, 128, 64], after the pointwise
+    stage: ``kernel``, one ``SplitHeads3Bias``; else as before it, ORT's Split and a pointwise
+    kernel per part (the bias added, heads' layout written)."""
+    from unittest import mock
+
+    x = ir.Value(name="x", shape=ir.Shape([8, 128, 768]), type=ir.TensorType(ir.DataType.FLOAT))
+    bias = ir.Value(name="b", shape=ir.Shape([768]), type=ir.TensorType(ir.DataType.FLOAT))
+    thirds = ir.Value(name="thirds", const_value=ir.tensor(np.array([256] * 3, dtype=np.int64)))
+    split = ir.node("Split", [x], attributes={"axis": -1, "num_outputs": 3}, num_outputs=3)
+    pieces = ir.node("Split", [bias, thirds], attributes={"axis": 0}, num_outputs=3)
+    nodes, initializers, outputs = [split, pieces], [thirds], []
+    for i in range(3):
+        shapes = [ir.Value(name=f"{n}{i}", const_value=ir.tensor(np.array(d, dtype=np.int64)))
+                  for n, d in (("heads", [8, 128, 4, 64]), ("bias_heads", [4, 64]))]
+        initializers += shapes
+        view = ir.node("Reshape", [split.outputs[i], shapes[0]])
+        bias_view = ir.node("Reshape", [pieces.outputs[i], shapes[1]])
+        add = ir.node("Add", [view.outputs[0], bias_view.outputs[0]])
+        moved = ir.node("Transpose", [add.outputs[0]], attributes={"perm": [0, 2, 1, 3]})
+        for node, dims in ((view, [8, 128, 4, 64]), (bias_view, [4, 64]), (add, [8, 128, 4, 64]),
+                           (moved, [8, 4, 128, 64])):
+            node.outputs[0].shape = ir.Shape(dims)
+        split.outputs[i].shape = ir.Shape([8, 128, 256])
+        for v in (split.outputs[i], pieces.outputs[i], view.outputs[0], bias_view.outputs[0], add.outputs[0],
+                  moved.outputs[0]):
+            v.dtype = ir.DataType.FLOAT
+        moved.outputs[0].name = f"y{i}"
+        nodes += [view, bias_view, add, moved]
+        outputs.append(moved.outputs[0])
+    model = ir.Model(ir.Graph([x, bias], outputs, nodes=nodes, initializers=initializers, opset_imports={"": 18}),
+                     ir_version=10)
+    with mock.patch.object(_op_kernels, "split_heads_as_kernels", _op_kernels.split_heads_as_kernels if kernel
+                           else lambda graph: []):
+        kernels = _pointwise.fuse_pointwise(model)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.register_custom_ops_library(_kernels.library(kernels))
+    return ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+
+
+def _alternating(sessions, feeds, label: str) -> None:
+    """Checks that ``sessions`` agree, then prints the median ms of 200 calls of each, alternating,
+    warm and with the caches evicted before each call (not timed), as in a training step."""
+    evict = np.zeros(8 << 20, np.float32)  # 32 MB, more than this machine's last-level cache
+    for want, got in zip(*(s.run(None, feeds[0]) for s in sessions)):
         np.testing.assert_array_equal(got, want)
-        for cold in (False, True):
-            times = [[], []]
-            for call in range(200):
-                for sess, spent in zip(sessions, times):
-                    if cold:
-                        np.add(evict, 1.0, out=evict)
-                    start = time.perf_counter()
-                    sess.run(None, feeds[call % 6])
-                    spent.append(time.perf_counter() - start)
-            theirs, ours = (statistics.median(t) * 1e3 for t in times)
-            what = "Transpose -> MergeHeads" if inputs == 1 else "3 Transposes + Concat -> ConcatHeads3"
-            print(f"{str(HEADS):22s} {what:38s} {'cold' if cold else 'warm'}  ORT {theirs:6.3f} ms  "
-                  f"kernel {ours:6.3f} ms  ORT/kernel {theirs / ours:5.2f}")
+    for cold in (False, True):
+        times = [[], []]
+        for call in range(200):
+            for sess, spent in zip(sessions, times):
+                if cold:
+                    np.add(evict, 1.0, out=evict)
+                start = time.perf_counter()
+                sess.run(None, feeds[call % len(feeds)])
+                spent.append(time.perf_counter() - start)
+        theirs, ours = (statistics.median(t) * 1e3 for t in times)
+        print(f"{label:62s} {'cold' if cold else 'warm'}  before {theirs:6.3f} ms  kernel {ours:6.3f} ms  "
+              f"before/kernel {theirs / ours:5.2f}")
 
 
 def _taken_by(dims, perm, slow=_op_kernels._moves_elementwise) -> str:

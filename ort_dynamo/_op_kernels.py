@@ -17,7 +17,10 @@ CPU provider runs slowly (csrc/max_pool.h, csrc/pointwise_runtime.c):
 - Attention's heads moved back into rows, a Transpose [0, 2, 1, 3] of [B, H, S, D] that ORT
   copies slower than rows of D can be: ``MergeHeads``; and GPT-2's q, k and v gradients, three
   such moves concatenated for its one projection, which ORT runs as three Transposes and a
-  Concat: ``ConcatHeads3``, one pass (csrc/pointwise_runtime.c, ``pw_merge_heads``).
+  Concat: ``ConcatHeads3``, one pass (csrc/pointwise_runtime.c, ``pw_merge_heads``). And the
+  reverse in the forward: GPT-2's projection split into q, k and v, each plus its bias and moved
+  into heads' layout, which ORT runs as a Split and a kernel per part: ``SplitHeads3Bias``
+  (``pw_split_heads``).
 - 2-D convolutions with one output channel per group, which ORT runs as an im2col and a GEMM
   per (image, group): depthwise convolutions (ConvNeXt's, MobileNet's, SegFormer's), their
   input gradients (a grouped ConvTranspose) and their weight gradients (the batch-1 grouped
@@ -38,11 +41,12 @@ import math
 
 import onnx_ir as ir
 
-from ._fusions import _int64_constant, _op, _remove_if_dead, _scalar, _take_over, element_type
+from ._fusions import _int64_constant, _op, _remove_if_dead, _scalar, _sole_user, _take_over, element_type
 
 __all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
-           "moves_heads", "scatter_adds_along_last_axis", "slow_transposes_as_kernels", "transpose_rows_kernel"]
+           "moves_heads", "scatter_adds_along_last_axis", "slow_transposes_as_kernels", "split_heads_as_kernels",
+           "split_heads_kernel", "transpose_rows_kernel"]
 
 #: The domain of the custom-op library (csrc/pointwise_runtime.c): these ops' and ``_pointwise``'s.
 DOMAIN = "ort_dynamo.pointwise"
@@ -467,6 +471,105 @@ def merged_heads_as_kernels(graph: ir.Graph) -> list[str]:
         for reshape in removed:
             transpose = reshape.inputs[0].producer()
             _remove_if_dead(graph, [reshape, transpose])
+        units.append(unit)
+    return list(dict.fromkeys(units))
+
+
+def split_heads_kernel(outputs: int, bias: bool) -> tuple[str, str]:
+    """(op name, C unit) of the kernel splitting one projection into ``outputs`` parts in heads'
+    layout (csrc/pointwise.h, ``pw_split_heads``), plus the projection's ``bias``:
+    ``SplitHeads<n>``, ``SplitHeads<n>Bias``."""
+    name = f"SplitHeads{outputs}{'Bias' if bias else ''}"
+    types = ["PW_FLOAT", "PW_INT64"] + (["PW_FLOAT"] if bias else [])
+    return name, "\n".join([
+        '#include "pointwise.h"',
+        f"static const int {name}_types[] = {{{', '.join(types)}}};",
+        f"static const int {name}_none[] = {{{', '.join(['0'] * max(len(types), outputs))}}};",
+        f"PW_KERNEL({name}, {len(types)}, {name}_types, {name}_none, {outputs}, {name}_none, 0, 0, 0, 0, "
+        "pw_split_heads);",
+    ]) + "\n"
+
+
+def _part_into_heads(part: ir.Value, batch, seq) -> tuple[int, int, ir.Value | None, list[ir.Node]] | None:
+    """(H, D, bias or None, the chain's nodes) where ``part`` [B, S, H * D], read only by it, goes
+    ``Reshape`` to [B, S, H, D], optionally ``Add`` of a bias of [H, D] (``bias_after_reshape``
+    put it there), and ``Transpose`` [0, 2, 1, 3] into [B, H, S, D]; else None."""
+    reshape = _sole_user(part)
+    if not _op(reshape, "Reshape") or reshape.inputs[0] is not part:
+        return None
+    shaped = reshape.outputs[0]
+    if shaped.shape is None or shaped.shape.rank() != 4:
+        return None
+    b, s, heads, depth = shaped.shape.dims
+    if not (b == batch and s == seq and isinstance(heads, int) and isinstance(depth, int) and depth >= _MIN_BLOCK):
+        return None
+    chain, bias, moved = [reshape], None, _sole_user(shaped)
+    if _op(moved, "Add"):
+        other = moved.inputs[1] if moved.inputs[0] is shaped else moved.inputs[0]
+        if other is None or other.shape is None or list(other.shape.dims) != [heads, depth] \
+                or not _is_float32(other):
+            return None
+        chain, bias, moved = chain + [moved], other, _sole_user(moved.outputs[0])
+    if not _op(moved, "Transpose") or list(moved.attributes.get_ints("perm", [])) != _HEADS_TO_ROWS:
+        return None
+    return heads, depth, bias, chain + [moved]
+
+
+def _whole_bias(graph: ir.Graph, before: ir.Node, parts: list[ir.Value]) -> ir.Value:
+    """The projection's bias [W] whose pieces ``parts`` ([H_i, D_i] each) are: where they are
+    views of the pieces of one Split of it (``bias_after_reshape`` splits GPT-2's), that bias
+    (the Split and views left to go dead); else the pieces flattened and concatenated, before
+    ``before``."""
+    sources = []
+    for part in parts:
+        view = part.producer()
+        piece = view.inputs[0] if _op(view, "Reshape") else None
+        sources.append(piece.producer() if piece is not None else None)
+    split = sources[0]
+    if _op(split, "Split") and all(s is split for s in sources) \
+            and [p.producer().inputs[0] for p in parts] == list(split.outputs) \
+            and split.inputs[0] is not None and split.inputs[0].shape is not None and split.inputs[0].shape.rank() == 1:
+        return split.inputs[0]
+    flat = _int64_constant(graph, f"{parts[0].name}_flat", [-1])
+    views = [ir.node("Reshape", [part, flat]) for part in parts]
+    whole = ir.node("Concat", [v.outputs[0] for v in views], attributes={"axis": 0})
+    for node in views + [whole]:
+        graph.insert_before(before, node)
+    whole.outputs[0].dtype = ir.DataType.FLOAT
+    return whole.outputs[0]
+
+
+def split_heads_as_kernels(graph: ir.Graph) -> list[str]:
+    """One projection of q, k and v (GPT-2's ``c_attn``, GPT-NeoX's, Falcon's) split along its last
+    axis, each part viewed as heads, plus its bias, and moved into [B, H, S, D] -> ``SplitHeads``:
+    one pass over the projection, where ORT makes a Split and, per part, a kernel that adds the
+    bias into heads' layout. Float32. Run before the pointwise groups form (they would take the
+    Adds and Transposes). Returns the kernels' C units."""
+    units = []
+    for split in [n for n in graph if _op(n, "Split")]:
+        x = split.inputs[0]
+        if x is None or x.shape is None or x.shape.rank() != 3 or not _is_float32(x) \
+                or split.attributes.get_int("axis", 0) not in (-1, 2) or len(split.outputs) < 2:
+            continue
+        batch, seq, width = x.shape.dims
+        parts = [_part_into_heads(v, batch, seq) for v in split.outputs]
+        if None in parts or len({bias is None for _, _, bias, _ in parts}) != 1 \
+                or sum(h * d for h, d, _, _ in parts) != width:
+            continue
+        biased = parts[0][2] is not None
+        sizes = _int64_constant(graph, f"{split.outputs[0].name}_heads_sizes", [[h, d] for h, d, _, _ in parts])
+        name, unit = split_heads_kernel(len(parts), biased)
+        bias = _whole_bias(graph, split, [b for _, _, b, _ in parts]) if biased else None
+        kernel = ir.node(name, [x, sizes] + ([bias] if biased else []), domain=DOMAIN, num_outputs=len(parts))
+        graph.insert_before(split, kernel)
+        for out, (_, _, bias_part, chain) in zip(kernel.outputs, parts):
+            _take_over(chain[-1].outputs[0], out)
+            for node in reversed(chain):
+                graph.remove(node, safe=True)
+            view = bias_part.producer() if bias_part is not None else None
+            if view is not None:
+                _remove_if_dead(graph, [n for n in (view, view.inputs[0].producer() if view.inputs else None) if n])
+        graph.remove(split, safe=True)
         units.append(unit)
     return list(dict.fromkeys(units))
 

@@ -1412,6 +1412,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str
     kernels += _op_kernels.group_convs_as_kernels(graph)
     if _op_kernels.scatter_adds_along_last_axis(graph, _constant_zeros, _replace_node):
         kernels.append(_op_kernels.SCATTER_ADD_LAST_AXIS)
+    kernels += _op_kernels.split_heads_as_kernels(graph)
     groups, info = _groups(graph)
     repeats = collections.Counter(_chain(group) for group in groups)
 

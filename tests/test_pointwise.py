@@ -1205,7 +1205,7 @@ def test_transposes_ort_moves_element_by_element_run_as_kernels(dims, perm, kern
     ((8, 128, 4, 64), (0, 2, 1, 3), "MergeHeadsBf16"),     # attention's heads back into rows
     ((8, 4, 128, 64), (0, 1, 3, 2), "TransposeRowsBf16"),  # k transposed: ORT's bfloat16 Transpose is slow
     ((5, 7, 9, 64), (3, 0, 2, 1), "TransposeRowsBf16"),    # every axis moves
-    ((8, 56, 56, 64), (0, 3, 1, 2), "Transpose"),  # NHWC to NCHW: ORT's is the faster (benchmarks/transposes.py --bfloat16)
+    ((8, 56, 56, 64), (0, 3, 1, 2), "Transpose"),          # NHWC to NCHW: ORT's is faster (transposes.py --bfloat16)
 ])
 def test_a_bfloat16_transpose_runs_as_a_kernel_where_orts_is_slower(dims, perm, op):
     """ORT's bfloat16 Transpose copies rows slower than its float32 one (attention's heads under
@@ -1305,6 +1305,95 @@ def test_heads_read_elsewhere_are_not_concatenated_in_a_kernel():
                                                      for x in data.values()], -1))
 
 
+def _heads_split(parts: list[tuple[int, int]], bias: str, also_read: bool = False):
+    """The model of GPT-2's q, k and v from its one projection: ``Transpose(Reshape(part_i, [B, S,
+    H_i, D_i]) + bias_i, [0, 2, 1, 3])`` for the parts of a Split of x [B, S, sum H_i * D_i], after
+    the pointwise stage. ``bias``: "none"; "one", a bias b [W] split and viewed as [H_i, D_i] (as
+    ``bias_after_reshape`` leaves GPT-2's); "parts", inputs b0, b1, ... of [H_i, D_i].
+    ``also_read``: the first part's view is also a graph output. Returns its op types and a
+    session."""
+    batch, seq, width = 2, 9, sum(h * d for h, d in parts)
+    x = ir.Value(name="x", shape=ir.Shape([batch, seq, width]), type=ir.TensorType(ir.DataType.FLOAT))
+    split = ir.node("Split", [x], attributes={"axis": -1, "num_outputs": len(parts)}, num_outputs=len(parts))
+    nodes, inputs, initializers, outputs = [split], [x], [], []
+    if bias == "one":
+        whole = ir.Value(name="b", shape=ir.Shape([width]), type=ir.TensorType(ir.DataType.FLOAT))
+        sizes = ir.Value(name="sizes", const_value=ir.tensor(np.array([h * d for h, d in parts], dtype=np.int64)))
+        pieces = ir.node("Split", [whole, sizes], attributes={"axis": 0}, num_outputs=len(parts))
+        inputs, initializers, nodes = [x, whole], [sizes], [split, pieces]
+    for i, (part, (h, d)) in enumerate(zip(split.outputs, parts)):
+        part.shape, part.dtype = ir.Shape([batch, seq, h * d]), ir.DataType.FLOAT
+        shape = ir.Value(name=f"shape{i}", const_value=ir.tensor(np.array([batch, seq, h, d], dtype=np.int64)))
+        initializers.append(shape)
+        view = ir.node("Reshape", [part, shape])
+        view.outputs[0].shape, view.outputs[0].dtype = ir.Shape([batch, seq, h, d]), ir.DataType.FLOAT
+        nodes.append(view)
+        heads = view.outputs[0]
+        if bias != "none":
+            if bias == "parts":
+                b = ir.Value(name=f"b{i}", shape=ir.Shape([h, d]), type=ir.TensorType(ir.DataType.FLOAT))
+                inputs.append(b)
+            else:
+                bias_shape = ir.Value(name=f"bias_shape{i}", const_value=ir.tensor(np.array([h, d], dtype=np.int64)))
+                initializers.append(bias_shape)
+                bias_view = ir.node("Reshape", [pieces.outputs[i], bias_shape])
+                b = bias_view.outputs[0]
+                b.shape, b.dtype = ir.Shape([h, d]), ir.DataType.FLOAT
+                nodes.append(bias_view)
+            add = ir.node("Add", [heads, b])
+            add.outputs[0].shape, add.outputs[0].dtype = ir.Shape([batch, seq, h, d]), ir.DataType.FLOAT
+            nodes.append(add)
+            heads = add.outputs[0]
+        moved = ir.node("Transpose", [heads], attributes={"perm": [0, 2, 1, 3]})
+        moved.outputs[0].name, moved.outputs[0].dtype = f"y{i}", ir.DataType.FLOAT
+        moved.outputs[0].shape = ir.Shape([batch, h, seq, d])
+        nodes.append(moved)
+        outputs.append(moved.outputs[0])
+    if also_read:
+        outputs.append(next(n for n in nodes if n.op_type == "Reshape").outputs[0])
+    model = ir.Model(ir.Graph(inputs, outputs, nodes=nodes, initializers=initializers, opset_imports={"": 18}),
+                     ir_version=10)
+    kernels = _pointwise.fuse_pointwise(model)
+    so = ort.SessionOptions()
+    if kernels:
+        so.register_custom_ops_library(_kernels.library(kernels))
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    return [n.op_type for n in model.graph], session
+
+
+@pytest.mark.parametrize("parts, bias, ops", [
+    ([(4, 64)] * 3, "one", ["SplitHeads3Bias"]),                  # GPT-2's c_attn: its bias whole
+    ([(4, 64)] * 3, "none", ["SplitHeads3"]),                     # a projection without a bias
+    ([(4, 64), (2, 32), (3, 16)], "one", ["SplitHeads3Bias"]),    # parts of their own sizes
+    ([(4, 64)] * 3, "parts", ["Reshape"] * 3 + ["Concat", "SplitHeads3Bias"]),  # biases of their own: joined
+])
+def test_one_projection_splits_into_heads_in_one_kernel(parts, bias, ops):
+    """GPT-2's q, k and v: a Split of the projection, each part viewed as heads, its bias added
+    and moved into [B, H, S, D], which ORT ran as a Split and a kernel per part, is one
+    ``SplitHeads`` pass with the same values."""
+    got_ops, session = _heads_split(parts, bias)
+    assert got_ops == ops
+    rng = np.random.default_rng(0)
+    width = sum(h * d for h, d in parts)
+    feeds = {"x": rng.standard_normal((2, 9, width), dtype=np.float32)}
+    biases = [rng.standard_normal((h, d), dtype=np.float32) for h, d in parts]
+    if bias == "one":
+        feeds["b"] = np.concatenate([b.reshape(-1) for b in biases])
+    elif bias == "parts":
+        feeds.update({f"b{i}": b for i, b in enumerate(biases)})
+    offsets = np.cumsum([0] + [h * d for h, d in parts])
+    for i, ((h, d), got) in enumerate(zip(parts, session.run(None, feeds))):
+        want = feeds["x"][..., offsets[i]:offsets[i + 1]].reshape(2, 9, h, d) + (biases[i] if bias != "none" else 0)
+        np.testing.assert_array_equal(got, want.transpose(0, 2, 1, 3))
+
+
+def test_a_split_part_read_elsewhere_is_not_split_in_a_kernel():
+    """A part's view the graph also returns must exist: the Split stays ORT's."""
+    ops, _ = _heads_split([(4, 64)] * 3, "one", also_read=True)
+    assert "Split" in ops and not any(op.startswith("SplitHeads") for op in ops), ops
+
+
 class _FusedProjectionAttention(nn.Module):
     """nanoGPT's attention: one q/k/v projection split into heads, causal softmax, heads merged."""
 
@@ -1322,9 +1411,10 @@ class _FusedProjectionAttention(nn.Module):
 
 
 def test_a_fused_projections_attention_trains_with_its_heads_moved_by_kernels(tmp_path):
-    """Training through one q/k/v projection: its gradient's three heads-to-rows moves and their
-    Concat are one ``ConcatHeads3``, the attention output's move a ``MergeHeads``; values and
-    gradients are eager's."""
+    """Training through one q/k/v projection: the projection's split into heads is one
+    ``SplitHeads3Bias``; its gradient's three heads-to-rows moves and their Concat are one
+    ``ConcatHeads3``, the attention output's move a ``MergeHeads``; values and gradients are
+    eager's."""
     torch.manual_seed(0)
     model, x = _FusedProjectionAttention(), torch.randn(4, 64, 128)
     got = _step(model, x, {}, tmp_path)
@@ -1336,6 +1426,7 @@ def test_a_fused_projections_attention_trains_with_its_heads_moved_by_kernels(tm
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     ops = _ops(glob.glob(str(tmp_path / "*.onnx")))
     assert "ConcatHeads3" in ops and "MergeHeads" in ops and "Concat" not in ops, ops
+    assert "SplitHeads3Bias" in ops and "Split" not in ops, ops
 
 
 def test_transpose_kernel_rejects_a_perm_that_is_no_permutation():

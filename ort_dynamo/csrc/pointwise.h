@@ -216,6 +216,11 @@ PW_HIDDEN OrtStatus* pw_transpose(const OrtApiTable* api, OrtKernelContext* ctx,
  * D_i]) ...], last axis), GPT-2's q, k and v gradients side by side for its one projection,
  * where ORT makes a Transpose per input and a Concat. */
 PW_HIDDEN OrtStatus* pw_merge_heads(const OrtApiTable* api, OrtKernelContext* ctx, const struct PwKernelDef* def);
+/* The reverse, for one projection of q, k and v (GPT-2's): x [B, S, W] (float32) split along its
+ * last axis into parts of H_i * D_i (sizes: int64 [n, 2] of H_i, D_i), plus the bias [W] when the
+ * kernel has a third input, each part written as out_i [B, H_i, S, D_i]: one pass, where ORT
+ * makes a Split and, per part, a kernel that adds the bias into heads' layout. */
+PW_HIDDEN OrtStatus* pw_split_heads(const OrtApiTable* api, OrtKernelContext* ctx, const struct PwKernelDef* def);
 PW_HIDDEN OrtStatus* pw_register(OrtSessionOptions* options, const OrtApiBase* base,
                                  const PwKernelDef* const* defs);
 

@@ -297,8 +297,8 @@ static void pw_merge_heads_task(void* user, size_t t) {
     for (int i = 0; i < p->n; ++i) {
       const int64_t H = p->heads[i], D = p->depth[i];
       for (int64_t h = 0; h < H; ++h)
-        memcpy(o + (size_t)(p->offset[i] + h * D) * p->size, p->x[i] + (size_t)(((b * H + h) * p->seq + s) * D) * p->size,
-               (size_t)D * p->size);
+        memcpy(o + (size_t)(p->offset[i] + h * D) * p->size,
+               p->x[i] + (size_t)(((b * H + h) * p->seq + s) * D) * p->size, (size_t)D * p->size);
     }
   }
 }
@@ -341,6 +341,92 @@ OrtStatus* pw_merge_heads(const OrtApiTable* api, OrtKernelContext* ctx, const P
   p.out = (char*)out_data;
   p.rows_per_task = pw_per_task(p.width);
   return pw_run_tasks(api, ctx, pw_merge_heads_task, pw_task_count(p.rows, p.rows_per_task), &p);
+}
+
+typedef struct PwSplitHeads {
+  const float* x;
+  const float* bias[PW_MAX_ARGS]; /* NULL: none */
+  float* out[PW_MAX_ARGS];
+  int64_t heads[PW_MAX_ARGS], depth[PW_MAX_ARGS], offset[PW_MAX_ARGS];
+  int n;
+  int64_t seq, width, rows, rows_per_task;
+} PwSplitHeads;
+
+static void pw_split_heads_task(void* user, size_t t) {
+  const PwSplitHeads* p = (const PwSplitHeads*)user;
+  const int64_t r0 = (int64_t)t * p->rows_per_task;
+  const int64_t r1 = r0 + p->rows_per_task < p->rows ? r0 + p->rows_per_task : p->rows;
+  for (int64_t r = r0; r < r1; ++r) { /* r = b * seq + s: one input row */
+    const int64_t b = r / p->seq, s = r % p->seq;
+    const float* row = p->x + r * p->width;
+    for (int i = 0; i < p->n; ++i) {
+      const int64_t H = p->heads[i], D = p->depth[i];
+      for (int64_t h = 0; h < H; ++h) {
+        const float* restrict in = row + p->offset[i] + h * D;
+        float* restrict o = p->out[i] + ((b * H + h) * p->seq + s) * D;
+        if (p->bias[i]) {
+          const float* restrict c = p->bias[i] + h * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = in[d] + c[d];
+        } else {
+          memcpy(o, in, (size_t)D * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+OrtStatus* pw_split_heads(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) {
+  const PwKernel k = {api, def};
+  PwSplitHeads p = {0};
+  p.n = def->n_out;
+  const OrtValue *x, *sizes;
+  int64_t dims[PW_MAX_RANK], size_dims[PW_MAX_RANK];
+  size_t rank, size_rank;
+  void *x_data, *size_data;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 0, &x));
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 1, &sizes));
+  PW_TRY(pw_shape(api, x, dims, &rank));
+  PW_TRY(pw_shape(api, sizes, size_dims, &size_rank));
+  if (rank != 3) return pw_error(&k, "x must be [batch, sequence, width]");
+  if (size_rank != 2 || size_dims[0] != p.n || size_dims[1] != 2) return pw_error(&k, "sizes must be [outputs, 2]");
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)x, &x_data));
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)sizes, &size_data));
+  const int64_t* hd = (const int64_t*)size_data;
+  p.x = (const float*)x_data;
+  p.seq = dims[1];
+  p.width = dims[2];
+  p.rows = dims[0] * dims[1];
+  int64_t offset = 0;
+  for (int i = 0; i < p.n; ++i) {
+    p.heads[i] = hd[2 * i];
+    p.depth[i] = hd[2 * i + 1];
+    if (p.heads[i] < 0 || p.depth[i] < 0) return pw_error(&k, "sizes must not be negative");
+    p.offset[i] = offset;
+    offset += p.heads[i] * p.depth[i];
+  }
+  if (offset != p.width) return pw_error(&k, "the parts' heads * depth must add up to x's width");
+  if (def->n_in > 2) {
+    const OrtValue* bias;
+    int64_t bias_dims[PW_MAX_RANK];
+    size_t bias_rank;
+    void* bias_data;
+    PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 2, &bias));
+    PW_TRY(pw_shape(api, bias, bias_dims, &bias_rank));
+    if (bias_rank != 1 || bias_dims[0] != p.width) return pw_error(&k, "bias must be [width]");
+    PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)bias, &bias_data));
+    for (int i = 0; i < p.n; ++i) p.bias[i] = (const float*)bias_data + p.offset[i];
+  }
+  for (int i = 0; i < p.n; ++i) {
+    const int64_t out_dims[4] = {dims[0], p.heads[i], p.seq, p.depth[i]};
+    OrtValue* out;
+    void* out_data;
+    PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, (size_t)i, out_dims, 4, &out));
+    PW_TRY(ORTD_CALL(api, GetTensorMutableData)(out, &out_data));
+    p.out[i] = (float*)out_data;
+  }
+  if (p.rows == 0 || p.width == 0) return NULL;
+  p.rows_per_task = pw_per_task(p.width);
+  return pw_run_tasks(api, ctx, pw_split_heads_task, pw_task_count(p.rows, p.rows_per_task), &p);
 }
 
 static size_t pw_type_size(int type) {
