@@ -210,11 +210,10 @@ def _softmax_kernel_session():
     node = ir.node("Mul", [x, softmax.outputs[0]])
     node.outputs[0].name, node.outputs[0].dtype = "y", ir.DataType.FLOAT
     model = ir.Model(ir.Graph([x], node.outputs, nodes=[softmax, node], opset_imports={"": 18}), ir_version=10)
-    (kernel,) = _pointwise.fuse_pointwise(model)
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(_kernels.library([kernel]))
-    return kernel, ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
-                                        providers=["CPUExecutionProvider"])
+    kernels = []
+    _, session = _after_pointwise_stage(model, kernels)
+    (kernel,) = kernels
+    return kernel, session
 
 
 def test_softmax_kernel_computes_each_exp_once_and_not_over_its_input():
@@ -1166,18 +1165,27 @@ def test_pixel_shuffle_and_its_gradient_move_rows_in_one_kernel(tmp_path):
         assert "TransposeRows" in ops and "Transpose" not in ops and "DepthToSpace" not in ops, ops
 
 
+def _after_pointwise_stage(model: ir.Model, kernels: list | None = None):
+    """``model`` through the pointwise stage: its op types, and a session with its kernels (whose
+    C code is added to ``kernels`` if given)."""
+    found = _pointwise.fuse_pointwise(model)
+    if kernels is not None:
+        kernels += found
+    so = ort.SessionOptions()
+    if found:
+        so.register_custom_ops_library(_kernels.library(found))
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    return [n.op_type for n in model.graph], session
+
+
 def _one_transpose(dims, perm, dtype):
     """A model of one Transpose, after the pointwise stage: its op types and a session."""
     x = ir.Value(name="x", shape=ir.Shape(list(dims)), type=ir.TensorType(dtype))
     node = ir.node("Transpose", [x], attributes={"perm": list(perm)})
     node.outputs[0].name, node.outputs[0].dtype = "y", dtype
-    model = ir.Model(ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 18}), ir_version=10)
-    kernels = _pointwise.fuse_pointwise(model)
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(_kernels.library(kernels))
-    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
-                                   providers=["CPUExecutionProvider"])
-    return [n.op_type for n in model.graph], session
+    return _after_pointwise_stage(ir.Model(ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 18}),
+                                           ir_version=10))
 
 
 @pytest.mark.parametrize("dims, perm, kernel", [
@@ -1256,15 +1264,8 @@ def _heads_concat(parts: list[tuple[int, int]], also_read: bool = False, dtype=i
     concat.outputs[0].name, concat.outputs[0].dtype = "y", dtype
     outputs = [concat.outputs[0]] + ([rows[0]] if also_read else [])
     initializers = [n.inputs[1] for n in nodes if n.op_type == "Reshape"]
-    model = ir.Model(ir.Graph(xs, outputs, nodes=nodes + [concat], initializers=initializers,
-                              opset_imports={"": 18}), ir_version=10)
-    kernels = _pointwise.fuse_pointwise(model)
-    so = ort.SessionOptions()
-    if kernels:
-        so.register_custom_ops_library(_kernels.library(kernels))
-    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
-                                   providers=["CPUExecutionProvider"])
-    return [n.op_type for n in model.graph], session
+    return _after_pointwise_stage(ir.Model(ir.Graph(xs, outputs, nodes=nodes + [concat], initializers=initializers,
+                                                    opset_imports={"": 18}), ir_version=10))
 
 
 @pytest.mark.parametrize("parts", [[(4, 64)] * 3, [(4, 64), (2, 32), (3, 16)]])
@@ -1351,15 +1352,8 @@ def _heads_split(parts: list[tuple[int, int]], bias: str, also_read: bool = Fals
         outputs.append(moved.outputs[0])
     if also_read:
         outputs.append(next(n for n in nodes if n.op_type == "Reshape").outputs[0])
-    model = ir.Model(ir.Graph(inputs, outputs, nodes=nodes, initializers=initializers, opset_imports={"": 18}),
-                     ir_version=10)
-    kernels = _pointwise.fuse_pointwise(model)
-    so = ort.SessionOptions()
-    if kernels:
-        so.register_custom_ops_library(_kernels.library(kernels))
-    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
-                                   providers=["CPUExecutionProvider"])
-    return [n.op_type for n in model.graph], session
+    return _after_pointwise_stage(ir.Model(ir.Graph(inputs, outputs, nodes=nodes, initializers=initializers,
+                                                    opset_imports={"": 18}), ir_version=10))
 
 
 @pytest.mark.parametrize("parts, bias, ops", [

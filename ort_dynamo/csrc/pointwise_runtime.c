@@ -278,35 +278,56 @@ OrtStatus* pw_transpose(const OrtApiTable* api, OrtKernelContext* ctx, const PwK
                       pw_task_count(p.blocks, p.blocks_per_task), &p);
 }
 
-typedef struct PwMergeHeads {
-  const char* x[PW_MAX_ARGS];
-  int64_t heads[PW_MAX_ARGS], depth[PW_MAX_ARGS], offset[PW_MAX_ARGS]; /* offset: in out's row, in elements */
-  int n;
+/* Attention's heads between rows [B, S, W] and parts [B, H_i, S, D_i] (W = the sum of H_i * D_i):
+ * each (row, part, head) is D_i contiguous elements on both sides. */
+typedef struct PwHeads {
+  char* parts[PW_MAX_ARGS];
+  const float* bias[PW_MAX_ARGS]; /* split only; NULL: none */
+  int64_t heads[PW_MAX_ARGS], depth[PW_MAX_ARGS], offset[PW_MAX_ARGS]; /* offset: in a row, in elements */
+  int n, into_rows; /* into_rows: parts -> rows (merge), else rows -> parts (split) */
   int64_t seq, width, rows, rows_per_task;
   size_t size; /* bytes per element */
-  char* out;
-} PwMergeHeads;
+  char* rows_data;
+} PwHeads;
 
-static void pw_merge_heads_task(void* user, size_t t) {
-  const PwMergeHeads* p = (const PwMergeHeads*)user;
+static void pw_heads_task(void* user, size_t t) {
+  const PwHeads* p = (const PwHeads*)user;
   const int64_t r0 = (int64_t)t * p->rows_per_task;
   const int64_t r1 = r0 + p->rows_per_task < p->rows ? r0 + p->rows_per_task : p->rows;
-  for (int64_t r = r0; r < r1; ++r) { /* r = b * seq + s: one output row */
+  for (int64_t r = r0; r < r1; ++r) { /* r = b * seq + s */
     const int64_t b = r / p->seq, s = r % p->seq;
-    char* o = p->out + (size_t)(r * p->width) * p->size;
+    char* row = p->rows_data + (size_t)(r * p->width) * p->size;
     for (int i = 0; i < p->n; ++i) {
       const int64_t H = p->heads[i], D = p->depth[i];
-      for (int64_t h = 0; h < H; ++h)
-        memcpy(o + (size_t)(p->offset[i] + h * D) * p->size,
-               p->x[i] + (size_t)(((b * H + h) * p->seq + s) * D) * p->size, (size_t)D * p->size);
+      for (int64_t h = 0; h < H; ++h) {
+        char* in_row = row + (size_t)(p->offset[i] + h * D) * p->size;
+        char* in_part = p->parts[i] + (size_t)(((b * H + h) * p->seq + s) * D) * p->size;
+        if (p->into_rows) {
+          memcpy(in_row, in_part, (size_t)D * p->size);
+        } else if (p->bias[i]) {
+          const float* restrict x = (const float*)in_row;
+          const float* restrict c = p->bias[i] + h * D;
+          float* restrict o = (float*)in_part;
+          for (int64_t d = 0; d < D; ++d) o[d] = x[d] + c[d];
+        } else {
+          memcpy(in_part, in_row, (size_t)D * p->size);
+        }
+      }
     }
   }
 }
 
+static OrtStatus* pw_run_heads(const OrtApiTable* api, OrtKernelContext* ctx, PwHeads* p) {
+  if (p->rows == 0 || p->width == 0) return NULL;
+  p->rows_per_task = pw_per_task(p->width);
+  return pw_run_tasks(api, ctx, pw_heads_task, pw_task_count(p->rows, p->rows_per_task), p);
+}
+
 OrtStatus* pw_merge_heads(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) {
   const PwKernel k = {api, def};
-  PwMergeHeads p = {0};
+  PwHeads p = {0};
   p.n = def->n_in;
+  p.into_rows = 1;
   p.size = def->types[0] == PW_BF16 ? 2 : 4;
   int64_t batch = -1;
   for (int i = 0; i < p.n; ++i) {
@@ -324,7 +345,7 @@ OrtStatus* pw_merge_heads(const OrtApiTable* api, OrtKernelContext* ctx, const P
       return pw_error(&k, "the inputs' batch and sequence sizes differ");
     }
     PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)value, &data));
-    p.x[i] = (const char*)data;
+    p.parts[i] = (char*)data;
     p.heads[i] = dims[1];
     p.depth[i] = dims[3];
     p.offset[i] = p.width;
@@ -336,49 +357,16 @@ OrtStatus* pw_merge_heads(const OrtApiTable* api, OrtKernelContext* ctx, const P
   void* out_data;
   PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, out_dims, p.n == 1 ? 4 : 3, &out));
   p.rows = batch * p.seq;
-  if (p.rows == 0 || p.width == 0) return NULL;
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)(out, &out_data));
-  p.out = (char*)out_data;
-  p.rows_per_task = pw_per_task(p.width);
-  return pw_run_tasks(api, ctx, pw_merge_heads_task, pw_task_count(p.rows, p.rows_per_task), &p);
-}
-
-typedef struct PwSplitHeads {
-  const float* x;
-  const float* bias[PW_MAX_ARGS]; /* NULL: none */
-  float* out[PW_MAX_ARGS];
-  int64_t heads[PW_MAX_ARGS], depth[PW_MAX_ARGS], offset[PW_MAX_ARGS];
-  int n;
-  int64_t seq, width, rows, rows_per_task;
-} PwSplitHeads;
-
-static void pw_split_heads_task(void* user, size_t t) {
-  const PwSplitHeads* p = (const PwSplitHeads*)user;
-  const int64_t r0 = (int64_t)t * p->rows_per_task;
-  const int64_t r1 = r0 + p->rows_per_task < p->rows ? r0 + p->rows_per_task : p->rows;
-  for (int64_t r = r0; r < r1; ++r) { /* r = b * seq + s: one input row */
-    const int64_t b = r / p->seq, s = r % p->seq;
-    const float* row = p->x + r * p->width;
-    for (int i = 0; i < p->n; ++i) {
-      const int64_t H = p->heads[i], D = p->depth[i];
-      for (int64_t h = 0; h < H; ++h) {
-        const float* restrict in = row + p->offset[i] + h * D;
-        float* restrict o = p->out[i] + ((b * H + h) * p->seq + s) * D;
-        if (p->bias[i]) {
-          const float* restrict c = p->bias[i] + h * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = in[d] + c[d];
-        } else {
-          memcpy(o, in, (size_t)D * sizeof(float));
-        }
-      }
-    }
-  }
+  p.rows_data = (char*)out_data;
+  return pw_run_heads(api, ctx, &p);
 }
 
 OrtStatus* pw_split_heads(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) {
   const PwKernel k = {api, def};
-  PwSplitHeads p = {0};
+  PwHeads p = {0};
   p.n = def->n_out;
+  p.size = sizeof(float);
   const OrtValue *x, *sizes;
   int64_t dims[PW_MAX_RANK], size_dims[PW_MAX_RANK];
   size_t rank, size_rank;
@@ -392,7 +380,7 @@ OrtStatus* pw_split_heads(const OrtApiTable* api, OrtKernelContext* ctx, const P
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)x, &x_data));
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)sizes, &size_data));
   const int64_t* hd = (const int64_t*)size_data;
-  p.x = (const float*)x_data;
+  p.rows_data = (char*)x_data;
   p.seq = dims[1];
   p.width = dims[2];
   p.rows = dims[0] * dims[1];
@@ -422,11 +410,9 @@ OrtStatus* pw_split_heads(const OrtApiTable* api, OrtKernelContext* ctx, const P
     void* out_data;
     PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, (size_t)i, out_dims, 4, &out));
     PW_TRY(ORTD_CALL(api, GetTensorMutableData)(out, &out_data));
-    p.out[i] = (float*)out_data;
+    p.parts[i] = (char*)out_data;
   }
-  if (p.rows == 0 || p.width == 0) return NULL;
-  p.rows_per_task = pw_per_task(p.width);
-  return pw_run_tasks(api, ctx, pw_split_heads_task, pw_task_count(p.rows, p.rows_per_task), &p);
+  return pw_run_heads(api, ctx, &p);
 }
 
 static size_t pw_type_size(int type) {
