@@ -208,7 +208,7 @@ PW_HIDDEN OrtStatus* pw_scatter_add_last_axis(const OrtApiTable* api, OrtKernelC
  * gathered at the input's strides, split over the intra-op threads. For the permutations ORT
  * moves element by element, or in blocks of a few floats, on one thread (pixel shuffle,
  * patches: einops' rearrangements, a patch convolution's weight gradient), and for the
- * bfloat16 ones ORT moves slower than float32 (attention's heads; _op_kernels says which). */
+ * bfloat16 ones ORT moves slower than float32 (attention's k transposed; _op_kernels says which). */
 PW_HIDDEN OrtStatus* pw_transpose(const OrtApiTable* api, OrtKernelContext* ctx, const struct PwKernelDef* def);
 /* Attention's heads moved back into rows, x_i [B, H_i, S, D_i] (float32, or bfloat16 when the
  * kernel's types are PW_BF16), in one pass of row copies. One input: out = Transpose(x, [0, 2, 1,
