@@ -29,7 +29,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ._fusions import (_MS, _TANH_GELU_BETA, _TANH_GELU_KAPPA, _constant_tensor, _initializer, _int64_constant,
-                       _ints, _is, _op, _other, _perm_keeping_last_axis, _remove_if_dead, _scalar)
+                       _ints, _is, _op, _other, _perm_keeping_last_axis, _remove_if_dead, _scalar, _sole_user)
 from ._fusions import softmax_written_out as _softmax_written_out
 from ._fusions import _take_over as _take_over_value
 from . import _op_kernels
@@ -1167,6 +1167,74 @@ def _consecutive_reshapes(graph: ir.Graph, info: _Graph) -> int:
     return removed
 
 
+def _regroups_leading_axes(before: tuple | None, after: tuple | None) -> bool:
+    """Whether a view from static ``before`` to static ``after`` only regroups the leading axes."""
+    return bool(before) and bool(after) and before != after and before[-1] == after[-1] \
+        and all(isinstance(d, int) for d in before + after) and math.prod(before) == math.prod(after)
+
+
+def _chains_in_their_source_shape(graph: ir.Graph, info: _Graph) -> int:
+    """``Reshape(E_k(... E_1(Reshape(m, B)) ...), A)``, both Reshapes regrouping only the leading
+    axes (m of static shape A), each E_i unary or binary elementwise and read only by the next,
+    its other operand of the full shape B, one value per row of B, or one element -> the chain
+    computed in m's shape A, those operands viewed as A's rows (free in ORT). Attention's softmax
+    backward with the probabilities recomputed is one: the scores come from a batched product
+    [B * H, S, S], are viewed as [B, H, S, S] to subtract the saved log-sum-exp and go back to
+    [B * H, S, S] for the next products; the two views split its kernel in three. Returns the
+    number of chains moved."""
+    moved = 0
+    regrouped: dict[tuple, ir.Value] = {}  # (operand, shape) -> its view: one for every chain
+    for view in [n for n in graph if _op(n, "Reshape")]:
+        if view.graph is None or view.outputs[0].is_graph_output():
+            continue
+        m, value = view.inputs[0], view.outputs[0]
+        a_shape, b_shape = info.dims(m), info.dims(value)
+        if not _regroups_leading_axes(a_shape, b_shape):
+            continue
+        rows = b_shape[:-1] + (1,)
+        chain, back = [], None
+        while back is None:
+            user = _sole_user(value)
+            if user is None:
+                break
+            if _op(user, "Reshape") and user.inputs[0] is value and info.dims(user.outputs[0]) == a_shape:
+                back = user
+            elif user.domain in ("", "ai.onnx") and user.op_type in set(_UNARY) | set(_BINARY) - {"Expand"} \
+                    and info.elementwise_shape(user) == b_shape \
+                    and all(x is value or info.dims(x) in (b_shape, rows) or _one_element(x, len(a_shape))
+                            for x in user.inputs):
+                chain.append(user)
+                value = user.outputs[0]
+            else:
+                break
+        if back is None or not chain:
+            continue
+        inside = {view.outputs[0]} | {n.outputs[0] for n in chain}
+        for node in chain:
+            for index, x in enumerate(node.inputs):
+                if x is view.outputs[0]:
+                    node.replace_input_with(index, m)
+                elif x not in inside and info.dims(x) in (b_shape, rows):
+                    target = a_shape if info.dims(x) == b_shape else a_shape[:-1] + (1,)
+                    if (x, target) not in regrouped:
+                        shape = _int64_constant(graph, f"{x.name}_regrouped_{len(regrouped)}", target)
+                        step = ir.node("Reshape", [x, shape])
+                        step.outputs[0].shape, step.outputs[0].dtype = ir.Shape(list(target)), x.dtype
+                        if x.producer() is not None:  # before every chain that reads it
+                            graph.insert_after(x.producer(), step)
+                        else:
+                            graph.insert_before(next(iter(graph)), step)
+                        regrouped[(x, target)] = step.outputs[0]
+                    node.replace_input_with(index, regrouped[(x, target)])
+            node.outputs[0].shape = ir.Shape(list(a_shape))
+            info.shape[node.outputs[0]] = a_shape
+        _take_over_value(back.outputs[0], chain[-1].outputs[0], "regrouped")
+        graph.remove(back, safe=True)
+        _remove_if_dead(graph, [view])
+        moved += 1
+    return moved
+
+
 def _column_sums_through_reshapes(graph: ir.Graph, info: _Graph) -> int:
     """``ReduceSum(Reshape(x), axes=all but the last)`` where the Reshape keeps ``x``'s last
     axis (a Linear's bias gradient: the rows of ``x`` flattened to ``[N, D]``, or regrouped by
@@ -1397,6 +1465,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str
     _fold_rotate_half(graph, _Graph())
     if _elementwise_before_reshapes(graph, _Graph()):
         _consecutive_reshapes(graph, _Graph())
+    _chains_in_their_source_shape(graph, _Graph())
     _column_sums_through_reshapes(graph, _Graph())
     _widen_before_views(graph)  # after the passes above, which add views
     _bias_into_rounding(graph)

@@ -1388,6 +1388,52 @@ def test_a_split_part_read_elsewhere_is_not_split_in_a_kernel():
     assert "Split" in ops and not any(op.startswith("SplitHeads") for op in ops), ops
 
 
+def test_attentions_softmax_backward_viewed_with_other_leading_axes_is_two_kernels():
+    """Attention's softmax backward with the probabilities recomputed, as the exporter writes
+    it: the scores come from a batched product [B * H, S, S] and are viewed as [B, H, S, S] to
+    subtract the saved log-sum-exp; the probabilities go back to [B * H, S, S], where the
+    gradient's row sum and the rest are computed. The views split the rest into a kernel and two
+    ORT Muls (three kernels in BERT's step); with the chains between them computed in the
+    products' shape it is two kernels (the probabilities, which a product reads too, then the
+    rest), with the same values."""
+    f32 = ir.TensorType(ir.DataType.FLOAT)
+    scores = ir.Value(name="scores", shape=ir.Shape([6, 64, 64]), type=f32)
+    lse = ir.Value(name="lse", shape=ir.Shape([2, 3, 64, 1]), type=f32)
+    grad = ir.Value(name="grad", shape=ir.Shape([6, 64, 64]), type=f32)
+    consts = [ir.Value(name=n, const_value=ir.tensor(np.array(d, dtype=np.int64)))
+              for n, d in (("heads", [2, 3, 64, 64]), ("batched", [6, 64, 64]), ("last", [-1]))]
+    view = ir.node("Reshape", [scores, consts[0]])
+    shifted = ir.node("Sub", [view.outputs[0], lse])
+    probs = ir.node("Exp", [shifted.outputs[0]])
+    back = ir.node("Reshape", [probs.outputs[0], consts[1]])
+    weighted = ir.node("Mul", [grad, back.outputs[0]])
+    total = ir.node("ReduceSum", [weighted.outputs[0], consts[2]], attributes={"keepdims": 1})
+    centred = ir.node("Sub", [grad, total.outputs[0]])
+    product = ir.node("Mul", [back.outputs[0], centred.outputs[0]])
+    scale = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0.125, dtype=np.float32))})
+    scaled = ir.node("Mul", [product.outputs[0], scale.outputs[0]])
+    nodes = [view, shifted, probs, back, weighted, total, centred, product, scale, scaled]
+    for node in nodes:
+        node.outputs[0].dtype = ir.DataType.FLOAT
+        node.outputs[0].shape = ir.Shape([6, 64, 1] if node is total else
+                                         [2, 3, 64, 64] if node in (view, shifted, probs) else [6, 64, 64])
+    scale.outputs[0].shape = ir.Shape([])
+    scaled.outputs[0].name, back.outputs[0].name = "y", "probs"
+    model = ir.Model(ir.Graph([scores, lse, grad], [scaled.outputs[0], back.outputs[0]], nodes=nodes,
+                              initializers=consts, opset_imports={"": 18}), ir_version=10)
+    ops, session = _after_pointwise_stage(model)
+    assert [op[:3] for op in ops if op not in ("Reshape", "Constant")] == ["pw_"] * 2, ops
+    rng = np.random.default_rng(0)
+    feeds = {"scores": rng.standard_normal((6, 64, 64), dtype=np.float32),
+             "lse": rng.standard_normal((2, 3, 64, 1), dtype=np.float32) + 3,
+             "grad": rng.standard_normal((6, 64, 64), dtype=np.float32)}
+    p = np.exp(feeds["scores"].reshape(2, 3, 64, 64) - feeds["lse"]).reshape(6, 64, 64)
+    want = p * (feeds["grad"] - (feeds["grad"] * p).sum(-1, keepdims=True)) * 0.125
+    got, got_probs = session.run(None, feeds)
+    np.testing.assert_allclose(got_probs, p, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 class _FusedProjectionAttention(nn.Module):
     """nanoGPT's attention: one q/k/v projection split into heads, causal softmax, heads merged."""
 
