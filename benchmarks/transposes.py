@@ -19,7 +19,6 @@ which of them the stage hands to ``TransposeRowsBf16`` (``_op_kernels._bfloat16_
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 
@@ -30,6 +29,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ort_dynamo import _kernels, _op_kernels, _pointwise  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gemm import _interleaved_ms  # noqa: E402  (the same alternation, caches evicted alike)
 
 CASES = [
     # (input shape, perm, what does it)
@@ -48,25 +50,32 @@ CASES = [
 HEADS = (8, 4, 128, 64)
 
 
+def _options(kernels: list[str]) -> ort.SessionOptions:
+    """Two intra-op threads that do not spin, as ort_dynamo's sessions; ``kernels``' library."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if kernels:
+        so.register_custom_ops_library(_kernels.library(kernels))
+    return so
+
+
 def session(dims, perm, kernel: bool, bfloat16: bool = False) -> ort.InferenceSession:
     dtype = ir.DataType.BFLOAT16 if bfloat16 else ir.DataType.FLOAT
     x = ir.Value(name="x", shape=ir.Shape(list(dims)), type=ir.TensorType(dtype))
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as ort_dynamo's sessions
+    units = []
     if kernel:
         order = ir.Value(name="perm", const_value=ir.tensor(np.array(perm, dtype=np.int64)))
         name, unit = _op_kernels.transpose_rows_kernel(bfloat16)
         node = ir.node(name, [x, order], domain=_pointwise.DOMAIN)
-        initializers, opsets = [order], {"": 18, _pointwise.DOMAIN: 1}
-        so.register_custom_ops_library(_kernels.library([unit]))
+        initializers, opsets, units = [order], {"": 18, _pointwise.DOMAIN: 1}, [unit]
     else:
         node = ir.node("Transpose", [x], attributes={"perm": list(perm)})
         initializers, opsets = [], {"": 18}
     node.outputs[0].name, node.outputs[0].dtype = "y", dtype
     graph = ir.Graph([x], node.outputs, nodes=[node], initializers=initializers, opset_imports=opsets)
     model = ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString()
-    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model, _options(units), providers=["CPUExecutionProvider"])
 
 
 def mean_ms(sess: ort.InferenceSession, x: np.ndarray, perm) -> float:
@@ -110,15 +119,11 @@ def heads_session(inputs: int, kernel: bool) -> ort.InferenceSession:
     pointwise stage writes them, ``MergeHeads`` or ``ConcatHeads<n>``."""
     xs = [ir.Value(name=f"x{i}", shape=ir.Shape(list(HEADS)), type=ir.TensorType(ir.DataType.FLOAT))
           for i in range(inputs)]
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    opsets, initializers = {"": 18}, []
+    opsets, initializers, units = {"": 18}, [], []
     if kernel:
         name, unit = _op_kernels.merge_heads_kernel(inputs, False)
         nodes = [ir.node(name, xs, domain=_pointwise.DOMAIN)]
-        opsets[_pointwise.DOMAIN] = 1
-        so.register_custom_ops_library(_kernels.library([unit]))
+        opsets[_pointwise.DOMAIN], units = 1, [unit]
     else:
         nodes = [ir.node("Transpose", [x], attributes={"perm": [0, 2, 1, 3]}) for x in xs]
         if inputs > 1:
@@ -130,7 +135,7 @@ def heads_session(inputs: int, kernel: bool) -> ort.InferenceSession:
     out.name, out.dtype = "y", ir.DataType.FLOAT
     graph = ir.Graph(xs, [out], nodes=nodes, initializers=initializers, opset_imports=opsets)
     model = ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString()
-    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model, _options(units), providers=["CPUExecutionProvider"])
 
 
 def heads_main() -> None:
@@ -183,30 +188,18 @@ def split_session(kernel: bool) -> ort.InferenceSession:
     with mock.patch.object(_op_kernels, "split_heads_as_kernels", _op_kernels.split_heads_as_kernels if kernel
                            else lambda graph: []):
         kernels = _pointwise.fuse_pointwise(model)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 2
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.register_custom_ops_library(_kernels.library(kernels))
-    return ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+    return ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), _options(kernels),
                                 providers=["CPUExecutionProvider"])
 
 
 def _alternating(sessions, feeds, label: str) -> None:
     """Checks that ``sessions`` agree, then prints the median ms of 200 calls of each, alternating,
     warm and with the caches evicted before each call (not timed), as in a training step."""
-    evict = np.zeros(8 << 20, np.float32)  # 32 MB, more than this machine's last-level cache
     for want, got in zip(*(s.run(None, feeds[0]) for s in sessions)):
         np.testing.assert_array_equal(got, want)
+    calls = [lambda i, s=s: s.run(None, feeds[i % len(feeds)]) for s in sessions]
     for cold in (False, True):
-        times = [[], []]
-        for call in range(200):
-            for sess, spent in zip(sessions, times):
-                if cold:
-                    np.add(evict, 1.0, out=evict)
-                start = time.perf_counter()
-                sess.run(None, feeds[call % len(feeds)])
-                spent.append(time.perf_counter() - start)
-        theirs, ours = (statistics.median(t) * 1e3 for t in times)
+        theirs, ours = _interleaved_ms(calls, 200, cold)
         print(f"{label:62s} {'cold' if cold else 'warm'}  before {theirs:6.3f} ms  kernel {ours:6.3f} ms  "
               f"before/kernel {theirs / ours:5.2f}")
 

@@ -265,7 +265,8 @@ def built_host_library(stem: str, sources: list[str], cache_dir: str = "") -> st
     compiler = _compiler()
     if compiler is None:
         raise KernelBuildError("no C compiler found (set CC, or install gcc)")
-    key = hashlib.sha256("\n".join([*compiler, *_HOST_FLAGS, *map(os.path.basename, sources), _header_digest()]).encode())
+    parts = [*compiler, *_HOST_FLAGS, *map(os.path.basename, sources), _header_digest()]
+    key = hashlib.sha256("\n".join(parts).encode())
     path = os.path.join(_folder(cache_dir), f"{stem}_{key.hexdigest()[:24]}.so")
     if not os.path.exists(path):
         host_library(path, ["-I", _CSRC, *sources])

@@ -428,12 +428,11 @@ def _concatenated_heads(value: ir.Value) -> ir.Value | None:
     """x where ``value``, read only by one Concat, is ``Reshape(Transpose(x, [0, 2, 1, 3]))`` of x
     [B, H, S, D] to [B, S, H * D], the Transpose read only by that Reshape; else None."""
     reshape = value.producer()
-    if not _op(reshape, "Reshape") or len(value.uses()) != 1 or value.is_graph_output() \
-            or value.shape is None or value.shape.rank() != 3:
+    if not _op(reshape, "Reshape") or _sole_user(value) is None or value.shape is None or value.shape.rank() != 3:
         return None
     moved = reshape.inputs[0]
     x = _heads_to_rows(moved.producer()) if moved is not None else None
-    if x is None or len(moved.uses()) != 1 or moved.is_graph_output():
+    if x is None or _sole_user(moved) is None:
         return None
     batch, heads, seq, depth = x.shape.dims
     out = value.shape.dims

@@ -1063,6 +1063,12 @@ def _one_element(value: ir.Value, rank: int) -> bool:
     return dims is not None and len(dims) <= rank and all(d == 1 for d in dims)
 
 
+def _regroups_leading_axes(before: tuple | None, after: tuple | None) -> bool:
+    """Whether a view from static ``before`` to static ``after`` only regroups the leading axes."""
+    return bool(before) and bool(after) and before != after and before[-1] == after[-1] \
+        and all(isinstance(d, int) for d in before + after) and math.prod(before) == math.prod(after)
+
+
 def _leading_axes_view(value: ir.Value | None, shape: tuple, info: _Graph) -> bool:
     """Whether ``value`` is ``Reshape(a)`` of the full ``shape``, ``a`` an elementwise result of
     the same last axis and of other leading axes (static sizes)."""
@@ -1074,8 +1080,7 @@ def _leading_axes_view(value: ir.Value | None, shape: tuple, info: _Graph) -> bo
     a_shape = info.dims(a)
     if a_shape is None and made_by is not None:  # inside inlined torchlib functions: inferred
         a_shape = info.elementwise_shape(made_by)
-    return bool(a_shape) and all(isinstance(d, int) for d in a_shape) and a_shape != shape \
-        and a_shape[-1] == shape[-1] and a.dtype == ir.DataType.FLOAT and made_by is not None \
+    return _regroups_leading_axes(a_shape, shape) and a.dtype == ir.DataType.FLOAT and made_by is not None \
         and made_by.domain in ("", "ai.onnx") and made_by.op_type in _ELEMENTWISE
 
 
@@ -1165,12 +1170,6 @@ def _consecutive_reshapes(graph: ir.Graph, info: _Graph) -> int:
         _remove_if_dead(graph, [inner])
         removed += 1
     return removed
-
-
-def _regroups_leading_axes(before: tuple | None, after: tuple | None) -> bool:
-    """Whether a view from static ``before`` to static ``after`` only regroups the leading axes."""
-    return bool(before) and bool(after) and before != after and before[-1] == after[-1] \
-        and all(isinstance(d, int) for d in before + after) and math.prod(before) == math.prod(after)
 
 
 def _chains_in_their_source_shape(graph: ir.Graph, info: _Graph) -> int:

@@ -82,14 +82,12 @@ def _cpu_torch_attention(options: OrtOptions) -> bool:
     if not options.cpu_torch_attention:
         return False
     problem = _torch_attention.problem()
-    if problem and problem not in _WARNED:
-        _WARNED.add(problem)
+    if problem and problem not in partition_stage._WARNED:  # once per cause, until ort_dynamo.reset()
+        partition_stage._WARNED.add(problem)
         warnings.warn(f"ort_dynamo: cpu_torch_attention: attention runs on ORT written out instead: {problem}",
                       stacklevel=3)
     return not problem
 
-
-_WARNED: set[str] = set()
 
 
 def _device_type(example_inputs) -> str:

@@ -340,8 +340,9 @@ def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True, recompute_attention
         changed = (_tanh_gelu_as_one_op(module.graph) + _layer_norm_over_channels_in_place(module.graph)
                    + _stft_magnitudes_in_real_arithmetic(module.graph)) if fuse else 0
         for node in module.graph.nodes:
-            if node.op == "call_function" and node.target in _DYNAMO_REWRITES and not (
-                    node.target in _SDPA and (torch_attention or (cpu_torch_attention and _sdpa_for_flash_for_cpu(node)))):
+            kept_whole = node.target in _SDPA and (
+                torch_attention or (cpu_torch_attention and _sdpa_for_flash_for_cpu(node)))
+            if node.op == "call_function" and node.target in _DYNAMO_REWRITES and not kept_whole:
                 node.target = _DYNAMO_REWRITES[node.target]
                 if recompute_attention:
                     node.target = _RECOMPUTING.get(node.target, node.target)

@@ -76,12 +76,9 @@ def test_attention_with_dropout_stays_written_out_on_ort(tmp_path):
 
 
 def test_without_its_library_attention_stays_ort_s_and_a_warning_says_why(monkeypatch, tmp_path):
-    from ort_dynamo import capture
-
     monkeypatch.setattr(_torch_attention, "problem", lambda: "no C compiler (a test's stand-in)")
-    monkeypatch.setattr(capture, "_WARNED", set())
     q = torch.randn(2, 3, 8, 16, requires_grad=True)
-    ort_dynamo.reset()
+    ort_dynamo.reset()  # also re-arms the once-per-cause warnings
     torch._dynamo.reset()
     fn = torch.compile(lambda q: F.scaled_dot_product_attention(q, q, q).sum(), backend="ort",
                        options={**OPTIONS, "save_onnx": True, "save_path": str(tmp_path)})
