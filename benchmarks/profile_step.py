@@ -155,7 +155,7 @@ def ort_kernel_profile(name: str, steps: int, folder: str, autocast: bool = Fals
                 calls[op] += 1 / runs
                 shapes = json.dumps(event["args"].get("output_type_shape", ""))[:70]
                 per_node[f"{op} {shapes}"] += event["dur"] / 1e3 / runs
-                if op in ("MatMul", "FusedMatMul", "Gemm") or op.startswith("Bf16MatMul"):
+                if op in ("MatMul", "FusedMatMul", "Gemm") or op.startswith(("Bf16MatMul", "F32MatMul")):
                     ms, flop = event["dur"] / 1e3 / runs, _gemm_flop(event["args"]) / runs
                     session["gemm_ms"] += ms
                     session["gemm_flop"] += flop

@@ -20,6 +20,7 @@ import tempfile
 import warnings
 
 import torch
+from torch.fx._lazy_graph_module import _LazyGraphModule
 import torch.fx
 
 from .export import ExportedGraph, OutputSlot
@@ -67,8 +68,16 @@ def cache_key(gm: torch.fx.GraphModule, options: OrtOptions) -> str:
     inputs = [_describe(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
     relevant = (options.opset, options.enable_compute_optimizer, options.deterministic_compute,
                 options.pointwise_kernels, options.save_onnx)  # save_onnx keeps provenance
-    text = "\n".join([_versions(), repr(relevant), ";".join(inputs), gm.code])
+    text = "\n".join([_versions(), repr(relevant), ";".join(inputs), _source(gm)])
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _source(gm: torch.fx.GraphModule) -> str:
+    """The graph's Python code; for a partition not yet compiled to Python (they are made
+    lazily), generated without compiling it."""
+    if isinstance(gm, _LazyGraphModule) and gm._needs_recompile():
+        return gm.graph.python_code(root_module="self").src
+    return gm.code
 
 
 _UNUSABLE: set[tuple[str, str]] = set()  # (cache_dir, "read" | "write"): said once each

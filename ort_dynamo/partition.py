@@ -10,7 +10,9 @@ import warnings
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition
+from torch.fx.passes.tools_common import stable_topological_sort
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from .errors import UnsupportedOpError
@@ -251,25 +253,19 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     graph_report.fallbacks.extend(unsupported)
     graph_report.torch_nodes += len(unsupported)
 
-    partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n not in in_pytorch]
     if in_pytorch <= host_views and all(support.is_node_supported(None, n) for n in calls):
         # Everything runs on ORT (the usual case): one partition, reading only the graph's
         # inputs, so no cycle to look for (the proposal's search is 0.05 s of BERT's first step).
         proposed = [Partition(id=0, nodes=calls)] if calls else []
     else:
-        proposed = partitioner.propose_partitions()
+        proposed = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True).propose_partitions()
     if segments > 1:
         proposed = _in_segments(proposed, segments, gm)
-    fused = partitioner.fuse_partitions(proposed)
-    names = []
-    for node in fused.graph.nodes:
-        if node.op == "call_module" and node.target.startswith("fused_"):
-            _copy_placeholder_meta(getattr(fused, node.target), node)
-            names.append(node.target)
+    names = _fuse(gm, [p.nodes for p in proposed])
     graph_report.partitions += len(names)
     verdicts = {node.name: reason for node, reason in support.verdicts.items() if is_compute(node)}
-    return Partitioned(fused, names, verdicts)
+    return Partitioned(gm, names, verdicts)
 
 
 _KEPT_REASON = ("PyTorch's fused CUDA attention, kept by design (option cuda_torch_attention): "
@@ -321,10 +317,58 @@ def _place_constants_with_their_readers(heads: list[torch.fx.Node], piece_of: di
             piece_of[node] = max(piece_of[node], min(piece_of[u] for u in readers))
 
 
-def _copy_placeholder_meta(sub: torch.fx.GraphModule, call: torch.fx.Node) -> None:
-    """Fused submodules' placeholders lack ``val``; take it from the call's arguments."""
-    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    for placeholder, arg in zip(placeholders, call.args):
-        if isinstance(arg, torch.fx.Node) and "val" in arg.meta:
-            placeholder.meta["val"] = arg.meta["val"]
-            placeholder.meta.setdefault("stack_trace", arg.meta.get("stack_trace"))
+def _fuse(gm: torch.fx.GraphModule, partitions: list) -> list[str]:
+    """Each partition's nodes (no cycle between partitions) become a submodule ``fused_N`` of
+    ``gm``, called where the partition's last node was. What torch's ``fuse_by_partitions``
+    does, without its per-submodule Python code (made lazily: export reads the graph, not
+    the code) and without re-sorting and recompiling ``gm`` when the order is already valid
+    (the usual case: one partition, or consecutive segments). ``gm`` is left to recompile."""
+    graph = gm.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    names = []
+    for nodes in partitions:
+        nodes = sorted(nodes, key=order.__getitem__)
+        members = set(nodes)
+        sub = torch.fx.Graph()
+        placeholders: dict[torch.fx.Node, torch.fx.Node] = {}
+        copies: dict[torch.fx.Node, torch.fx.Node] = {}
+
+        def read(node: torch.fx.Node) -> torch.fx.Node:
+            if node in members:
+                return copies[node]
+            if node not in placeholders:
+                placeholders[node] = sub.placeholder(node.name, type_expr=node.type)
+                placeholders[node].meta = dict(node.meta)
+            return placeholders[node]
+
+        for node in nodes:
+            copies[node] = sub.node_copy(node, read)
+        outputs = [node for node in nodes if any(user not in members for user in node.users)]
+        sub.output(copies[outputs[0]] if len(outputs) == 1 else tuple(copies[n] for n in outputs))
+        name = f"fused_{len(names)}"
+        gm.add_submodule(name, _LazyGraphModule(gm, sub, class_name=name))
+        with graph.inserting_after(nodes[-1]):
+            call = graph.call_module(name, tuple(placeholders))
+        if len(outputs) == 1:
+            outputs[0].replace_all_uses_with(call, lambda user: user not in members, propagate_meta=True)
+        else:
+            call.meta["val"] = tuple(node.meta.get("val") for node in outputs)
+            with graph.inserting_after(call):
+                for i, node in reversed(list(enumerate(outputs))):
+                    item = graph.call_function(operator.getitem, (call, i))
+                    node.replace_all_uses_with(item, lambda user: user not in members, propagate_meta=True)
+        for node in reversed(nodes):
+            graph.erase_node(node)
+        names.append(name)
+    if not _in_order(graph):  # a PyTorch node between partition nodes read a partition output
+        stable_topological_sort(gm)
+    return names
+
+
+def _in_order(graph: torch.fx.Graph) -> bool:
+    seen: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if any(arg not in seen for arg in node.all_input_nodes):
+            return False
+        seen.add(node)
+    return True
