@@ -1200,8 +1200,8 @@ def _chains_in_their_source_shape(graph: ir.Graph, info: _Graph) -> int:
                 back = user
             elif user.domain in ("", "ai.onnx") and user.op_type in set(_UNARY) | set(_BINARY) - {"Expand"} \
                     and info.elementwise_shape(user) == b_shape \
-                    and all(x is value or info.dims(x) in (b_shape, rows) or _one_element(x, len(a_shape))
-                            for x in user.inputs):
+                    and all(x is value or info.dims(x) == rows or _one_element(x, len(a_shape))
+                            or (info.dims(x) == b_shape and not _fused_away(x)) for x in user.inputs):
                 chain.append(user)
                 value = user.outputs[0]
             else:
@@ -1232,6 +1232,15 @@ def _chains_in_their_source_shape(graph: ir.Graph, info: _Graph) -> int:
         _remove_if_dead(graph, [view])
         moved += 1
     return moved
+
+
+def _fused_away(value: ir.Value) -> bool:
+    """A value an elementwise op makes for one reader alone: computed in the reader's kernel,
+    never written out, unless the reader moves to another shape (SwiGLU's ``silu(gate) * up``,
+    moved to up's source shape, left silu's kernel writing silu for a kernel of its own)."""
+    made_by = value.producer()
+    return made_by is not None and made_by.domain in ("", "ai.onnx") and made_by.op_type in _ELEMENTWISE \
+        and len(value.uses()) == 1 and not value.is_graph_output()
 
 
 def _column_sums_through_reshapes(graph: ir.Graph, info: _Graph) -> int:

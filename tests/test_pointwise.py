@@ -1434,6 +1434,35 @@ def test_attentions_softmax_backward_viewed_with_other_leading_axes_is_two_kerne
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_swiglus_product_stays_in_the_kernel_of_its_silu():
+    """Llama's MLP as the exporter writes it: the gate and up products [T, F] viewed as [B, S, F],
+    silu(gate) * up, and the product viewed back as [T, F] for the down projection. Computing the
+    product in the products' own shape would leave silu alone in its kernel, written out for a
+    second pass (a kernel and an ORT Mul before); in silu's shape it is one kernel."""
+    f32 = ir.TensorType(ir.DataType.FLOAT)
+    gate, up = (ir.Value(name=n, shape=ir.Shape([512, 96]), type=f32) for n in ("gate", "up"))
+    consts = [ir.Value(name=n, const_value=ir.tensor(np.array(d, dtype=np.int64)))
+              for n, d in (("rows", [4, 128, 96]), ("tokens", [512, 96]))]
+    gate_rows, up_rows = ir.node("Reshape", [gate, consts[0]]), ir.node("Reshape", [up, consts[0]])
+    sigmoid = ir.node("Sigmoid", [gate_rows.outputs[0]])
+    silu = ir.node("Mul", [gate_rows.outputs[0], sigmoid.outputs[0]])
+    product = ir.node("Mul", [silu.outputs[0], up_rows.outputs[0]])
+    back = ir.node("Reshape", [product.outputs[0], consts[1]])
+    nodes = [gate_rows, up_rows, sigmoid, silu, product, back]
+    for node in nodes:
+        node.outputs[0].dtype = ir.DataType.FLOAT
+        node.outputs[0].shape = ir.Shape([512, 96] if node is back else [4, 128, 96])
+    back.outputs[0].name = "y"
+    model = ir.Model(ir.Graph([gate, up], [back.outputs[0]], nodes=nodes, initializers=consts,
+                              opset_imports={"": 18}), ir_version=10)
+    ops, session = _after_pointwise_stage(model)
+    assert [op[:3] for op in ops if op not in ("Reshape", "Constant")] == ["pw_"], ops
+    rng = np.random.default_rng(0)
+    feeds = {name: rng.standard_normal((512, 96), dtype=np.float32) for name in ("gate", "up")}
+    want = feeds["gate"] / (1 + np.exp(-feeds["gate"])) * feeds["up"]
+    np.testing.assert_allclose(session.run(None, feeds)[0], want, rtol=1e-5, atol=1e-6)
+
+
 class _FusedProjectionAttention(nn.Module):
     """nanoGPT's attention: one q/k/v projection split into heads, causal softmax, heads merged."""
 
