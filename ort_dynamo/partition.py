@@ -328,41 +328,57 @@ def _fuse(gm: torch.fx.GraphModule, partitions: list) -> list[str]:
     names = []
     for nodes in partitions:
         nodes = sorted(nodes, key=order.__getitem__)
-        members = set(nodes)
-        sub = torch.fx.Graph()
-        placeholders: dict[torch.fx.Node, torch.fx.Node] = {}
-        copies: dict[torch.fx.Node, torch.fx.Node] = {}
-
-        def read(node: torch.fx.Node) -> torch.fx.Node:
-            if node in members:
-                return copies[node]
-            if node not in placeholders:
-                placeholders[node] = sub.placeholder(node.name, type_expr=node.type)
-                placeholders[node].meta = dict(node.meta)
-            return placeholders[node]
-
-        for node in nodes:
-            copies[node] = sub.node_copy(node, read)
-        outputs = [node for node in nodes if any(user not in members for user in node.users)]
-        sub.output(copies[outputs[0]] if len(outputs) == 1 else tuple(copies[n] for n in outputs))
         name = f"fused_{len(names)}"
+        sub, inputs, outputs = _as_graph(nodes)
         gm.add_submodule(name, _LazyGraphModule(gm, sub, class_name=name))
-        with graph.inserting_after(nodes[-1]):
-            call = graph.call_module(name, tuple(placeholders))
-        if len(outputs) == 1:
-            outputs[0].replace_all_uses_with(call, lambda user: user not in members, propagate_meta=True)
-        else:
-            call.meta["val"] = tuple(node.meta.get("val") for node in outputs)
-            with graph.inserting_after(call):
-                for i, node in reversed(list(enumerate(outputs))):
-                    item = graph.call_function(operator.getitem, (call, i))
-                    node.replace_all_uses_with(item, lambda user: user not in members, propagate_meta=True)
-        for node in reversed(nodes):
-            graph.erase_node(node)
+        _call_in_place_of(graph, nodes, name, inputs, outputs)
         names.append(name)
-    if not _in_order(graph):  # a PyTorch node between partition nodes read a partition output
+    if not _in_order(graph):  # a PyTorch node between two nodes of a partition reads the first
         stable_topological_sort(gm)
     return names
+
+
+def _as_graph(nodes: list[torch.fx.Node]) -> tuple[torch.fx.Graph, list[torch.fx.Node], list[torch.fx.Node]]:
+    """A graph of copies of ``nodes`` (in graph order), with a placeholder for each value they
+    read from outside (in order of first use) and an output of each they compute for outside;
+    and those outside values and computed nodes."""
+    members = set(nodes)
+    sub = torch.fx.Graph()
+    placeholders: dict[torch.fx.Node, torch.fx.Node] = {}
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def read(node: torch.fx.Node) -> torch.fx.Node:
+        if node in members:
+            return copies[node]
+        if node not in placeholders:
+            placeholders[node] = sub.placeholder(node.name, type_expr=node.type)
+            placeholders[node].meta = dict(node.meta)
+        return placeholders[node]
+
+    for node in nodes:
+        copies[node] = sub.node_copy(node, read)
+    outputs = [node for node in nodes if any(user not in members for user in node.users)]
+    sub.output(copies[outputs[0]] if len(outputs) == 1 else tuple(copies[n] for n in outputs))
+    return sub, list(placeholders), outputs
+
+
+def _call_in_place_of(graph: torch.fx.Graph, nodes: list[torch.fx.Node], name: str,
+                      inputs: list[torch.fx.Node], outputs: list[torch.fx.Node]) -> None:
+    """``nodes`` replaced by a call of submodule ``name`` after the last of them; readers
+    outside take its result (one output) or its items."""
+    members = set(nodes)
+    with graph.inserting_after(nodes[-1]):
+        call = graph.call_module(name, tuple(inputs))
+    if len(outputs) == 1:
+        outputs[0].replace_all_uses_with(call, lambda user: user not in members, propagate_meta=True)
+    else:
+        call.meta["val"] = tuple(node.meta.get("val") for node in outputs)
+        with graph.inserting_after(call):  # each item right after the call: made last to first
+            for i, node in reversed(list(enumerate(outputs))):
+                item = graph.call_function(operator.getitem, (call, i))
+                node.replace_all_uses_with(item, lambda user: user not in members, propagate_meta=True)
+    for node in reversed(nodes):
+        graph.erase_node(node)
 
 
 def _in_order(graph: torch.fx.Graph) -> bool:
