@@ -4,10 +4,14 @@ shapes of the benchmark models' training steps, one process, same threads.
     .venv/bin/python benchmarks/gemm.py
     .venv/bin/python benchmarks/gemm.py --cold   # operands not in cache, as in a training step
     .venv/bin/python benchmarks/gemm.py --bfloat16 [--cold]   # CPU autocast's products
+    .venv/bin/python benchmarks/gemm.py --ours --attention [--cold]   # attention's batched products
 
 ``--bfloat16``: bfloat16 operands and result, as under CPU autocast: ort_dynamo's bfloat16
 product (csrc/bf16_gemm.h, AVX512-BF16) against torch.mm on bfloat16 tensors (oneDNN), and
 against ORT's float32 FusedMatMul of the same values, which is what ran before it.
+
+``--attention`` (with ``--ours``): attention's batched products instead, the six of a layer's
+forward and backward at the models' sizes (batch 8 x 4 heads, 128 positions, head size 64).
 
 ``--cold``: each call gets operands from a rotation of 6 copies and, before it (not timed), a
 32 MB write evicts the caches. In a training step most operands come from memory: saved
@@ -30,14 +34,20 @@ SHAPES = [(1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (256, 1024, 25
           (1024, 256, 768), (256, 1024, 768)]
 
 
+#: Attention's batched products, per head: (what, M, K, N, trans_a, trans_b), and the heads.
+ATTENTION = [("q kT", 128, 64, 128, 0, 1), ("P v", 128, 128, 64, 0, 0), ("dO vT", 128, 64, 128, 0, 1),
+             ("PT dO", 128, 128, 64, 1, 0), ("dS k", 128, 128, 64, 0, 0), ("dST q", 128, 128, 64, 1, 0)]
+HEADS = 32
+
+
 def _session(a_shape, b_shape, trans_a: int, trans_b: int) -> ort.InferenceSession:
-    m = a_shape[1] if trans_a else a_shape[0]
-    n = b_shape[0] if trans_b else b_shape[1]
+    m = a_shape[-1] if trans_a else a_shape[-2]
+    n = b_shape[-2] if trans_b else b_shape[-1]
     node = helper.make_node("FusedMatMul", ["a", "b"], ["y"], domain="com.microsoft",
                             transA=trans_a, transB=trans_b, alpha=1.0)
     graph = helper.make_graph([node], "gemm", [helper.make_tensor_value_info("a", TensorProto.FLOAT, a_shape),
                                                 helper.make_tensor_value_info("b", TensorProto.FLOAT, b_shape)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])])
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*a_shape[:-2], m, n])])
     model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18),
                                                                     helper.make_opsetid("com.microsoft", 1)])
     so = ort.SessionOptions()
@@ -46,9 +56,9 @@ def _session(a_shape, b_shape, trans_a: int, trans_b: int) -> ort.InferenceSessi
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _our_session(trans_a: int, trans_b: int, float32: bool = False) -> ort.InferenceSession:
+def _our_session(trans_a: int, trans_b: int, float32: bool = False, rank: int = 2) -> ort.InferenceSession:
     """ort_dynamo's bfloat16 product as one op: bfloat16 in and out; or (``float32``) its float32
-    product, float32 in and out."""
+    product, float32 in and out; of operands of ``rank`` axes."""
     import onnx_ir as ir
 
     from ort_dynamo import _kernels, _op_kernels
@@ -58,7 +68,7 @@ def _our_session(trans_a: int, trans_b: int, float32: bool = False) -> ort.Infer
     else:
         name, unit = _op_kernels.bf16_matmul_kernel([bool(trans_a), bool(trans_b)], [True, True, True], False, False)
     dtype = ir.DataType.FLOAT if float32 else ir.DataType.BFLOAT16
-    inputs = [ir.Value(name=n, type=ir.TensorType(dtype), shape=ir.Shape(["r", "c"])) for n in "ab"]
+    inputs = [ir.Value(name=n, type=ir.TensorType(dtype), shape=ir.Shape(["b", "r", "c"][-rank:])) for n in "ab"]
     node = ir.node(name, inputs, domain=_op_kernels.DOMAIN)
     node.outputs[0].name, node.outputs[0].dtype = "y", dtype
     graph = ir.Graph(inputs, node.outputs, nodes=[node], opset_imports={"": 18, _op_kernels.DOMAIN: 1})
@@ -70,8 +80,14 @@ def _our_session(trans_a: int, trans_b: int, float32: bool = False) -> ort.Infer
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
-def _cases():
-    """(m, k, n, trans_a, trans_b, A's shape, B's shape) of each product measured."""
+def _cases(attention: bool = False):
+    """(m, k, n, trans_a, trans_b, A's shape, B's shape) of each product measured (``attention``:
+    attention's batched ones, A and B of ``HEADS`` matrices)."""
+    if attention:
+        for _, m, k, n, trans_a, trans_b in ATTENTION:
+            yield (m, k, n, trans_a, trans_b, [HEADS] + ([k, m] if trans_a else [m, k]),
+                   [HEADS] + ([n, k] if trans_b else [k, n]))
+        return
     for m, k, n in SHAPES:
         for trans_a, trans_b in ((0, 0), (0, 1), (1, 0)):
             yield m, k, n, trans_a, trans_b, ([k, m] if trans_a else [m, k]), ([n, k] if trans_b else [k, n])
@@ -85,17 +101,18 @@ def _header(args, what: str = "") -> int:
 
 
 def _operands(make, a_shape, b_shape, trans_a: int, trans_b: int, copies: int) -> tuple[list, list, list, list]:
-    """``copies`` of A and of B, each made by ``make(shape)``, and their views as ``torch.mm`` takes them."""
+    """``copies`` of A and of B, each made by ``make(shape)``, and their views as ``torch.matmul`` takes them."""
     a, b = [make(a_shape) for _ in range(copies)], [make(b_shape) for _ in range(copies)]
-    return a, b, [x.t() if trans_a else x for x in a], [x.t() if trans_b else x for x in b]
+    return a, b, [x.mT if trans_a else x for x in a], [x.mT if trans_b else x for x in b]
 
 
-def _row(case, ms: dict, ratios: str) -> None:
+def _row(case, ms: dict, ratios: str, batch: int = 1) -> None:
     """One product's line: its sizes and layout, each contender's ms and GF/s, the ratios."""
     m, k, n, trans_a, trans_b = case
-    gflop = 2 * m * k * n / 1e6
+    gflop = 2 * batch * m * k * n / 1e6
     timings = "  ".join(f"{name} {t:6.2f} ms ({gflop / t:3.0f} GF/s)" for name, t in ms.items())
-    print(f"M {m:5d} K {k:5d} N {n:5d} transA {trans_a} transB {trans_b}: {timings}  {ratios}")
+    heads = f"{batch} x " if batch > 1 else ""
+    print(f"{heads}M {m:5d} K {k:5d} N {n:5d} transA {trans_a} transB {trans_b}: {timings}  {ratios}")
 
 
 def _ort_values(tensors: list[torch.Tensor]) -> list:
@@ -129,6 +146,8 @@ def main() -> None:
     parser.add_argument("--ours", action="store_true",
                         help="float32: ort_dynamo's own product (what the rewrite uses where K >= 512) against "
                              "ORT's, the calls interleaved")
+    parser.add_argument("--attention", action="store_true",
+                        help="with --ours: attention's batched products (see above)")
     args = parser.parse_args()
     if args.bfloat16:
         return bfloat16_products(args)
@@ -175,20 +194,21 @@ def our_float32_products(args) -> None:
                          "AVX512-BF16 here")
     copies = _header(args, ", float32, ours against ORT's (MLAS), calls interleaved")
     ratios = []
-    for m, k, n, trans_a, trans_b, a_shape, b_shape in _cases():
+    for m, k, n, trans_a, trans_b, a_shape, b_shape in _cases(args.attention):
         a, b, ta, tb = _operands(lambda shape: torch.randn(*shape), a_shape, b_shape, trans_a, trans_b, copies)
-        ours, feeds = _our_session(trans_a, trans_b, float32=True), list(zip(_ort_values(a), _ort_values(b)))
+        ours = _our_session(trans_a, trans_b, float32=True, rank=len(a_shape))
+        feeds = list(zip(_ort_values(a), _ort_values(b)))
         theirs = _session(a_shape, b_shape, trans_a, trans_b)
         got = ours.run_with_ort_values(["y"], dict(zip("ab", feeds[0])))[0].numpy()
-        want = torch.mm(ta[0].double(), tb[0].double()).numpy()
+        want = torch.matmul(ta[0].double(), tb[0].double()).numpy()
         error = float(np.abs(got - want).max() / np.abs(want).max())
         ours_ms, ort_ms, torch_ms = _interleaved_ms(
             [lambda i: ours.run_with_ort_values(["y"], dict(zip("ab", feeds[i % copies]))),
              lambda i: theirs.run(None, {"a": a[i % copies].numpy(), "b": b[i % copies].numpy()}),
-             lambda i: torch.mm(ta[i % copies], tb[i % copies])], args.repeats, args.cold)
+             lambda i: torch.matmul(ta[i % copies], tb[i % copies])], args.repeats, args.cold)
         ratios.append(ours_ms / ort_ms)
         _row((m, k, n, trans_a, trans_b), {"ours": ours_ms, "ORT": ort_ms, "torch": torch_ms},
-             f"ours/ORT {ours_ms / ort_ms:.2f}  error {error:.1e}")
+             f"ours/ORT {ours_ms / ort_ms:.2f}  error {error:.1e}", a_shape[0] if len(a_shape) > 2 else 1)
     print(f"geometric mean ours/ORT: {statistics.geometric_mean(ratios):.2f}")
 
 
