@@ -1071,6 +1071,22 @@ def own_decompositions() -> dict:
         flat = x.reshape(*lead, -1, *rest)
         return aten.scatter_add(flat, p, spread, rows.to(x.dtype)).reshape(x.shape)
 
+    # An embedding's gradient as its rows added into zeros: one scatter_add, which the rewrite
+    # makes one ScatterAddRowsToZeros kernel. torch's decomposition also bounds-checks, clamps
+    # and wraps each index, 21 traced nodes per embedding (BERT's three: 6% of its joint graph,
+    # traced at every first step); the forward's lookup has already refused an index out of range.
+    @register(aten.embedding_dense_backward.default)
+    def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+        if scale_grad_by_freq:
+            return NotImplemented
+        compute = torch.float32 if grad_output.dtype in (torch.float16, torch.bfloat16) else grad_output.dtype
+        rows = grad_output.to(compute).reshape(-1, grad_output.shape[-1])
+        index = indices.reshape(-1, 1).to(torch.int64)
+        if padding_idx >= 0:
+            rows = rows.masked_fill(index == padding_idx, 0)
+        added = rows.new_zeros((num_weights, rows.shape[-1])).scatter_add(0, index.expand(rows.shape), rows)
+        return added.to(grad_output.dtype)
+
     # The target's one-hot as a comparison with the class numbers, not a scatter into zeros
     # (torch's decomposition): ORT folds those zeros into an initializer, [tokens, vocab]
     # floats kept for the life of the session, and the scatter writes a second copy. The
