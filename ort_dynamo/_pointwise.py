@@ -1240,7 +1240,7 @@ def _fused_away(value: ir.Value) -> bool:
     moved to up's source shape, left silu's kernel writing silu for a kernel of its own)."""
     made_by = value.producer()
     return made_by is not None and made_by.domain in ("", "ai.onnx") and made_by.op_type in _ELEMENTWISE \
-        and len(value.uses()) == 1 and not value.is_graph_output()
+        and _sole_user(value) is not None
 
 
 def _column_sums_through_reshapes(graph: ir.Graph, info: _Graph) -> int:

@@ -89,7 +89,6 @@ def _cpu_torch_attention(options: OrtOptions) -> bool:
     return not problem
 
 
-
 def _device_type(example_inputs) -> str:
     """"cpu" unless a tensor input lives elsewhere (then that device's type)."""
     return next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor) and t.device.type != "cpu"),
