@@ -10,12 +10,14 @@ import gc
 import hashlib
 import logging
 import math
+import re
 import warnings
 from typing import Any, Mapping
 
 import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.exc import exceptions_allowed_to_be_fallback
 
 from . import _torch_attention
 from . import cache as cache_stage
@@ -25,9 +27,9 @@ from . import lower as lower_stage
 from . import partition as partition_stage
 from . import rewrite as rewrite_stage
 from . import run as run_stage
-from .errors import ExportFailedError, OptionsError
+from .errors import ExportFailedError, OptionsError, UnsupportedOpError
 from .options import FallbackPolicy, OrtOptions, resolve_options
-from .report import current_report
+from .report import FallbackNode, current_report
 
 __all__ = ["OrtBackend", "ort_backend", "register_name_without_entry_point", "ExportFailedError"]
 
@@ -51,7 +53,10 @@ class OrtBackend:
         if kwargs:
             raise OptionsError(f"OrtBackend takes its options at construction, got {sorted(kwargs)}")
         with collector_paused():
-            return self._compile(gm, example_inputs)
+            try:
+                return self._compile(gm, example_inputs)
+            except _UNTRACEABLE as exc:
+                return _graph_in_pytorch(gm, exc, self.options)
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs):
         options = self.options
@@ -75,6 +80,39 @@ class OrtBackend:
                     device == "cpu" and rewrite_stage.pointwise_kernels_apply(options, device), cpu_torch_attention),
                 **kwargs,
             )(gm, example_inputs)
+
+
+#: What tracing with fake tensors raises for an op it cannot follow: a value read on the host
+#: (``.item()``), an output shape that depends on the values, no fake kernel. Dynamo turns
+#: these into a graph break that names neither the op nor the line.
+_UNTRACEABLE = exceptions_allowed_to_be_fallback
+
+
+def _graph_in_pytorch(gm: torch.fx.GraphModule, exc: Exception, options: OrtOptions):
+    """The whole Dynamo graph runs in PyTorch (eagerly, as ``gm``), reported with the op and
+    the line AOTAutograd could not trace; or, where the fallback policy forbids, an error."""
+    op = str(getattr(exc, "func", "") or type(exc).__name__)
+    found = re.search(r"While executing %(\w+)", str(exc))
+    node = next((n for n in gm.graph.nodes if found and n.name == found.group(1)), None)
+    what = _target_name(node) if node is not None else op
+    reason = (f"AOTAutograd cannot trace it with fake tensors: it calls {op} ({type(exc).__name__}), "
+              f"so the whole graph runs in PyTorch")
+    source = partition_stage.user_source(node) if node is not None else ""
+    if not options.fallback_policy & FallbackPolicy.UNSUPPORTED_OP:
+        where = f" at {source}" if source else ""
+        raise UnsupportedOpError(f"{what}{where}: {reason}, and fallback_policy={options.fallback_policy} "
+                                 f"forbids running it in PyTorch") from exc
+    graph_report = current_report().new_graph("dynamo")
+    graph_report.torch_nodes = sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
+    graph_report.fallbacks.append(FallbackNode(graph_report.name, node.name if node is not None else "", what,
+                                               reason, source))
+    warnings.warn(f"ort_dynamo: {graph_report.name} runs in PyTorch: {what}: {reason}", stacklevel=2)
+    return gm
+
+
+def _target_name(node: torch.fx.Node) -> str:
+    """``bucketize`` for ``torch.bucketize``, the method's or submodule's name for the others."""
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
 def _cpu_torch_attention(options: OrtOptions) -> bool:

@@ -1087,6 +1087,19 @@ def own_decompositions() -> dict:
         added = rows.new_zeros((num_weights, rows.shape[-1])).scatter_add(0, index.expand(rows.shape), rows)
         return added.to(grad_output.dtype)
 
+    # torch's decompositions of take and bucketize index a tensor with an index tensor as
+    # Python does, and a 0-d index is then read on the host (``.item()``), which tracing with
+    # fake tensors cannot follow: the whole graph ran in PyTorch. Index with a 1-d one instead.
+    @register(aten.take.default)
+    def take(x, index):
+        return aten.index.Tensor(x.reshape(-1), [index.reshape(-1)]).reshape(index.shape)
+
+    @register(aten.bucketize.Tensor)
+    def bucketize(x, boundaries, *, out_int32=False, right=False):
+        found = _torch_decompositions[aten.bucketize.Tensor](x.reshape(-1), boundaries, out_int32=out_int32,
+                                                             right=right)
+        return found.reshape(x.shape)
+
     # The target's one-hot as a comparison with the class numbers, not a scatter into zeros
     # (torch's decomposition): ORT folds those zeros into an initializer, [tokens, vocab]
     # floats kept for the life of the session, and the scatter writes a second copy. The

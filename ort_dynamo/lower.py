@@ -24,7 +24,9 @@ import threading
 
 import torch
 import torch.fx
-from torch._decomp import decomposition_table as _torch_decompositions
+from torch._decomp import _core_aten_decompositions_post_autograd, decomposition_table as _torch_decompositions
+from torch._export.utils import _is_preservable_cia_op
+from torch.export.decomp_utils import PRESERVED_ATEN_CIA_OPS
 
 from .decompositions import (attention_backward, attention_forward, attention_inputs, attention_operands,
                              masked_scores, own_decompositions, pointwise_decompositions, zero_rows)
@@ -495,24 +497,39 @@ TORCHLIB_FAKE_LOGSUMEXP = frozenset(getattr(aten, name).default for name in (
 _NEVER_DECOMPOSE = {aten.lift, aten.lift_fresh, aten.sym_numel, aten.is_same_size}
 
 
+def _composite_kernels() -> set:
+    """Ops the tracer should decompose with their own CompositeImplicitAutograd kernel, not with
+    the Python ref of torch's table: what ``core_aten_decompositions()`` maps them to (functional
+    ops with a C++ composite kernel, outside its post-autograd list; collecting that table itself
+    costs 0.08 s). Some refs cannot be traced: ``aten.item``'s calls ``prims.item`` on a fake
+    tensor. Without an entry the tracer runs the kernel (``OpOverload.decompose``)."""
+    post_autograd = _core_aten_decompositions_post_autograd()
+    python_kernel = torch._C.DispatchKey.CompositeImplicitAutograd
+    return {op for op in _torch_decompositions
+            if isinstance(op, torch._ops.OpOverload) and _is_preservable_cia_op(op) and op not in post_autograd
+            and op not in PRESERVED_ATEN_CIA_OPS and python_kernel not in op.py_kernels}
+
+
 @functools.lru_cache(None)
 def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = False,
                         cpu_torch_attention: bool = False) -> dict:
     """Decompositions for AOTAutograd: only ops that torchlib cannot lower (correctly).
 
     torch's registered decompositions, functional ops only (in-place/out variants are gone
-    after functionalization) and never the tensor-lifting ones, which break fake tracing.
-    Not ``core_aten_decompositions()``: what it adds are entries for CompositeImplicitAutograd
-    ops, which decompose before AOTAutograd's tracer sees them anyway, and collecting them
-    takes 0.08 s of every process's first step. ``pointwise``: the graph's elementwise chains
+    after functionalization), never the tensor-lifting ones, which break fake tracing, and
+    not those ``core_aten_decompositions()`` leaves to their composite kernel
+    (``_composite_kernels``): its own table, the same otherwise, takes 0.08 s of every
+    process's first step to collect. ``pointwise``: the graph's elementwise chains
     will become generated kernels, which changes the cheaper way to write a few ops.
     ``cpu_torch_attention``: flash attention for CPU stays whole where ORT runs it
     (``flash_for_cpu_applies``)."""
     lowered = _onnx_lowered_ops(opset, cache_dir) - TORCHLIB_WRONG
+    composite = _composite_kernels()
     table = {op: fn for op, fn in _torch_decompositions.items()
              if isinstance(op, torch._ops.OpOverload) and op not in lowered
              and op.overloadpacket not in _NEVER_DECOMPOSE
-             and not op._schema.name.endswith("_") and "out" not in op._overloadname}
+             and not op._schema.name.endswith("_") and "out" not in op._overloadname
+             and op not in composite}
     missing = [op for op in TORCHLIB_WRONG if op not in table]
     if missing:
         raise RuntimeError(f"no decomposition for {missing}: their torchlib lowering is wrong")

@@ -93,6 +93,17 @@ def test_reduction_over_an_empty_dim():
     _check(lambda x: (x.mean(-1), x.var(1), x.std(), (x > 0).any(-1), (x > 0).all(1)), torch.randn(3, 0))
 
 
+def test_take_and_bucketize_of_0d_tensors_run_on_ort():
+    # torch's decompositions read a 0-d index on the host (.item()): the graph ran in PyTorch,
+    # or failed to compile once ``aten.item`` had a Python decomposition.
+    _check(torch.take, torch.randn(()), torch.tensor(0))
+    _check(torch.take, torch.randn(3, 4), torch.tensor(-2))
+    _check(lambda x, b: torch.bucketize(x, b, right=True), torch.tensor(1.0), torch.tensor([0.0, 1.0, 2.0]),
+           grad=False)
+    _check(lambda x, b: torch.bucketize(x, b, out_int32=True), torch.randn(2, 3), torch.linspace(-1, 1, 5),
+           grad=False)
+
+
 def test_replicate_pad_with_negative_padding():
     _check(lambda x: F.pad(x, (-4, 5, 0, 0), mode="replicate"), torch.randn(2, 3, 4, 4))
     _check(lambda x: F.pad(x, (5, -4, -4, 3), mode="replicate"), torch.randn(2, 3, 4, 4))

@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ort_dynamo
-from ort_dynamo import FallbackPolicy, OrtOptions
+from ort_dynamo import FallbackPolicy, OrtOptions, lower
 from parity import assert_same_training, train_both
 
 
@@ -68,6 +68,54 @@ def test_disable_policy_raises_naming_op_and_source_line():
     assert "ort_dynamo_tests.soft_clip" in message
     assert "test_fallback.py" in message and "soft_clip(self.a(x))" in message
     assert "no ONNX lowering" in message
+
+
+@torch.library.custom_op("ort_dynamo_tests::over_its_max", mutates_args=())
+def over_its_max(x: torch.Tensor) -> torch.Tensor:
+    return x / x.max()
+
+
+@over_its_max.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch._decomp.register_decomposition(torch.ops.ort_dynamo_tests.over_its_max.default)
+def _over_its_max_read_on_the_host(x):
+    # A decomposition that reads a value on the host (as torch's own take did for a 0-d
+    # index): AOTAutograd's tracing with fake tensors cannot follow it.
+    return x / x.max().item()
+
+
+@pytest.fixture
+def decompositions_with_over_its_max():
+    lower.decomposition_table.cache_clear()  # built once per process; the op may be newer
+    yield
+    lower.decomposition_table.cache_clear()
+
+
+def test_a_graph_aotautograd_cannot_trace_runs_in_pytorch_reported_with_op_and_line(
+        decompositions_with_over_its_max):
+    fn = torch.compile(lambda x: over_its_max(x) * 2, backend="ort")
+    x = torch.rand(5) + 1
+    with pytest.warns(UserWarning, match="over_its_max.default: AOTAutograd cannot trace it"):
+        out = fn(x)
+    torch.testing.assert_close(out, over_its_max(x) * 2)
+    report = ort_dynamo.report()
+    assert [g.kind for g in report.graphs] == ["dynamo"] and report.ort_nodes == 0
+    assert report.fallback_nodes == 2 and not report.graph_breaks
+    (fallback,) = report.fallbacks
+    assert fallback.op == "over_its_max.default"
+    assert "_local_scalar_dense" in fallback.reason and "whole graph runs in PyTorch" in fallback.reason
+    assert "test_fallback.py" in fallback.source and "over_its_max(x) * 2" in fallback.source
+
+
+def test_a_graph_aotautograd_cannot_trace_is_an_error_when_the_policy_forbids_pytorch(
+        decompositions_with_over_its_max):
+    fn = torch.compile(lambda x: over_its_max(x) * 2, backend="ort", options={"fallback_policy": "DISABLE"})
+    with pytest.raises(ort_dynamo.UnsupportedOpError,
+                       match=r"over_its_max.default at .*test_fallback.py.*AOTAutograd cannot trace"):
+        fn(torch.rand(5))
 
 
 def test_disable_policy_from_ortmodule_env_name(monkeypatch):
