@@ -118,6 +118,36 @@ def test_a_graph_aotautograd_cannot_trace_is_an_error_when_the_policy_forbids_py
         fn(torch.rand(5))
 
 
+def test_index_put_by_a_boolean_mask_runs_on_ort_unless_the_values_need_a_gradient():
+    mask = torch.tensor([True, False, True, True, False])
+
+    def put(x, mask, value):
+        return torch.index_put(x * 2, (mask,), value).tanh()
+
+    def step(fn, value):
+        x = torch.linspace(-1, 1, 25).reshape(5, 5).requires_grad_()
+        out = fn(x, mask, value)
+        out.sum().backward()
+        return out, x.grad, value.grad
+
+    compiled = torch.compile(put, backend="ort")
+    for value in (torch.tensor(-1.0), torch.randn(3, 5)):  # constants: x's gradient is static
+        ort_dynamo.reset()
+        for got, want in zip(step(compiled, value), step(put, value)):
+            torch.testing.assert_close(got, want)
+        assert ort_dynamo.report().fallback_nodes == 0 and ort_dynamo.report().ort_nodes > 0
+    # The values' gradient gathers the masked rows (``grad[mask]``): a shape that depends on
+    # the mask, so the graph runs in PyTorch, and the report says why.
+    ort_dynamo.reset()
+    row = torch.randn(5)
+    with pytest.warns(UserWarning, match="AOTAutograd cannot trace"):
+        result = step(compiled, row.clone().requires_grad_())
+    for got, want in zip(result, step(put, row.clone().requires_grad_())):
+        torch.testing.assert_close(got, want)
+    (fallback,) = ort_dynamo.report().fallbacks
+    assert "aten.nonzero" in fallback.reason and "whole graph runs in PyTorch" in fallback.reason
+
+
 def test_disable_policy_from_ortmodule_env_name(monkeypatch):
     monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
     model = torch.compile(WithCustomOp(), backend="ort")

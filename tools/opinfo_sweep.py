@@ -90,6 +90,16 @@ by a subnormal, `gelu(inf)`), and 2 where eager's rounding is the larger error (
 -1.1e-16 on ORT, 0 in eager; `logaddexp2(-1, -1)` is -1.06e-8 in eager, exactly 0 on ORT). With float64
 inputs, 12: the same signs of zero and `logaddexp2`, and `sinc(1)`, -0.0 on ORT and 3.9e-17 in eager.
 
+Failures to compile the sweep found (2026-11-27): since 2026-11-25 `take` and `bucketize` of 0-d
+tensors raised (the decomposition table had taken torch's Python ref of `aten.item`, which calls
+`prims.item` on a fake tensor, where `core_aten_decompositions()` runs the op's composite
+kernel; `lower._composite_kernels`). Before that they ran in PyTorch through a graph break
+Dynamo reported only as "Backend compiler exception": torch's decompositions index with the 0-d
+tensor as Python does, which reads it on the host. They index with 1-d tensors now and run on
+ORT. Where AOTAutograd still cannot trace a graph (`narrow` and `tensor_split` at tensor
+positions, some boolean-mask `index_put` and `index_fill` samples), the report now names the op
+and the reason, and those samples count as fallbacks ([fallback.md](fallback.md)).
+
 Backward and missing ops added as decompositions (decompositions.py): `avg_pool{2,3}d_backward`,
 `_adaptive_avg_pool{2,3}d_backward`, `_adaptive_avg_pool3d`, `diagonal_scatter` and
 `as_strided_scatter` (torch's own are not functional), `cumprod`, `prod`, `cummax`, `cummin`,
