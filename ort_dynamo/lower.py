@@ -251,6 +251,45 @@ def linear_cross_entropy_chunked_none_math(input, linear_weight, target, linear_
                                   ignore_index, 0.0, acc_dtype)
 
 
+def _leading_mask(x, index, value):
+    """``index``'s bool tensor when ``x[index] = value`` puts one ``value`` (a number, or a
+    tensor that broadcasts to a masked row) at every place of a bool mask over ``x``'s leading
+    dims; else None."""
+    mask = index[0] if isinstance(index, (tuple, list)) and len(index) == 1 else index
+    if not (isinstance(x, torch.Tensor) and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+            and mask.device == x.device and 0 < mask.dim() <= x.dim()
+            and tuple(mask.shape) == tuple(x.shape[:mask.dim()])):
+        return None
+    if isinstance(value, torch.Tensor):
+        row = tuple(x.shape[mask.dim():])
+        if value.dim() > len(row) or torch.broadcast_shapes(value.shape, row) != row:
+            return None
+    elif not isinstance(value, (bool, int, float)):
+        return None
+    return mask.reshape(*mask.shape, *[1] * (x.dim() - mask.dim()))
+
+
+def masked_setitem(x, index, value):
+    """``x[mask] = value`` with one value for every masked place, as ``x.copy_(where(...))``.
+    Eager's form gathers the masked places (``nonzero``), whose count only the data gives, so
+    AOTAutograd could not trace a graph where ``value`` needs a gradient; ``where`` has static
+    shapes, forward and backward. Any other assignment is left as it was."""
+    mask = _leading_mask(x, index, value)
+    if mask is None:
+        return operator.setitem(x, index, value)
+    value = value.to(x.dtype) if isinstance(value, torch.Tensor) else x.new_full((), value)
+    x.copy_(torch.where(mask, value, x))
+
+
+def masked_index_put(x, indices, values, accumulate=False):
+    """``torch.index_put`` by one bool mask with one value for every masked place, as a
+    ``where`` (``masked_setitem``'s reason)."""
+    mask = _leading_mask(x, indices, values)
+    if mask is None or not isinstance(values, torch.Tensor) or values.dtype != x.dtype:
+        return torch.index_put(x, indices, values, accumulate)
+    return torch.where(mask, x + values if accumulate else values, x)
+
+
 _DYNAMO_REWRITES = {
     torch._C._nn.scaled_dot_product_attention: sdpa_math,
     torch.nn.functional.scaled_dot_product_attention: sdpa_math,
@@ -259,6 +298,8 @@ _DYNAMO_REWRITES = {
     torch.grid_sampler: grid_sampler_math,
     torch.grid_sampler_2d: grid_sampler_2d_math,
     torch.grid_sampler_3d: grid_sampler_3d_math,
+    operator.setitem: masked_setitem,
+    torch.index_put: masked_index_put,
 }
 _SDPA = {torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention}
 #: PyTorch's fused CUDA attention kernels, forward and backward: what SDPA becomes on CUDA when

@@ -118,31 +118,42 @@ def test_a_graph_aotautograd_cannot_trace_is_an_error_when_the_policy_forbids_py
         fn(torch.rand(5))
 
 
-def test_index_put_by_a_boolean_mask_runs_on_ort_unless_the_values_need_a_gradient():
+def _put(x, mask, value):
+    return torch.index_put(x * 2, (mask,), value).tanh()
+
+
+def _setitem(x, mask, value):
+    y = x * 2
+    y[mask] = value
+    return y.tanh()
+
+
+@pytest.mark.parametrize("assign", [_put, _setitem])
+def test_assigning_through_a_boolean_mask_trains_on_ort_unless_each_place_has_its_own_value(assign):
     mask = torch.tensor([True, False, True, True, False])
 
-    def put(x, mask, value):
-        return torch.index_put(x * 2, (mask,), value).tanh()
-
-    def step(fn, value):
+    def step(fn, value, grad=True):
         x = torch.linspace(-1, 1, 25).reshape(5, 5).requires_grad_()
+        value = value.clone().requires_grad_(grad)
         out = fn(x, mask, value)
         out.sum().backward()
         return out, x.grad, value.grad
 
-    compiled = torch.compile(put, backend="ort")
-    for value in (torch.tensor(-1.0), torch.randn(3, 5)):  # constants: x's gradient is static
+    compiled = torch.compile(assign, backend="ort")
+    # One value for every masked place (a number, a row), with its gradient, or a constant.
+    for value, grad in ((torch.tensor(-1.0), True), (torch.randn(5), True), (torch.randn(1), True),
+                        (torch.randn(3, 5), False)):
         ort_dynamo.reset()
-        for got, want in zip(step(compiled, value), step(put, value)):
+        for got, want in zip(step(compiled, value, grad), step(assign, value, grad)):
             torch.testing.assert_close(got, want)
-        assert ort_dynamo.report().fallback_nodes == 0 and ort_dynamo.report().ort_nodes > 0
-    # The values' gradient gathers the masked rows (``grad[mask]``): a shape that depends on
-    # the mask, so the graph runs in PyTorch, and the report says why.
+        assert ort_dynamo.report().fallback_nodes == 0 and ort_dynamo.report().ort_nodes > 0, value.shape
+    # A value per masked place that needs a gradient: that gradient gathers the masked places
+    # (``grad[mask]``), a count only the mask gives. The graph runs in PyTorch, reported.
     ort_dynamo.reset()
-    row = torch.randn(5)
+    values = torch.randn(3, 5)
     with pytest.warns(UserWarning, match="AOTAutograd cannot trace"):
-        result = step(compiled, row.clone().requires_grad_())
-    for got, want in zip(result, step(put, row.clone().requires_grad_())):
+        result = step(compiled, values)
+    for got, want in zip(result, step(assign, values)):
         torch.testing.assert_close(got, want)
     (fallback,) = ort_dynamo.report().fallbacks
     assert "aten.nonzero" in fallback.reason and "whole graph runs in PyTorch" in fallback.reason
