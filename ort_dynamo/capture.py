@@ -103,7 +103,8 @@ def _graph_in_pytorch(gm: torch.fx.GraphModule, exc: Exception, options: OrtOpti
         raise UnsupportedOpError(f"{what}{where}: {reason}, and fallback_policy={options.fallback_policy} "
                                  f"forbids running it in PyTorch") from exc
     graph_report = current_report().new_graph("dynamo")
-    graph_report.torch_nodes = sum(1 for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module"))
+    calls = ("call_function", "call_method", "call_module")
+    graph_report.torch_nodes = sum(1 for n in gm.graph.nodes if n.op in calls)
     graph_report.fallbacks.append(FallbackNode(graph_report.name, node.name if node is not None else "", what,
                                                reason, source))
     warnings.warn(f"ort_dynamo: {graph_report.name} runs in PyTorch: {what}: {reason}", stacklevel=2)

@@ -33,8 +33,7 @@ MODEL_OPS = [
     "nn.functional.max_pool2d", "nn.functional.adaptive_avg_pool2d", "nn.functional.interpolate.nearest",
     "nn.functional.interpolate.bilinear", "nn.functional.pad.constant",
     # indexing, scatter/gather
-    # (index_put: its boolean-mask sample runs in PyTorch, see test_fallback.py)
-    "nn.functional.embedding", "index_add", "index_select", "gather", "scatter_add",
+    "nn.functional.embedding", "index_put", "index_add", "index_select", "gather", "scatter_add",
     "scatter_reduce.mean", "diagonal_scatter", "as_strided_scatter", "take_along_dim",
     # reductions, cumulative, sorting
     "sum", "mean", "var_mean", "cumsum", "sort", "argsort", "topk", "roll",

@@ -96,9 +96,11 @@ tensors raised (the decomposition table had taken torch's Python ref of `aten.it
 kernel; `lower._composite_kernels`). Before that they ran in PyTorch through a graph break
 Dynamo reported only as "Backend compiler exception": torch's decompositions index with the 0-d
 tensor as Python does, which reads it on the host. They index with 1-d tensors now and run on
-ORT. Where AOTAutograd still cannot trace a graph (`narrow` and `tensor_split` at tensor
-positions, some boolean-mask `index_put` and `index_fill` samples), the report now names the op
-and the reason, and those samples count as fallbacks ([fallback.md](fallback.md)).
+ORT. So does `index_put` by a boolean mask with one value for every masked place, now a `where`
+(`lower.masked_setitem`, `masked_index_put`), whose values' gradient had gathered the masked
+places. Where AOTAutograd still cannot trace a graph (`narrow` and `tensor_split` at tensor
+positions, an `index_fill` sample), the report now names the op and the reason, and those
+samples count as fallbacks ([fallback.md](fallback.md)).
 
 Backward and missing ops added as decompositions (decompositions.py): `avg_pool{2,3}d_backward`,
 `_adaptive_avg_pool{2,3}d_backward`, `_adaptive_avg_pool3d`, `diagonal_scatter` and
