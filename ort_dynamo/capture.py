@@ -27,7 +27,7 @@ from . import lower as lower_stage
 from . import partition as partition_stage
 from . import rewrite as rewrite_stage
 from . import run as run_stage
-from .errors import ExportFailedError, OptionsError, UnsupportedOpError
+from .errors import ExportFailedError, OptionsError
 from .options import FallbackPolicy, OrtOptions, resolve_options
 from .report import FallbackNode, current_report
 
@@ -94,20 +94,17 @@ def _graph_in_pytorch(gm: torch.fx.GraphModule, exc: Exception, options: OrtOpti
     op = str(getattr(exc, "func", "") or type(exc).__name__)
     found = re.search(r"While executing %(\w+)", str(exc))
     node = next((n for n in gm.graph.nodes if found and n.name == found.group(1)), None)
-    what = _target_name(node) if node is not None else op
-    reason = (f"AOTAutograd cannot trace it with fake tensors: it calls {op} ({type(exc).__name__}), "
-              f"so the whole graph runs in PyTorch")
-    source = partition_stage.user_source(node) if node is not None else ""
-    if not options.fallback_policy & FallbackPolicy.UNSUPPORTED_OP:
-        where = f" at {source}" if source else ""
-        raise UnsupportedOpError(f"{what}{where}: {reason}, and fallback_policy={options.fallback_policy} "
-                                 f"forbids running it in PyTorch") from exc
+    fallback = FallbackNode("", node.name if node is not None else "",
+                            _target_name(node) if node is not None else op,
+                            f"AOTAutograd cannot trace it with fake tensors: it calls {op} ({type(exc).__name__}), "
+                            f"so the whole graph runs in PyTorch",
+                            partition_stage.user_source(node) if node is not None else "")
+    partition_stage.refuse_or_warn([fallback], options.fallback_policy, "cannot be traced by AOTAutograd")
     graph_report = current_report().new_graph("dynamo")
+    fallback.graph = graph_report.name
     calls = ("call_function", "call_method", "call_module")
     graph_report.torch_nodes = sum(1 for n in gm.graph.nodes if n.op in calls)
-    graph_report.fallbacks.append(FallbackNode(graph_report.name, node.name if node is not None else "", what,
-                                               reason, source))
-    warnings.warn(f"ort_dynamo: {graph_report.name} runs in PyTorch: {what}: {reason}", stacklevel=2)
+    graph_report.fallbacks.append(fallback)
     return gm
 
 

@@ -21,7 +21,7 @@ from .lowerings import dtype_refusal
 from .options import FallbackPolicy
 from .report import FallbackNode, GraphReport
 
-__all__ = ["partition", "UnsupportedOpError", "Partitioned"]
+__all__ = ["partition", "refuse_or_warn", "UnsupportedOpError", "Partitioned"]
 
 #: (op, reason) pairs already warned about in this process; reset() clears it.
 _WARNED: set = set()
@@ -237,19 +237,7 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
                                             user_source(node)))
         else:
             graph_report.ort_nodes += 1
-    if unsupported and not (policy & FallbackPolicy.UNSUPPORTED_OP):
-        first = unsupported[0]
-        raise UnsupportedOpError(
-            f"{first.op} has no ONNX lowering and fallback_policy={policy} forbids running it in "
-            f"PyTorch.\n  op: {first.op}\n  source: {first.source or '(unknown)'}\n  reason: {first.reason}"
-            + (f"\n  ({len(unsupported) - 1} more unsupported node(s))" if len(unsupported) > 1 else ""))
-    for fallback in unsupported:
-        cause = (fallback.op, fallback.reason)
-        if cause not in _WARNED:  # one warning per cause, not per node or per graph
-            _WARNED.add(cause)
-            warnings.warn(f"ort_dynamo: {fallback.op} runs in PyTorch: {fallback.reason}"
-                          f"{' (first at ' + fallback.source + ')' if fallback.source else ''}. "
-                          "See ort_dynamo.report().", stacklevel=2)
+    refuse_or_warn(unsupported, policy, "has no ONNX lowering")
     graph_report.fallbacks.extend(unsupported)
     graph_report.torch_nodes += len(unsupported)
 
@@ -266,6 +254,25 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     graph_report.partitions += len(names)
     verdicts = {node.name: reason for node, reason in support.verdicts.items() if is_compute(node)}
     return Partitioned(gm, names, verdicts)
+
+
+def refuse_or_warn(unsupported: list[FallbackNode], policy: FallbackPolicy, why: str) -> None:
+    """Nodes that must run in PyTorch because their op ``why`` (``"has no ONNX lowering"``):
+    ``UnsupportedOpError`` naming the first where the policy forbids it, else one warning per
+    cause (op and reason), not per node or per graph."""
+    if unsupported and not (policy & FallbackPolicy.UNSUPPORTED_OP):
+        first = unsupported[0]
+        raise UnsupportedOpError(
+            f"{first.op} {why} and fallback_policy={policy} forbids running it in "
+            f"PyTorch.\n  op: {first.op}\n  source: {first.source or '(unknown)'}\n  reason: {first.reason}"
+            + (f"\n  ({len(unsupported) - 1} more unsupported node(s))" if len(unsupported) > 1 else ""))
+    for fallback in unsupported:
+        cause = (fallback.op, fallback.reason)
+        if cause not in _WARNED:
+            _WARNED.add(cause)
+            warnings.warn(f"ort_dynamo: {fallback.op} runs in PyTorch: {fallback.reason}"
+                          f"{' (first at ' + fallback.source + ')' if fallback.source else ''}. "
+                          "See ort_dynamo.report().", stacklevel=3)
 
 
 _KEPT_REASON = ("PyTorch's fused CUDA attention, kept by design (option cuda_torch_attention): "
