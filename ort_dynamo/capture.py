@@ -142,6 +142,7 @@ def _recomputing_partition(joint_module, joint_inputs, **kwargs):
     from torch._functorch import config as functorch_config
     from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
+    _save_what_reads_a_mutated_input(joint_module.graph)
     # Our CSE where the graph mutates nothing: torch's imports Inductor's pattern matcher (for
     # its mutation regions), 0.6 s of a fresh process's first step. Elsewhere torch's runs.
     ours = functorch_config.cse and not any(_mutates(n) for n in joint_module.graph.nodes)
@@ -157,6 +158,42 @@ def _recomputing_partition(joint_module, joint_inputs, **kwargs):
         warnings.warn(f"ort_dynamo: memory_opt_level=1 could not choose what to recompute in a graph, so it "
                       f"keeps every activation (level 0): {reason}. See ort_dynamo.report().", stacklevel=2)
         return default_partition(joint_module, joint_inputs, **kwargs)
+
+
+def _save_what_reads_a_mutated_input(graph: torch.fx.Graph) -> None:
+    """Values computed from an input the forward mutates (``self.steps.add_(1)``, then used)
+    are saved, never recomputed: AOTAutograd writes the new value into the input after the
+    forward, so backward would recompute from the mutated input. The min-cut does not know
+    (it recomputed ``steps + 1`` from ``steps``, and backward failed autograd's version check).
+    Views of such an input are followed to what reads them."""
+    from torch._functorch.partitioners import CheckpointPolicy
+    from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
+
+    output = graph.find_nodes(op="output")[0]
+    mutated = {desc.mutated_input for desc in output.meta.get("desc") or ()
+               if isinstance(desc, InputMutationAOTOutput)}
+    pending = [n for n in graph.find_nodes(op="placeholder") if n.meta.get("desc") in mutated]
+    pending += [n.args[0] for n in graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
+                if isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder"]
+    seen = set()
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user.op != "call_function" or user.target is torch.ops.aten.copy_.default:
+                continue
+            if _is_view(user):
+                pending.append(user)
+            else:
+                user.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None \
+        and not schema.returns[0].alias_info.is_write
 
 
 def _mutates(node: torch.fx.Node) -> bool:

@@ -55,6 +55,41 @@ def test_buffers_mutated_in_place_match_eager_over_steps():
     assert ort_dynamo.report().fallback_nodes == 0
 
 
+class ScaledBySteps(torch.nn.Module):
+    """Counts its calls in a buffer and multiplies by the count: backward needs the new count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("gains", torch.ones(2, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps.add_(1)
+        self.gains.mul_(1.5)
+        return (self.linear(x) * self.steps * self.gains[1].view(1, 8)).tanh().sum()
+
+
+def test_a_buffer_mutated_in_forward_and_read_by_backward_trains_like_eager():
+    # Recompute (the default memory_opt_level=1) must not recompute the new count from the
+    # buffer, which holds it only after the forward: it failed autograd's version check.
+    torch.manual_seed(0)
+    eager = ScaledBySteps()
+    compiled_model = copy.deepcopy(eager)
+    step = ort(compiled_model)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        e_loss, o_loss = eager(x), step(x)
+        e_loss.backward()
+        o_loss.backward()
+        torch.testing.assert_close(o_loss, e_loss, **TOL)
+    assert compiled_model.steps.item() == eager.steps.item() == 3
+    torch.testing.assert_close(compiled_model.gains, eager.gains, **TOL)
+    # three steps scaled by up to 3 * 3.4 each: float32 rounding of that size
+    torch.testing.assert_close(compiled_model.linear.weight.grad, eager.linear.weight.grad, rtol=1e-4, atol=1e-5)
+    assert ort_dynamo.report().fallback_nodes == 0
+
+
 def test_batchnorm_running_stats_in_training():
     torch.manual_seed(0)
     eager = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
