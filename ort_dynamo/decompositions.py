@@ -741,8 +741,9 @@ def attention_forward(q, k_t, v, mask, scale, is_causal: bool, batch, dropout_p:
     out so that its max and sum give the logsumexp in the same kernel on ORT
     (``_fusions.softmax_written_out``). A row the mask hides whole gives zeros and a logsumexp
     of 0, as torch's flash attention does. Half types multiply in their own dtype and take the
-    softmax and logsumexp in float32, as flash attention does. Dropout draws ORT's random
-    numbers, as ``F.dropout`` on ORT does."""
+    softmax and logsumexp in float32, as flash attention does. Dropout's mask is drawn as eager's
+    CPU attention draws it (``bernoulli_(1 - p)`` over the probabilities' shape): with option
+    ``torch_random`` it is eager's mask (``lower.random_draws_in_pytorch``)."""
     q_len, kv_len = q.size(-2), k_t.size(-1)
     wide = _widened(q.dtype)
     scores, empty = masked_scores((torch.bmm(q, k_t).to(wide) * scale).view(*batch, q_len, kv_len), mask, is_causal)
@@ -750,7 +751,7 @@ def attention_forward(q, k_t, v, mask, scale, is_causal: bool, batch, dropout_p:
     exp = torch.exp(scores - peak)
     total = exp.sum(dim=-1, keepdim=True)
     probs = zero_rows(exp / total, empty)
-    keep = torch.rand_like(probs) >= dropout_p if dropout_p > 0.0 else None
+    keep = torch.bernoulli(torch.empty_like(probs, dtype=torch.bool), 1.0 - dropout_p) if dropout_p > 0.0 else None
     out = torch.bmm(_dropped(probs, keep, dropout_p).to(q.dtype).reshape(-1, q_len, kv_len), v)
     return out.view(*batch, q_len, v.size(-1)), zero_rows(peak + torch.log(total), empty), keep
 

@@ -31,7 +31,8 @@ from torch.export.decomp_utils import PRESERVED_ATEN_CIA_OPS
 from .decompositions import (attention_backward, attention_forward, attention_inputs, attention_operands,
                              masked_scores, own_decompositions, pointwise_decompositions, zero_rows)
 
-__all__ = ["lower_graph", "decomposition_table", "whole_upsampling", "trainable_rnns", "stacked_row_gradients"]
+__all__ = ["lower_graph", "decomposition_table", "whole_upsampling", "trainable_rnns", "stacked_row_gradients",
+           "random_draws_in_pytorch", "IN_PYTORCH"]
 
 aten = torch.ops.aten
 
@@ -987,3 +988,133 @@ def _stft_magnitudes_in_real_arithmetic(graph: torch.fx.Graph) -> int:
         graph.erase_node(node)
         count += 1
     return count
+
+
+#: Meta key of a node that runs in PyTorch by design (``partition`` leaves it there, not a
+#: fallback); its value is the reason the report gives, "" for a helper it does not list.
+IN_PYTORCH = "ort_dynamo_in_pytorch"
+_RANDOM_DRAW = "a random draw, from PyTorch's generator (option torch_random)"
+#: Draws whose tensor argument gives only the shape and dtype (the functional forms of
+#: ``uniform_``, ``exponential_``, ... and the ``*_like`` ones).
+_DRAWS_LIKE = frozenset({aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+                         aten.randint_like.low_dtype, aten.bernoulli.p, aten.uniform.default, aten.exponential.default,
+                         aten.cauchy.default, aten.geometric.default, aten.log_normal.default})
+#: Draws from shapes and numbers alone.
+_DRAWS_FROM_SIZES = frozenset({aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low,
+                               aten.randperm.default, aten.normal.float_float})
+#: Draws that read their tensor's values: they stay where they are, in PyTorch.
+_DRAWS_FROM_VALUES = frozenset({aten.bernoulli.default, aten.bernoulli.Tensor, aten.normal.Tensor_float,
+                                aten.normal.float_Tensor, aten.normal.Tensor_Tensor, aten.multinomial.default,
+                                aten.poisson.default, aten._standard_gamma.default,
+                                aten.rrelu_with_noise_functional.default})
+
+
+#: Activation checkpointing's random ops: forward saves the generator's state, backward
+#: replays the op from it. Only PyTorch can; their values were never ORT's to draw.
+_RNG_STATE_OPS = frozenset(filter(None, (getattr(torch.ops.higher_order, name, None)
+                                         for name in ("run_and_save_rng_state", "run_with_rng_state"))))
+_REPLAYED_DRAW = "a random op activation checkpointing replays from PyTorch's generator state"
+
+
+def random_draws_in_pytorch(gm: torch.fx.GraphModule, all_draws: bool = True) -> int:
+    """After AOTAutograd: activation checkpointing's random ops (``run_and_save_rng_state`` and
+    ``run_with_rng_state``) are marked to run in PyTorch, as they must, so that the report lists
+    them. With ``all_draws`` (a forward graph on CPU): every random draw runs in PyTorch, with
+    its generator, so ``torch.manual_seed`` and ``get_rng_state``/``set_rng_state`` reproduce
+    it; dropout's masks are eager's own, bit for bit. ORT's random ops draw from a generator of
+    their own that nothing in PyTorch seeds.
+
+    A draw whose tensor argument only gives a shape gets an ``empty`` of that shape instead,
+    made from the graph's inputs: it depends on nothing ORT computes, so it runs before the
+    ORT partition and does not split it. ``native_dropout`` draws its mask as eager's CPU
+    kernel does (``bernoulli_(1 - p)``), and the scaling stays on ORT. Returns the number of
+    draws moved to PyTorch."""
+    graph, drawn = gm.graph, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _RNG_STATE_OPS:
+            node.meta[IN_PYTORCH] = _REPLAYED_DRAW
+        elif not all_draws:
+            continue
+        elif node.target is aten.native_dropout.default:
+            drawn += _dropout_with_pytorchs_mask(graph, node)
+        elif node.target in _DRAWS_LIKE and isinstance(node.args[0], torch.fx.Node):
+            with graph.inserting_before(node):
+                like = _empty_like(graph, node.args[0], node)
+            node.update_arg(0, like)
+            node.meta[IN_PYTORCH] = _RANDOM_DRAW
+            drawn += 1
+        elif node.target in _DRAWS_FROM_SIZES or node.target in _DRAWS_FROM_VALUES:
+            node.meta[IN_PYTORCH] = _RANDOM_DRAW
+            drawn += 1
+    if drawn:
+        graph.eliminate_dead_code()
+        gm.recompile()
+    return drawn
+
+
+def _dropout_with_pytorchs_mask(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
+    """``native_dropout(x, p, train)`` -> mask = ``bernoulli(empty(x.shape, bool), 1 - p)`` in
+    PyTorch, ``x * mask * scale`` on ORT: eager's CPU kernel, which multiplies as written."""
+    x, p = node.args[0], float(node.args[1])
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+    if train is False or not isinstance(x, torch.fx.Node):
+        return 0
+    users = list(node.users)
+    if any(not _call(user, operator.getitem) for user in users):
+        return 0
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    with graph.inserting_before(node):
+        empty = _empty_like(graph, x, node, dtype=torch.bool)
+        mask = _fx_call(graph, aten.bernoulli.p, empty, 1.0 - p)
+        mask.meta[IN_PYTORCH] = _RANDOM_DRAW
+        out = _fx_call(graph, aten.mul.Tensor, _fx_call(graph, aten.mul.Tensor, x, mask), scale)
+    for new in (empty, mask, out, out.args[0]):
+        new.meta.setdefault("stack_trace", node.meta.get("stack_trace"))
+    for user in users:
+        user.replace_all_uses_with(out if user.args[1] == 0 else mask)
+        graph.erase_node(user)
+    graph.erase_node(node)
+    return 1
+
+
+def _empty_like(graph: torch.fx.Graph, like: torch.fx.Node, draw: torch.fx.Node, dtype=None) -> torch.fx.Node:
+    """``empty`` of ``like``'s shape and dtype (or ``dtype``), sized from the graph's inputs where
+    a size is symbolic: a placeholder that is that size, else the size of a placeholder tensor
+    that has it; ``like``'s own size where none does (then the draw waits for ``like``)."""
+    value = like.meta["val"]
+    sizes = [_size_from_inputs(graph, size, like, axis) for axis, size in enumerate(value.shape)]
+    empty = graph.call_function(aten.empty.memory_format, (sizes,),
+                                {"dtype": dtype or value.dtype, "device": value.device, "pin_memory": False})
+    with value.fake_mode:
+        empty.meta["val"] = torch.empty_like(value, dtype=dtype or value.dtype,
+                                             memory_format=torch.contiguous_format)
+    empty.meta[IN_PYTORCH] = ""
+    empty.meta["stack_trace"] = draw.meta.get("stack_trace")
+    return empty
+
+
+def _size_from_inputs(graph: torch.fx.Graph, size, like: torch.fx.Node, axis: int):
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    if is_concrete_int(size):
+        return int(size)
+    expr = size.node.expr
+    for placeholder in graph.find_nodes(op="placeholder"):
+        value = placeholder.meta.get("val")
+        if isinstance(value, torch.SymInt) and value.node.expr == expr:
+            return placeholder
+    for placeholder in graph.find_nodes(op="placeholder"):
+        value = placeholder.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            for dim, other in enumerate(value.shape):
+                if isinstance(other, torch.SymInt) and other.node.expr == expr:
+                    return _sym_size(graph, placeholder, dim, size)
+    return _sym_size(graph, like, axis, size)
+
+
+def _sym_size(graph: torch.fx.Graph, tensor: torch.fx.Node, dim: int, size) -> torch.fx.Node:
+    node = graph.call_function(aten.sym_size.int, (tensor, dim))
+    node.meta["val"] = size
+    return node

@@ -147,6 +147,12 @@ class OrtOptions:
         "slow transposes), and, where the CPU has AVX512-BF16 (`python -m ort_dynamo info` says), CPU "
         "autocast's bfloat16 matrix products and float32 ones with a long inner dimension. FusedAdam's update too (there only the environment "
         "variable applies: optimizers take no options).", "")
+    torch_random: bool = _field(
+        True, "On CPU, random draws (dropout's masks, `rand`, `bernoulli`, ...) run in PyTorch with its "
+        "generator, so `torch.manual_seed` and `torch.get_rng_state`/`set_rng_state` reproduce them, "
+        "and dropout's masks are eager's own; listed in the report as kept in PyTorch by design. "
+        "False: ORT draws them with a generator of its own, which nothing seeds (different every "
+        "run). On CUDA ORT draws them either way.", "")
     cache_dir: str = _field(
         "", "Folder of an on-disk cache of exported models; empty = off. Entries are keyed by the "
         "graph, its inputs, the options and the package versions; a damaged entry is rebuilt, and "

@@ -16,7 +16,7 @@ from torch.fx.passes.tools_common import stable_topological_sort
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from .errors import UnsupportedOpError
-from .lower import FLASH_FOR_CPU, TORCHLIB_FAKE_LOGSUMEXP, TORCHLIB_WRONG
+from .lower import FLASH_FOR_CPU, IN_PYTORCH, TORCHLIB_FAKE_LOGSUMEXP, TORCHLIB_WRONG
 from .lowerings import dtype_refusal
 from .options import FallbackPolicy
 from .report import FallbackNode, GraphReport
@@ -217,18 +217,20 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     Records each node left in PyTorch, with its reason and source line, in ``graph_report``.
     Raises ``UnsupportedOpError`` if that is not allowed by ``policy``.
     Each ORT partition is cut into up to ``segments`` consecutive runs (see ``_in_segments``).
-    Nodes of the ``kept`` ops stay in PyTorch by design (faster there): reported as such, never
-    refused by ``policy``. ``cpu_torch_attention``: flash attention for CPU, where the
+    Nodes of the ``kept`` ops, and those ``lower`` marked ``IN_PYTORCH`` (random draws), stay in
+    PyTorch by design: reported as such, never refused by ``policy``. ``cpu_torch_attention``: flash attention for CPU, where the
     decompositions left it, runs in ORT (torch's kernel as a custom op).
     """
     host_views = _split_off_output_views(gm)
-    in_pytorch = host_views | {node for node in gm.graph.nodes if node.target in kept}
+    by_design = {node for node in gm.graph.nodes if node.target in kept or IN_PYTORCH in node.meta}
+    in_pytorch = host_views | by_design
     support = _OnnxSupport(registry, known, in_pytorch, cpu_torch_attention)
     unsupported = []
     for node in gm.graph.nodes:
-        if node.target in kept:
+        reason = _KEPT_REASON if node.target in kept else node.meta.get(IN_PYTORCH)
+        if reason:
             graph_report.kept.append(FallbackNode(graph_report.name, node.name, str(node.target),
-                                                  _KEPT_REASON, user_source(node)))
+                                                  reason, user_source(node)))
         if not is_compute(node) or node in in_pytorch:
             continue
         reason = support.reason(node)

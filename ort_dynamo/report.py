@@ -40,7 +40,7 @@ class GraphReport:
     torch_nodes: int = 0
     partitions: int = 0
     fallbacks: list[FallbackNode] = dataclasses.field(default_factory=list)
-    #: Nodes kept in PyTorch by design because they are faster there (not counted as fallbacks).
+    #: Nodes kept in PyTorch by design: faster there, or random draws (not counted as fallbacks).
     kept: list[FallbackNode] = dataclasses.field(default_factory=list)
     stage_seconds: dict[str, float] = dataclasses.field(default_factory=lambda: collections.defaultdict(float))
     sessions: int = 0
@@ -115,7 +115,7 @@ class Report:
 
     @property
     def kept_nodes(self) -> int:
-        """Nodes kept in PyTorch by design (faster there), not counted in ``fallback_nodes``."""
+        """Nodes kept in PyTorch by design (faster there, or random draws), not counted in ``fallback_nodes``."""
         return sum(len(g.kept) for g in self.graphs)
 
     @property
@@ -193,7 +193,7 @@ def format_report(data: dict, path: str = "") -> str:
         lines += [f"  {reason}" for reason in failures]
     kept = collections.Counter((f["op"], f["reason"]) for g in graphs for f in g.get("kept", []))
     if kept:
-        lines.append("kept in PyTorch by design (faster there; not fallbacks):")
+        lines.append("kept in PyTorch by design (not fallbacks):")
         lines += [f"  {n} x {op}: {reason}" for (op, reason), n in kept.items()]
     fallbacks = [FallbackNode(**f) for g in graphs for f in g.get("fallbacks", [])]
     if fallbacks:

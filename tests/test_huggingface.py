@@ -28,11 +28,11 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def tiny_gpt2() -> "transformers.GPT2LMHeadModel":
+def tiny_gpt2(dropout: float = 0.0) -> "transformers.GPT2LMHeadModel":
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                     bos_token_id=0, eos_token_id=0)
+                                     resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -43,8 +43,8 @@ def training_args(tmp_path, **kw) -> "transformers.TrainingArguments":
            "weight_decay": 0.1, "seed": 0, "disable_tqdm": True, **kw})
 
 
-def train(args, **trainer_kw) -> tuple[list[float], torch.nn.Module, "transformers.Trainer"]:
-    model = tiny_gpt2()
+def train(args, dropout: float = 0.0, **trainer_kw) -> tuple[list[float], torch.nn.Module, "transformers.Trainer"]:
+    model = tiny_gpt2(dropout)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenDataset(), **trainer_kw)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -75,6 +75,19 @@ def test_trainer_flag_runs_graphs_on_ort_with_eager_loss(tmp_path, monkeypatch):
     assert {g.kind for g in report.graphs} == {"forward", "backward"}, str(report)
     assert any(p.suffix == ".onnx" for p in (tmp_path / "onnx").iterdir()), "ORT_DYNAMO_SAVE_ONNX was ignored"
     # Tolerance: ORT and PyTorch sum in different orders; after 4 steps that stays under 1e-6.
+    torch.testing.assert_close(torch.tensor(ort_losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
+    assert_same_params(eager_model, ort_model, rtol=1e-5, atol=1e-6)
+
+
+def test_trainer_with_dropout_on_ort_draws_eagers_masks_and_has_eagers_losses(tmp_path):
+    # Trainer seeds torch (args.seed); ORT's graphs take their dropout masks from that generator.
+    ort_hf.enable()
+    eager_losses, eager_model, _ = train(training_args(tmp_path, optim="sgd", learning_rate=0.1), dropout=0.1)
+    ort_losses, ort_model, _ = train(
+        training_args(tmp_path, optim="sgd", learning_rate=0.1, torch_compile_backend="onnxrt"), dropout=0.1)
+
+    report = ort_dynamo.report()
+    assert report.fallback_nodes == 0 and report.kept_nodes > 0, str(report)
     torch.testing.assert_close(torch.tensor(ort_losses), torch.tensor(eager_losses), rtol=1e-5, atol=0)
     assert_same_params(eager_model, ort_model, rtol=1e-5, atol=1e-6)
 

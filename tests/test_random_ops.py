@@ -1,12 +1,18 @@
-"""Random ops run on ORT with ORT's own RNG: masks differ from eager's, statistics do not.
+"""Random draws: on CPU they come from PyTorch's generator, eager's own draws; ORT's draw
+from a generator of their own, and must still have the right statistics.
 
-Dropout, bernoulli and rand-like ops are lowered to ONNX random ops, so ``torch.manual_seed``
-does not reproduce eager's exact mask. What must hold, and is tested here statistically on
-10^5 draws (bounds are > 6 standard deviations wide, so the tests are not flaky):
-keep rate, 1/(1-p) scaling, the backward reusing the forward's mask, and fresh draws per call.
+By default (option ``torch_random``) every random draw of a CPU forward graph runs in PyTorch,
+so ``torch.manual_seed`` and ``get_rng_state``/``set_rng_state`` reproduce it and dropout's
+masks are eager's, bit for bit, while the arithmetic around them stays on ORT. With
+``torch_random=False`` (and on CUDA) dropout, bernoulli and rand-like ops are lowered to ONNX
+random ops, which ``torch.manual_seed`` does not reach. What must hold for those, tested
+statistically on 10^5 draws (bounds are > 6 standard deviations wide, so the tests are not
+flaky): keep rate, 1/(1-p) scaling, the backward reusing the forward's mask, fresh draws per call.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -17,7 +23,77 @@ N = (200, 500)  # 10^5 draws: std of a rate estimate <= 0.0016
 
 
 def compiled(fn):
-    return torch.compile(fn, backend="ort", dynamic=False, options={"fallback_policy": "DISABLE"})
+    """ORT's own random ops (what CUDA runs), not PyTorch's draws."""
+    return torch.compile(fn, backend="ort", dynamic=False,
+                         options={"fallback_policy": "DISABLE", "torch_random": False})
+
+
+def seeded(seed, fn, *args):
+    torch.manual_seed(seed)
+    return fn(*args)
+
+
+def assert_one_ort_partition_and_draws_kept(draws_per_graph: int):
+    """The draws run in PyTorch before the graph's one ORT partition: they do not split it."""
+    report = ort_dynamo.report()
+    forward = [g for g in report.graphs if g.kind != "backward"]
+    assert report.fallback_nodes == 0 and report.ort_nodes > 0
+    assert [g.partitions for g in forward] == [1] * len(forward)
+    assert report.kept_nodes == draws_per_graph * len(forward)
+    assert all("PyTorch's generator" in kept.reason for g in report.graphs for kept in g.kept)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_dropout_masks_are_eagers_own_under_the_same_seed(dynamic):
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Dropout(0.3), torch.nn.GELU(),
+                                torch.nn.Linear(64, 8), torch.nn.Dropout(0.1))
+    compiled_model = copy.deepcopy(model)
+    step = torch.compile(compiled_model, backend="ort", dynamic=dynamic)
+    for batch in (16, 24):
+        x = torch.randn(batch, 32)
+        eager_out, ort_out = seeded(batch, model, x), seeded(batch, step, x)
+        assert torch.equal(eager_out == 0, ort_out == 0)  # the same dropped places
+        torch.testing.assert_close(ort_out, eager_out)
+        eager_out.square().sum().backward()
+        ort_out.square().sum().backward()
+    for p_eager, p_ort in zip(model.parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(p_ort.grad, p_eager.grad)
+    assert_one_ort_partition_and_draws_kept(2)
+
+
+def test_rng_state_replays_the_draws_and_new_state_draws_anew():
+    step = torch.compile(lambda t: torch.nn.functional.dropout(t * 3, 0.5, training=True) + torch.rand_like(t),
+                         backend="ort")
+    x = torch.ones(N)
+    state = torch.get_rng_state()
+    first = step(x)
+    second = step(x)
+    torch.set_rng_state(state)
+    again = step(x)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, second)
+    assert_one_ort_partition_and_draws_kept(2)
+
+
+def test_draws_that_read_values_run_in_place_and_match_eager():
+    def fn(t):
+        probs = torch.sigmoid(t)
+        return torch.bernoulli(probs) * 2 + torch.normal(t, 0.5), torch.multinomial(probs[:5].abs() + 0.1, 3)
+
+    x = torch.randn(100, 20)
+    for expected, actual in zip(seeded(0, fn, x), seeded(0, torch.compile(fn, backend="ort"), x)):
+        torch.testing.assert_close(actual, expected)
+    report = ort_dynamo.report()
+    assert report.fallback_nodes == 0 and report.kept_nodes == 3
+
+
+def test_with_torch_random_off_ort_draws_and_torch_seed_does_not_reach_them():
+    step = compiled(lambda t: torch.nn.functional.dropout(t, 0.5, training=True))
+    x = torch.ones(N)
+    first, second = seeded(0, step, x), seeded(0, step, x)
+    assert not torch.equal(first, second)
+    report = ort_dynamo.report()
+    assert report.kept_nodes == 0 and report.ort_nodes > 0
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
@@ -76,3 +152,34 @@ def test_rand_like_and_randn_like_statistics():
     assert abs(normal.mean().item()) < 0.02
     assert abs(normal.std().item() - 1.0) < 0.02
     assert ort_dynamo.report().fallback_nodes == 0
+
+
+class CheckpointedDropout(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Dropout(0.3), torch.nn.Linear(32, 16))
+            for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_dropout_under_activation_checkpointing_replays_eagers_mask_and_is_reported():
+    # Backward recomputes each block from the generator state forward saved: PyTorch's to replay.
+    torch.manual_seed(0)
+    model = CheckpointedDropout()
+    compiled_model = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    eager_out, ort_out = seeded(3, model, x), seeded(3, torch.compile(compiled_model, backend="ort"), x)
+    torch.testing.assert_close(ort_out, eager_out)
+    eager_out.square().sum().backward()
+    ort_out.square().sum().backward()
+    for p_eager, p_ort in zip(model.parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(p_ort.grad, p_eager.grad, rtol=1e-5, atol=1e-5)
+    report = ort_dynamo.report()
+    replayed = [kept.op for g in report.graphs for kept in g.kept]
+    assert report.fallback_nodes == 0 and report.ort_nodes > 0
+    assert sorted(set(replayed)) == ["run_and_save_rng_state", "run_with_rng_state"], replayed

@@ -34,7 +34,7 @@ DEFAULT_JSON = os.path.join(ROOT, "docs", "ops.json")
 DEFAULT_MD = os.path.join(ROOT, "docs", "ops.md")
 
 #: Ops whose values are random by design: only shapes and dtypes are compared
-#: (ORT draws its own random numbers, see docs/ops.md).
+#: (ORT's random ops draw their own numbers; see docs/ops.md).
 RANDOM_OPS = {
     "bernoulli", "normal", "normal.number_mean", "normal.in_place", "rand_like", "randn_like",
     "randint_like", "randint", "randn", "rand", "multinomial", "uniform", "cauchy", "exponential",
@@ -555,8 +555,9 @@ def write_markdown(json_path: str, md_path: str) -> None:
         f"* {len(ops) - n} ops skipped (no sample input eager accepts) are not counted.",
         "",
         "Random ops (" + ", ".join(sorted(k for k, r in tested.items() if r.get("random"))) + ") are "
-        "compared on shapes and dtypes only: ORT draws its own random numbers, so dropout masks "
-        "and samples differ from eager's (statistics are tested in tests/test_random_ops.py).",
+        "compared on shapes and dtypes only. (CPU graphs now draw from PyTorch's generator, eager's own draws "
+        "for most of them: option `torch_random`, tests/test_random_ops.py; ORT's own random ops, which CUDA "
+        "and `torch_random=False` use, are tested there for their statistics.)",
         "",
     ]
     lines.extend(NOTES.splitlines())
