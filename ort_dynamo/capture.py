@@ -77,7 +77,8 @@ class OrtBackend:
                 inference_compiler=functools.partial(compiler, kind="inference"),
                 decompositions=lower_stage.decomposition_table(
                     self.options.opset, self.options.cache_dir,
-                    device == "cpu" and rewrite_stage.pointwise_kernels_apply(options, device), cpu_torch_attention),
+                    device == "cpu" and rewrite_stage.pointwise_kernels_apply(options, device), cpu_torch_attention,
+                    options.torch_random and device == "cpu"),
                 **kwargs,
             )(gm, example_inputs)
 

@@ -554,7 +554,7 @@ def _composite_kernels() -> set:
 
 @functools.lru_cache(None)
 def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = False,
-                        cpu_torch_attention: bool = False) -> dict:
+                        cpu_torch_attention: bool = False, pytorch_draws: bool = False) -> dict:
     """Decompositions for AOTAutograd: only ops that torchlib cannot lower (correctly).
 
     torch's registered decompositions, functional ops only (in-place/out variants are gone
@@ -564,7 +564,9 @@ def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = 
     process's first step to collect. ``pointwise``: the graph's elementwise chains
     will become generated kernels, which changes the cheaper way to write a few ops.
     ``cpu_torch_attention``: flash attention for CPU stays whole where ORT runs it
-    (``flash_for_cpu_applies``)."""
+    (``flash_for_cpu_applies``). ``pytorch_draws``: random draws will run in PyTorch
+    (``random_draws_in_pytorch``), so those torch writes with other draws (``exponential`` from
+    a uniform, ...) stay whole, and PyTorch's kernel draws eager's values."""
     lowered = _onnx_lowered_ops(opset, cache_dir) - TORCHLIB_WRONG
     composite = _composite_kernels()
     table = {op: fn for op, fn in _torch_decompositions.items()
@@ -580,6 +582,9 @@ def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = 
         table.update(pointwise_decompositions())
     if cpu_torch_attention:
         table.update(_flash_for_cpu_kept(table))
+    if pytorch_draws:
+        for op in _DRAWS_LIKE | _DRAWS_FROM_SIZES | _DRAWS_FROM_VALUES:
+            table.pop(op, None)
     return table
 
 
@@ -998,7 +1003,8 @@ _RANDOM_DRAW = "a random draw, from PyTorch's generator (option torch_random)"
 #: ``uniform_``, ``exponential_``, ... and the ``*_like`` ones).
 _DRAWS_LIKE = frozenset({aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
                          aten.randint_like.low_dtype, aten.bernoulli.p, aten.uniform.default, aten.exponential.default,
-                         aten.cauchy.default, aten.geometric.default, aten.log_normal.default})
+                         aten.cauchy.default, aten.geometric.default, aten.log_normal.default,
+                         aten.normal_functional.default})
 #: Draws from shapes and numbers alone.
 _DRAWS_FROM_SIZES = frozenset({aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low,
                                aten.randperm.default, aten.normal.float_float})

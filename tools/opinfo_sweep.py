@@ -327,6 +327,9 @@ def run_one_op(op, samples: int) -> dict:
         random_sample = random_op or (sample.kwargs.get("dropout_p") or 0) > 0
         check = _shape_check if random_sample else _close
         diff = check(expected, actual, "output")
+        if random_sample and not diff:  # the draws are PyTorch's on CPU (option torch_random): eager's values?
+            same = not _close(expected, actual, "output")
+            result["random_values_match"] = result.get("random_values_match", True) and same
         if not diff and expected_grads is not None:
             result["grad_checked"] = True
             diff = (_shape_check(expected_grads, actual_grads, "grad") if random_sample
@@ -512,6 +515,22 @@ def supervise(args) -> None:
 # ---- docs/ops.md ------------------------------------------------------------------------------
 
 
+#: Random ops whose values are undefined (uninitialized memory), not drawn.
+UNDEFINED_VALUES = {"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"}
+
+
+def _random_values_line(tested: dict) -> str:
+    compared = {k: r["random_values_match"] for k, r in tested.items()
+                if "random_values_match" in r and k not in UNDEFINED_VALUES}
+    if not compared:
+        return "not recorded in this sweep's results."
+    same = sorted(k for k, m in compared.items() if m)
+    differ = sorted(k for k, m in compared.items() if not m)
+    return (f"{len(same)} of {len(compared)} give eager's own values ({', '.join(same)})"
+            + (f"; {', '.join(differ)} draw from the same generator in another way than eager's kernels "
+               "(reproducible under a seed, other values)." if differ else "."))
+
+
 def _pct(n: int, d: int) -> str:
     return f"{100.0 * n / d:.1f}%" if d else "n/a"
 
@@ -554,10 +573,11 @@ def write_markdown(json_path: str, md_path: str) -> None:
         f"* {len(fully)} ops match eager entirely on ORT with no Dynamo graph break.",
         f"* {len(ops) - n} ops skipped (no sample input eager accepts) are not counted.",
         "",
-        "Random ops (" + ", ".join(sorted(k for k, r in tested.items() if r.get("random"))) + ") are "
-        "compared on shapes and dtypes only. (CPU graphs now draw from PyTorch's generator, eager's own draws "
-        "for most of them: option `torch_random`, tests/test_random_ops.py; ORT's own random ops, which CUDA "
-        "and `torch_random=False` use, are tested there for their statistics.)",
+        "Random ops (" + ", ".join(sorted(k for k, r in tested.items() if r.get("random"))) + ") pass "
+        "on shapes and dtypes: their values are random by design. On CPU they draw from PyTorch's generator "
+        "(option `torch_random`), so the sweep, which seeds torch before eager's call and before ort's, also "
+        "compares their values: " + _random_values_line(tested) + " ORT's own random ops, which CUDA and "
+        "`torch_random=False` use, are tested for their statistics in tests/test_random_ops.py.",
         "",
     ]
     lines.extend(NOTES.splitlines())
