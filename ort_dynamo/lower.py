@@ -1063,10 +1063,10 @@ def random_draws_in_pytorch(gm: torch.fx.GraphModule, all_draws: bool = True) ->
 def _dropout_with_pytorchs_mask(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
     """``native_dropout(x, p, train)`` -> mask = ``bernoulli(empty(x.shape, bool), 1 - p)`` in
     PyTorch, ``x * mask * scale`` on ORT: eager's CPU kernel, which multiplies as written."""
-    x, p = node.args[0], float(node.args[1])
+    x, p = node.args[0], node.args[1]
     train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
-    if train is False or not isinstance(x, torch.fx.Node):
-        return 0
+    if train is False or not isinstance(x, torch.fx.Node) or not isinstance(p, (int, float)):
+        return 0  # a symbolic p stays ORT's draw
     users = list(node.users)
     if any(not _call(user, operator.getitem) for user in users):
         return 0
