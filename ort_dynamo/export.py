@@ -207,7 +207,7 @@ def _cast_symbolic_scalars(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Non
         node.replace_input_with(arg, cast)
 
 
-#: Norms autocast feeds a bf16/f16 input with float32 weights; torchlib needs one dtype.
+#: Norms PyTorch computes in float32 for a half input (``_norm_in_float32``).
 _NORMS_WITH_FLOAT_PARAMS = {_aten.native_layer_norm.default, _aten.native_group_norm.default}
 
 
@@ -217,13 +217,18 @@ _BOOL_MAX_MIN = {_aten.max.dim, _aten.min.dim, _aten.amax.default, _aten.amin.de
 
 
 def _norm_in_float32(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
-    """Run a mixed-dtype norm in float32 (as PyTorch's CPU kernel does), cast results back."""
+    """Run a norm of a half input in float32, as PyTorch's kernels do, and cast its results of
+    the input's dtype back: torchlib needs one dtype where autocast gives float32 weights, and
+    its LayerNormalization (float32 statistics) in a float16 model gave statistics ORT refused
+    as float16 ones."""
     x = node.args[0]
     x_val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    params = [a.meta.get("val") for a in node.args[1:3] if isinstance(a, torch.fx.Node)]
-    if (isinstance(x_val, torch.Tensor) and x_val.dtype in (torch.bfloat16, torch.float16)
-            and any(isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in params)):
-        _compute_in(gm, node, torch.float32)
+    if not isinstance(x_val, torch.Tensor) or x_val.dtype not in (torch.bfloat16, torch.float16):
+        return
+    _compute_in(gm, node, torch.float32)
+    for param in node.args[1:]:  # a half model's weight and bias
+        if isinstance(param, torch.fx.Node) and getattr(param.meta.get("val"), "dtype", None) == x_val.dtype:
+            node.replace_input_with(param, _cast_before(gm, node, param, torch.float32))
 
 
 def _cast_before(gm: torch.fx.GraphModule, node: torch.fx.Node, value: torch.fx.Node,
