@@ -78,7 +78,7 @@ left in PyTorch with a reason in `ort_dynamo.report()`.
 | mean/var/std over an empty dim give 0 (torch: NaN), `any` gives True (torch: False) | onnxruntime 1.31 | results with a static zero-size dim are computed at export as torch defines them (export.py) |
 | complex results come back as (..., 2) real pairs | torchlib's complex representation | partitions producing complex tensors are refused at export and run in PyTorch (export.py) |
 | mixed-dtype elementwise ops (`mul(float, int64)`, ...) fail in ORT | torchlib omits torch's implicit promotion | torch.onnx's type-promotion pass on every partition (export.py) |
-| bf16 LayerNorm/GroupNorm with fp32 weights (autocast) | torchlib needs one dtype | computed in fp32, results cast back, as PyTorch's CPU kernel does (export.py) |
+| bf16 LayerNorm/GroupNorm with fp32 weights (autocast); a float16 model's LayerNorm (statistics in a type ORT refused) and a bfloat16 model's GroupNorm (no kernel) ran in PyTorch | torchlib needs one dtype | a half input's norm computed in fp32, weights cast too, results cast back, as PyTorch's kernels do (export.py; tests/test_autocast.py) |
 | max/min/argmax over bool | ONNX ArgMax/ReduceMax reject bool | computed in int32 (export.py) |
 | reductions / scatter / gather of 0-d tensors | ONNX reduce/scatter ops reject rank 0 | identity decompositions for rank 0 (lower.py) |
 
