@@ -185,8 +185,10 @@ def format_report(data: dict, path: str = "") -> str:
     breaks = data.get("graph_breaks", {})
     if breaks:
         lines.append(f"Dynamo graph breaks ({sum(breaks.values())}):")
-        lines += [f"  {n} x {_break_line(reason)}"
-                  for reason, n in sorted(breaks.items(), key=lambda kv: -kv[1])]
+        shown = collections.Counter()
+        for reason, n in breaks.items():  # reasons that read the same on one line are one
+            shown[_break_line(reason)] += n
+        lines += [f"  {n} x {line}" for line in sorted(shown, key=lambda line: -shown[line]) for n in (shown[line],)]
     failures = data.get("recompute_failures", [])
     if failures:
         lines.append("memory_opt_level=1 kept every activation of a graph (min-cut failed):")
@@ -221,10 +223,16 @@ def _dynamo_graph_breaks() -> dict:
 
 
 def _break_line(reason: str) -> str:
-    """A reason's first line, and Dynamo's first hint when it gives one."""
+    """A reason's first line, Dynamo's first hint when it gives one, and its debug context
+    (which call: the same reason at two places differs there), shortened."""
     lines = [line.strip() for line in reason.strip().splitlines()]
     hint = next((line for line in lines if line.startswith("Hint:")), "")
-    return f"{lines[0]} ({hint[len('Hint:'):].strip()})" if hint else lines[0]
+    context = next((line for line in lines if line.startswith("Developer debug context:")), "")
+    line = f"{lines[0]} ({hint[len('Hint:'):].strip()})" if hint else lines[0]
+    context = context[len("Developer debug context:"):].strip()
+    if context:
+        line += ": " + (context if len(context) <= 160 else context[:157] + "...")
+    return line
 
 
 _REPORT = Report()

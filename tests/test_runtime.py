@@ -1,6 +1,7 @@
 """The run stage: zero-copy hand-off, sessions per graph, shapes, odd inputs and outputs."""
 
 import copy
+import logging
 import os
 import subprocess
 import sys
@@ -243,6 +244,21 @@ def test_report_lists_dynamo_graph_breaks_with_their_reason():
     assert any("print" in reason for reason in report.graph_breaks)
     assert "Dynamo graph breaks" in str(report)
     assert len(report.graphs) == 2 and report.fallback_nodes == 0  # both halves ran on ORT
+
+
+def test_report_tells_apart_the_same_graph_break_at_two_calls():
+    log = logging.getLogger("ort_dynamo_tests.breaks")
+
+    def fn(x):
+        log.warning("before the product")
+        y = x * 2
+        log.warning("after the product")
+        return y + 1
+
+    torch.compile(fn, backend="ort")(torch.randn(3))
+    lines = [line for line in str(ort_dynamo.report()).splitlines() if line.startswith("  1 x logging.Logger")]
+    assert len(lines) == 2, str(ort_dynamo.report())
+    assert "before the product" in lines[0] + lines[1] and "after the product" in lines[0] + lines[1]
 
 
 def test_report_lists_a_data_dependent_branch_as_a_graph_break():
