@@ -208,7 +208,7 @@ def _cast_symbolic_scalars(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Non
 
 
 #: Norms PyTorch computes in float32 for a half input (``_norm_in_float32``).
-_NORMS_WITH_FLOAT_PARAMS = {_aten.native_layer_norm.default, _aten.native_group_norm.default}
+_NORMS_IN_FLOAT32 = {_aten.native_layer_norm.default, _aten.native_group_norm.default}
 
 
 #: Max/min reductions torch allows on bool; torchlib emits ArgMax/ReduceMax, which reject bool.
@@ -394,7 +394,7 @@ def _fix_for_torchlib(gm: torch.fx.GraphModule, registry=None) -> None:
             _fill_required_defaults(node, registry)
         if node.op == "call_function":
             _wrap_reduction_dims(node)
-        if node.op == "call_function" and node.target in _NORMS_WITH_FLOAT_PARAMS:
+        if node.op == "call_function" and node.target in _NORMS_IN_FLOAT32:
             _norm_in_float32(gm, node)
         elif node.op == "call_function" and node.target in _BOOL_MAX_MIN:
             source = node.args[0]

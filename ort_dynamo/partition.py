@@ -218,8 +218,9 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     Raises ``UnsupportedOpError`` if that is not allowed by ``policy``.
     Each ORT partition is cut into up to ``segments`` consecutive runs (see ``_in_segments``).
     Nodes of the ``kept`` ops, and those ``lower`` marked ``IN_PYTORCH`` (random draws), stay in
-    PyTorch by design: reported as such, never refused by ``policy``. ``cpu_torch_attention``: flash attention for CPU, where the
-    decompositions left it, runs in ORT (torch's kernel as a custom op).
+    PyTorch by design: reported as such, never refused by ``policy``. ``cpu_torch_attention``:
+    flash attention for CPU, where the decompositions left it, runs in ORT (torch's kernel as a
+    custom op).
     """
     host_views = _split_off_output_views(gm)
     by_design = {node for node in gm.graph.nodes if node.target in kept or IN_PYTORCH in node.meta}

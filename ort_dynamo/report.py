@@ -115,7 +115,8 @@ class Report:
 
     @property
     def kept_nodes(self) -> int:
-        """Nodes kept in PyTorch by design (faster there, or random draws), not counted in ``fallback_nodes``."""
+        """Nodes kept in PyTorch by design (faster there, or random draws), not counted in
+        ``fallback_nodes``."""
         return sum(len(g.kept) for g in self.graphs)
 
     @property
@@ -188,7 +189,7 @@ def format_report(data: dict, path: str = "") -> str:
         shown = collections.Counter()
         for reason, n in breaks.items():  # reasons that read the same on one line are one
             shown[_break_line(reason)] += n
-        lines += [f"  {n} x {line}" for line in sorted(shown, key=lambda line: -shown[line]) for n in (shown[line],)]
+        lines += [f"  {n} x {line}" for line, n in shown.most_common()]
     failures = data.get("recompute_failures", [])
     if failures:
         lines.append("memory_opt_level=1 kept every activation of a graph (min-cut failed):")
