@@ -146,6 +146,9 @@ Approximations accurate to float32 only (the gamma family, Chebyshev polynomials
 
 ## What stays in PyTorch by design
 
+* Random draws on CPU (dropout's masks, `rand`, `bernoulli`, `multinomial`, ...; option
+  `torch_random`): PyTorch's generator draws them, so a seed reproduces them and they are eager's;
+  the arithmetic around them runs on ORT. The report lists them as kept in PyTorch by design.
 * Complex tensors (all `fft.*`, `view_as_complex`, `polar`, ...): ORT has no complex type.
 * SVD, eigendecompositions, `lstsq`, and factorizations of matrices larger than 32x32 or of
   dynamic size (the unrolled lowering refuses them at export, with that reason).
