@@ -38,9 +38,10 @@ class RunningStats(torch.nn.Module):
         return (h - self.ema).pow(2).mean()
 
 
-def test_buffers_mutated_in_place_match_eager_over_steps():
+def three_steps_like_eager(model_type) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """An eager model and its ort copy after three steps whose losses match; both returned."""
     torch.manual_seed(0)
-    eager = RunningStats()
+    eager = model_type()
     compiled_model = copy.deepcopy(eager)
     step = ort(compiled_model)
     for _ in range(3):
@@ -49,6 +50,11 @@ def test_buffers_mutated_in_place_match_eager_over_steps():
         e_loss.backward()
         o_loss.backward()
         torch.testing.assert_close(o_loss, e_loss, **TOL)
+    return eager, compiled_model
+
+
+def test_buffers_mutated_in_place_match_eager_over_steps():
+    eager, compiled_model = three_steps_like_eager(RunningStats)
     torch.testing.assert_close(compiled_model.ema, eager.ema, **TOL)
     assert compiled_model.calls.item() == eager.calls.item() == 3
     torch.testing.assert_close(compiled_model.linear.weight.grad, eager.linear.weight.grad, **TOL)
@@ -73,16 +79,7 @@ class ScaledBySteps(torch.nn.Module):
 def test_a_buffer_mutated_in_forward_and_read_by_backward_trains_like_eager():
     # Recompute (the default memory_opt_level=1) must not recompute the new count from the
     # buffer, which holds it only after the forward: it failed autograd's version check.
-    torch.manual_seed(0)
-    eager = ScaledBySteps()
-    compiled_model = copy.deepcopy(eager)
-    step = ort(compiled_model)
-    for _ in range(3):
-        x = torch.randn(4, 8)
-        e_loss, o_loss = eager(x), step(x)
-        e_loss.backward()
-        o_loss.backward()
-        torch.testing.assert_close(o_loss, e_loss, **TOL)
+    eager, compiled_model = three_steps_like_eager(ScaledBySteps)
     assert compiled_model.steps.item() == eager.steps.item() == 3
     torch.testing.assert_close(compiled_model.gains, eager.gains, **TOL)
     # three steps scaled by up to 3 * 3.4 each: float32 rounding of that size
