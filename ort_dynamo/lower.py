@@ -32,7 +32,7 @@ from .decompositions import (attention_backward, attention_forward, attention_in
                              masked_scores, own_decompositions, pointwise_decompositions, zero_rows)
 
 __all__ = ["lower_graph", "decomposition_table", "whole_upsampling", "trainable_rnns", "stacked_row_gradients",
-           "random_draws_in_pytorch", "IN_PYTORCH"]
+           "random_draws_in_pytorch", "sizes_from_inputs", "IN_PYTORCH"]
 
 aten = torch.ops.aten
 
@@ -1090,7 +1090,9 @@ def _empty_like(graph: torch.fx.Graph, like: torch.fx.Node, draw: torch.fx.Node,
     a size is symbolic: a placeholder that is that size, else the size of a placeholder tensor
     that has it; ``like``'s own size where none does (then the draw waits for ``like``)."""
     value = like.meta["val"]
-    sizes = [_size_from_inputs(graph, size, like, axis) for axis, size in enumerate(value.shape)]
+    sizes = [_size_from_inputs(graph, size) for size in value.shape]
+    sizes = [_sym_size(graph, like, axis, size) if found is None else found
+             for axis, (size, found) in enumerate(zip(value.shape, sizes))]
     empty = graph.call_function(aten.empty.memory_format, (sizes,),
                                 {"dtype": dtype or value.dtype, "device": value.device, "pin_memory": False})
     with value.fake_mode:
@@ -1101,12 +1103,37 @@ def _empty_like(graph: torch.fx.Graph, like: torch.fx.Node, draw: torch.fx.Node,
     return empty
 
 
-def _size_from_inputs(graph: torch.fx.Graph, size, like: torch.fx.Node, axis: int):
+def _size_from_inputs(graph: torch.fx.Graph, size):
+    """``size`` as an int, or nodes computing it from the graph's inputs (placeholders that are
+    its symbols, or sizes of placeholder tensors that have them, added and multiplied as its
+    expression says), or None."""
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
     if is_concrete_int(size):
         return int(size)
-    expr = size.node.expr
+    return _expression_from_inputs(graph, size.node.expr)
+
+
+def _expression_from_inputs(graph: torch.fx.Graph, expr):
+    if expr.is_Integer:
+        return int(expr)
+    found = _input_size(graph, expr)
+    if found is not None or not (expr.is_Add or expr.is_Mul):
+        return found
+    terms = [_expression_from_inputs(graph, term) for term in expr.args]
+    if any(term is None for term in terms):
+        return None
+    combine = operator.add if expr.is_Add else operator.mul
+    result = terms[0]
+    for term in terms[1:]:
+        node = graph.call_function(combine, (result, term))
+        node.meta["val"] = combine(*(t.meta["val"] if isinstance(t, torch.fx.Node) else t for t in (result, term)))
+        result = node
+    return result
+
+
+def _input_size(graph: torch.fx.Graph, expr):
+    """A placeholder that is the size ``expr``, else the size of a placeholder tensor that is."""
     for placeholder in graph.find_nodes(op="placeholder"):
         value = placeholder.meta.get("val")
         if isinstance(value, torch.SymInt) and value.node.expr == expr:
@@ -1116,8 +1143,31 @@ def _size_from_inputs(graph: torch.fx.Graph, size, like: torch.fx.Node, axis: in
         if isinstance(value, torch.Tensor):
             for dim, other in enumerate(value.shape):
                 if isinstance(other, torch.SymInt) and other.node.expr == expr:
-                    return _sym_size(graph, placeholder, dim, size)
-    return _sym_size(graph, like, axis, size)
+                    return _sym_size(graph, placeholder, dim, other)
+    return None
+
+
+def sizes_from_inputs(gm: torch.fx.GraphModule) -> int:
+    """After AOTAutograd, with dynamic shapes: a size read off a tensor the graph computes
+    (``sym_size.int(h, 0)``) is read off the graph's inputs instead, where one has it. Else the
+    size, and the shape arithmetic PyTorch does with it, waits for that tensor: the ORT
+    partition that makes it ends there and another begins (HF GPT-2's forward ran as two).
+    Returns how many sizes now come from the inputs."""
+    graph, moved = gm.graph, 0
+    for node in list(graph.nodes):
+        if not _call(node, aten.sym_size.int) or node.args[0].op == "placeholder" \
+                or not isinstance(node.meta.get("val"), torch.SymInt):
+            continue
+        with graph.inserting_before(node):
+            source = _size_from_inputs(graph, node.meta["val"])
+        if source is None:
+            continue
+        node.replace_all_uses_with(source)
+        graph.erase_node(node)
+        moved += 1
+    if moved:
+        gm.recompile()
+    return moved
 
 
 def _sym_size(graph: torch.fx.Graph, tensor: torch.fx.Node, dim: int, size) -> torch.fx.Node:

@@ -208,3 +208,5 @@ def test_dynamic_batch_and_sequence_length_do_not_reexport_a_transformer():
     # one forward/backward pair: transformers' logging call is a Dynamo graph break.)
     assert exports == [exports[0]] * 4, exports
     assert ort_dynamo.report().fallback_nodes == 0
+    # Sizes come from the inputs, not from tensors ORT computes: one ORT run per forward.
+    assert [g.partitions for g in ort_dynamo.report().graphs if g.kind == "forward"] == [1, 1]
