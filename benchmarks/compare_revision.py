@@ -8,6 +8,8 @@
     .venv/bin/python benchmarks/compare_revision.py --rev HEAD --attention-dropout 0.1
     # under torch.autocast(bfloat16), as HF's Trainer trains with bf16=True on a CPU
     .venv/bin/python benchmarks/compare_revision.py --rev HEAD --autocast
+    # compiled with dynamic=True: symbolic batch and sequence length
+    .venv/bin/python benchmarks/compare_revision.py --rev HEAD --dynamic
 
 On a shared VM, step times move by several percent between runs of the same code, more than
 most single changes gain; separate runs cannot tell them apart. Here the revision's package is
@@ -60,7 +62,7 @@ def compare(name: str, rev_package, args) -> dict:
         clone = copy.deepcopy(model)
         options = args.rev_options if label == "rev" else args.options
         backend = functools.partial(package.capture.ort_backend, options=options) if package else None
-        fn = clone if package is None else torch.compile(clone, backend=backend)
+        fn = clone if package is None else torch.compile(clone, backend=backend, dynamic=args.dynamic or None)
         opt = make_optimizer("eager" if package is None else "ort", clone, args)
         for step in range(args.warmup):
             train_step(fn, opt, batch, "cpu", args.autocast)
@@ -84,6 +86,7 @@ def main() -> None:
     parser.add_argument("--attention-dropout", type=float, default=0.0,
                         help="each attention probability's chance of being dropped (the models' configs: 0.1)")
     parser.add_argument("--autocast", action="store_true", help="train under torch.autocast(bfloat16)")
+    parser.add_argument("--dynamic", action="store_true", help="compile with dynamic=True (symbolic shapes)")
     parser.add_argument("--options", default="",
                         help="comma-separated KEY=VALUE ort_dynamo options for both, e.g. memory_opt_level=1")
     parser.add_argument("--rev-options", default=None,
@@ -102,7 +105,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         rev_package = import_revision(args.rev, folder)
         print(f"working tree against {args.rev}, optimizer {args.optimizer}, options {args.options} "
-              f"{'bfloat16 autocast, ' if args.autocast else ''}"
+              f"{'bfloat16 autocast, ' if args.autocast else ''}{'dynamic shapes, ' if args.dynamic else ''}"
               f"(revision's {args.rev_options}), "
               f"median of {args.steps} steps")
         for name in args.models.split(","):
