@@ -166,7 +166,8 @@ def _save_what_reads_a_mutated_input(graph: torch.fx.Graph) -> None:
     are saved, never recomputed: AOTAutograd writes the new value into the input after the
     forward, so backward would recompute from the mutated input. The min-cut does not know
     (it recomputed ``steps + 1`` from ``steps``, and backward failed autograd's version check).
-    Views of such an input are followed to what reads them."""
+    The joint graph's output descriptors name the mutated inputs; views of such an input are
+    followed to what reads them."""
     from torch._functorch.partitioners import CheckpointPolicy
     from torch._functorch._aot_autograd.descriptors import InputMutationAOTOutput
 
@@ -174,8 +175,6 @@ def _save_what_reads_a_mutated_input(graph: torch.fx.Graph) -> None:
     mutated = {desc.mutated_input for desc in output.meta.get("desc") or ()
                if isinstance(desc, InputMutationAOTOutput)}
     pending = [n for n in graph.find_nodes(op="placeholder") if n.meta.get("desc") in mutated]
-    pending += [n.args[0] for n in graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
-                if isinstance(n.args[0], torch.fx.Node) and n.args[0].op == "placeholder"]
     seen = set()
     while pending:
         node = pending.pop()
@@ -183,7 +182,7 @@ def _save_what_reads_a_mutated_input(graph: torch.fx.Graph) -> None:
             continue
         seen.add(node)
         for user in node.users:
-            if user.op != "call_function" or user.target is torch.ops.aten.copy_.default:
+            if user.op != "call_function":
                 continue
             if _is_view(user):
                 pending.append(user)

@@ -815,11 +815,12 @@ def _call(node, target) -> bool:
 
 
 def _fx_call(graph: torch.fx.Graph, target, *args) -> torch.fx.Node:
-    """A new call node with its fake value, computed as the tracer would."""
+    """A new call node with its fake value, computed as the tracer would (sizes' arithmetic,
+    with no tensor among the values, needs no fake mode)."""
     node = graph.call_function(target, args)
     values = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
-    fake = next(v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, torch.Tensor))
-    with fake.fake_mode:
+    fake = next((v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, torch.Tensor)), None)
+    with fake.fake_mode if fake is not None else contextlib.nullcontext():
         node.meta["val"] = target(*values)
     return node
 
@@ -1036,6 +1037,7 @@ def random_draws_in_pytorch(gm: torch.fx.GraphModule, all_draws: bool = True) ->
     kernel does (``bernoulli_(1 - p)``), and the scaling stays on ORT. Returns the number of
     draws moved to PyTorch."""
     graph, drawn = gm.graph, 0
+    sizes = _InputSizes(graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -1044,10 +1046,10 @@ def random_draws_in_pytorch(gm: torch.fx.GraphModule, all_draws: bool = True) ->
         elif not all_draws:
             continue
         elif node.target is aten.native_dropout.default:
-            drawn += _dropout_with_pytorchs_mask(graph, node)
+            drawn += _dropout_with_pytorchs_mask(graph, node, sizes)
         elif node.target in _DRAWS_LIKE and isinstance(node.args[0], torch.fx.Node):
             with graph.inserting_before(node):
-                like = _empty_like(graph, node.args[0], node)
+                like = _empty_like(graph, node.args[0], node, sizes)
             node.update_arg(0, like)
             node.meta[IN_PYTORCH] = _RANDOM_DRAW
             drawn += 1
@@ -1060,7 +1062,7 @@ def random_draws_in_pytorch(gm: torch.fx.GraphModule, all_draws: bool = True) ->
     return drawn
 
 
-def _dropout_with_pytorchs_mask(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
+def _dropout_with_pytorchs_mask(graph: torch.fx.Graph, node: torch.fx.Node, sizes: "_InputSizes") -> int:
     """``native_dropout(x, p, train)`` -> mask = ``bernoulli(empty(x.shape, bool), 1 - p)`` in
     PyTorch, ``x * mask * scale`` on ORT: eager's CPU kernel, which multiplies as written."""
     x, p = node.args[0], node.args[1]
@@ -1072,7 +1074,7 @@ def _dropout_with_pytorchs_mask(graph: torch.fx.Graph, node: torch.fx.Node) -> i
         return 0
     scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
     with graph.inserting_before(node):
-        empty = _empty_like(graph, x, node, dtype=torch.bool)
+        empty = _empty_like(graph, x, node, sizes, dtype=torch.bool)
         mask = _fx_call(graph, aten.bernoulli.p, empty, 1.0 - p)
         mask.meta[IN_PYTORCH] = _RANDOM_DRAW
         out = _fx_call(graph, aten.mul.Tensor, _fx_call(graph, aten.mul.Tensor, x, mask), scale)
@@ -1085,15 +1087,16 @@ def _dropout_with_pytorchs_mask(graph: torch.fx.Graph, node: torch.fx.Node) -> i
     return 1
 
 
-def _empty_like(graph: torch.fx.Graph, like: torch.fx.Node, draw: torch.fx.Node, dtype=None) -> torch.fx.Node:
-    """``empty`` of ``like``'s shape and dtype (or ``dtype``), sized from the graph's inputs where
-    a size is symbolic: a placeholder that is that size, else the size of a placeholder tensor
-    that has it; ``like``'s own size where none does (then the draw waits for ``like``)."""
+def _empty_like(graph: torch.fx.Graph, like: torch.fx.Node, draw: torch.fx.Node, sizes: "_InputSizes",
+                dtype=None) -> torch.fx.Node:
+    """``empty`` of ``like``'s shape and dtype (or ``dtype``), sized from the graph's inputs
+    (``_InputSizes``); by ``like``'s own size where they do not have one (then the draw waits
+    for ``like``)."""
     value = like.meta["val"]
-    sizes = [_size_from_inputs(graph, size) for size in value.shape]
-    sizes = [_sym_size(graph, like, axis, size) if found is None else found
-             for axis, (size, found) in enumerate(zip(value.shape, sizes))]
-    empty = graph.call_function(aten.empty.memory_format, (sizes,),
+    shape = [sizes.of(size) for size in value.shape]
+    shape = [_fx_call(graph, aten.sym_size.int, like, axis) if found is None else found
+             for axis, found in enumerate(shape)]
+    empty = graph.call_function(aten.empty.memory_format, (shape,),
                                 {"dtype": dtype or value.dtype, "device": value.device, "pin_memory": False})
     with value.fake_mode:
         empty.meta["val"] = torch.empty_like(value, dtype=dtype or value.dtype,
@@ -1103,48 +1106,53 @@ def _empty_like(graph: torch.fx.Graph, like: torch.fx.Node, draw: torch.fx.Node,
     return empty
 
 
-def _size_from_inputs(graph: torch.fx.Graph, size):
-    """``size`` as an int, or nodes computing it from the graph's inputs (placeholders that are
-    its symbols, or sizes of placeholder tensors that have them, added and multiplied as its
-    expression says), or None."""
-    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+class _InputSizes:
+    """Sizes computed from a graph's inputs: placeholders that are a size's symbols, or sizes
+    of placeholder tensors that have them, added and multiplied as its expression says. Each
+    expression is looked up, and its nodes made, once (where first needed: later needs come
+    after it in the graph)."""
 
-    if is_concrete_int(size):
-        return int(size)
-    return _expression_from_inputs(graph, size.node.expr)
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self.graph = graph
+        self.found: dict = {}  # expression -> int, node, or None
+        self.symbols, self.dims = {}, {}  # expression -> SymInt placeholder; -> (placeholder tensor, dim)
+        for placeholder in graph.find_nodes(op="placeholder"):
+            value = placeholder.meta.get("val")
+            if isinstance(value, torch.SymInt):
+                self.symbols.setdefault(value.node.expr, placeholder)
+            elif isinstance(value, torch.Tensor):
+                for dim, size in enumerate(value.shape):
+                    if isinstance(size, torch.SymInt):
+                        self.dims.setdefault(size.node.expr, (placeholder, dim))
 
+    def of(self, size):
+        """``size`` as an int, or a node computing it from the inputs, or None."""
+        from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-def _expression_from_inputs(graph: torch.fx.Graph, expr):
-    if expr.is_Integer:
-        return int(expr)
-    found = _input_size(graph, expr)
-    if found is not None or not (expr.is_Add or expr.is_Mul):
-        return found
-    terms = [_expression_from_inputs(graph, term) for term in expr.args]
-    if any(term is None for term in terms):
-        return None
-    combine = operator.add if expr.is_Add else operator.mul
-    result = terms[0]
-    for term in terms[1:]:
-        node = graph.call_function(combine, (result, term))
-        node.meta["val"] = combine(*(t.meta["val"] if isinstance(t, torch.fx.Node) else t for t in (result, term)))
-        result = node
-    return result
+        return int(size) if is_concrete_int(size) else self._expression(size.node.expr)
 
+    def _expression(self, expr):
+        if expr not in self.found:
+            self.found[expr] = self._build(expr)
+        return self.found[expr]
 
-def _input_size(graph: torch.fx.Graph, expr):
-    """A placeholder that is the size ``expr``, else the size of a placeholder tensor that is."""
-    for placeholder in graph.find_nodes(op="placeholder"):
-        value = placeholder.meta.get("val")
-        if isinstance(value, torch.SymInt) and value.node.expr == expr:
-            return placeholder
-    for placeholder in graph.find_nodes(op="placeholder"):
-        value = placeholder.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            for dim, other in enumerate(value.shape):
-                if isinstance(other, torch.SymInt) and other.node.expr == expr:
-                    return _sym_size(graph, placeholder, dim, other)
-    return None
+    def _build(self, expr):
+        if expr.is_Integer:
+            return int(expr)
+        if expr in self.symbols:
+            return self.symbols[expr]
+        if expr in self.dims:
+            return _fx_call(self.graph, aten.sym_size.int, *self.dims[expr])
+        if not (expr.is_Add or expr.is_Mul):
+            return None
+        terms = [self._expression(term) for term in expr.args]
+        if any(term is None for term in terms):
+            return None
+        combine = operator.add if expr.is_Add else operator.mul
+        result = terms[0]
+        for term in terms[1:]:
+            result = _fx_call(self.graph, combine, result, term)
+        return result
 
 
 def sizes_from_inputs(gm: torch.fx.GraphModule) -> int:
@@ -1154,12 +1162,13 @@ def sizes_from_inputs(gm: torch.fx.GraphModule) -> int:
     partition that makes it ends there and another begins (HF GPT-2's forward ran as two).
     Returns how many sizes now come from the inputs."""
     graph, moved = gm.graph, 0
+    sizes = _InputSizes(graph)
     for node in list(graph.nodes):
         if not _call(node, aten.sym_size.int) or node.args[0].op == "placeholder" \
                 or not isinstance(node.meta.get("val"), torch.SymInt):
             continue
         with graph.inserting_before(node):
-            source = _size_from_inputs(graph, node.meta["val"])
+            source = sizes.of(node.meta["val"])
         if source is None:
             continue
         node.replace_all_uses_with(source)
@@ -1168,9 +1177,3 @@ def sizes_from_inputs(gm: torch.fx.GraphModule) -> int:
     if moved:
         gm.recompile()
     return moved
-
-
-def _sym_size(graph: torch.fx.Graph, tensor: torch.fx.Node, dim: int, size) -> torch.fx.Node:
-    node = graph.call_function(aten.sym_size.int, (tensor, dim))
-    node.meta["val"] = size
-    return node

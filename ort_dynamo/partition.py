@@ -228,10 +228,10 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     support = _OnnxSupport(registry, known, in_pytorch, cpu_torch_attention)
     unsupported = []
     for node in gm.graph.nodes:
-        reason = _KEPT_REASON if node.target in kept else node.meta.get(IN_PYTORCH)
-        if reason:
+        kept_reason = _KEPT_REASON if node.target in kept else node.meta.get(IN_PYTORCH)
+        if kept_reason:
             graph_report.kept.append(FallbackNode(graph_report.name, node.name, str(node.target),
-                                                  reason, user_source(node)))
+                                                  kept_reason, user_source(node)))
         if not is_compute(node) or node in in_pytorch:
             continue
         reason = support.reason(node)
