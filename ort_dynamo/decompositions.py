@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import struct
 
 import torch
 from torch._decomp import decomposition_table as _torch_decompositions
@@ -791,6 +792,27 @@ def _flash_for_cpu_operands(query, key, value, scale):
     return (*attention_operands(query.to(compute), key, value), scale, repeat)
 
 
+def _f32(value: float) -> float:
+    """``value`` rounded to the nearest float32."""
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _fake_quantized(x, scale, inv_scale, zero_point, quant_min: int, quant_max: int):
+    """(fake-quantized x, mask of the values within the range) as ATen's CPU kernels compute them."""
+    float_zero = isinstance(zero_point, torch.Tensor) and zero_point.is_floating_point()
+    zero = zero_point.to(torch.float32) if isinstance(zero_point, torch.Tensor) else zero_point
+    scaled = x.to(torch.float32) * inv_scale
+    q = torch.round(scaled + zero) if float_zero else torch.round(scaled) + zero
+    mask = (q >= quant_min) & (q <= quant_max)
+    levels = q.clamp(quant_min, quant_max)
+    if float_zero or x.dtype != torch.float32:  # rounded once, from float64, as the kernels do
+        wide = scale.double() if isinstance(scale, torch.Tensor) else scale
+        out = (levels.double() - (zero.double() if float_zero else zero)) * wide
+    else:
+        out = (levels - zero) * scale
+    return out.to(x.dtype), mask
+
+
 @functools.lru_cache(None)
 def own_decompositions() -> dict:
     table = {}
@@ -1078,15 +1100,43 @@ def own_decompositions() -> dict:
     # traced at every first step); the forward's lookup has already refused an index out of range.
     @register(aten.embedding_dense_backward.default)
     def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
-        if scale_grad_by_freq:
-            return NotImplemented
         compute = torch.float32 if grad_output.dtype in (torch.float16, torch.bfloat16) else grad_output.dtype
         rows = grad_output.to(compute).reshape(-1, grad_output.shape[-1])
         index = indices.reshape(-1, 1).to(torch.int64)
+        if scale_grad_by_freq:  # each row times 1 / (how often its id occurs in the batch), as eager
+            counts = rows.new_zeros(num_weights).scatter_add(0, index.reshape(-1), rows.new_ones(index.shape[0]))
+            rows = rows * (1.0 / counts.gather(0, index.reshape(-1))).unsqueeze(-1)
         if padding_idx >= 0:
             rows = rows.masked_fill(index == padding_idx, 0)
         added = rows.new_zeros((num_weights, rows.shape[-1])).scatter_add(0, index.expand(rows.shape), rows)
         return added.to(grad_output.dtype)
+
+    # Fake quantization (quantization-aware training) as eager's kernels compute it:
+    # q = round_half_even(x * f32(1 / scale)) + zero_point, then (clamp(q) - zero_point) * scale
+    # (float zero points and half inputs: that product in float64, as the kernels do), and the
+    # mask of the q that needed no clamp, which the backward multiplies the gradient by.
+    # torchlib lowers these through QuantizeLinear, which divides by the scale: other roundings.
+    @register(aten.fake_quantize_per_tensor_affine_cachemask.default)
+    def fake_quantize_per_tensor(x, scale, zero_point, quant_min, quant_max):
+        scale = _f32(scale)  # the kernel's float scale, and its float reciprocal
+        return _fake_quantized(x, scale, _f32(1.0 / scale), zero_point, quant_min, quant_max)
+
+    @register(aten._fake_quantize_per_tensor_affine_cachemask_tensor_qparams.default)
+    def fake_quantize_per_tensor_tensor_qparams(x, scale, zero_point, fake_quant_enabled, quant_min, quant_max):
+        if zero_point.is_floating_point():
+            return NotImplemented
+        one = [1] * x.dim()  # broadcast over x (a 0-d view makes torchlib an empty shape attribute)
+        scale = scale.reshape(one).to(torch.float32)
+        out, mask = _fake_quantized(x, scale, 1.0 / scale, zero_point.reshape(one), quant_min, quant_max)
+        disabled = fake_quant_enabled.reshape(one) == 0
+        return torch.where(disabled, x, out), mask | disabled
+
+    @register(aten.fake_quantize_per_channel_affine_cachemask.default)
+    def fake_quantize_per_channel(x, scale, zero_point, axis, quant_min, quant_max):
+        along = [1] * x.dim()
+        along[axis] = -1
+        scale = scale.to(torch.float32).reshape(along)
+        return _fake_quantized(x, scale, 1.0 / scale, zero_point.reshape(along), quant_min, quant_max)
 
     # torch's decompositions of take and bucketize index a tensor with an index tensor as
     # Python does, and a 0-d index is then read on the host (``.item()``), which tracing with

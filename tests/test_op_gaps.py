@@ -842,3 +842,38 @@ print(ort_dynamo.report().fallback_nodes)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[-1] == "0", result.stdout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fake_quantization_for_quantization_aware_training_is_eagers_to_the_bit(dtype):
+    # Values on rounding ties and outside the range: round half to even on x * (1 / scale),
+    # as ATen does (QuantizeLinear divides, and rounds some of these the other way), and a
+    # gradient that passes only where no clamp was needed.
+    scale, zero_point = torch.tensor([0.05]), torch.tensor([3], dtype=torch.int32)
+    channel_scale = torch.linspace(0.01, 0.1, 16)
+    int_zeros, float_zeros = torch.arange(-8, 8, dtype=torch.int32), torch.linspace(-4.3, 3.9, 16)
+    on, off = torch.tensor([1]), torch.tensor([0])
+    fake_quantizers = [
+        lambda x: torch.fake_quantize_per_tensor_affine(x, 0.05, 3, -20, 20),
+        lambda x: torch.fake_quantize_per_tensor_affine(x, scale, zero_point, 0, 15),
+        lambda x: torch._fake_quantize_per_tensor_affine_cachemask_tensor_qparams(x, scale, zero_point, on,
+                                                                                  -8, 7)[0],
+        lambda x: torch._fake_quantize_per_tensor_affine_cachemask_tensor_qparams(x, scale, zero_point, off,
+                                                                                  -8, 7)[0],
+        lambda x: torch.fake_quantize_per_channel_affine(x, channel_scale, int_zeros, 1, -128, 127),
+        lambda x: torch.fake_quantize_per_channel_affine(x, channel_scale, float_zeros, 1, -10, 10),
+    ]
+    x = torch.randn(64, 16) * 0.7
+    x[:16] = (torch.arange(-128, 128).reshape(16, 16) + 0.5) * 0.05  # ties at scale 0.05
+    x = x.to(dtype).requires_grad_()
+    for fake_quantized in fake_quantizers:
+        (out,), (grad,) = run_on_ort(fake_quantized, x)
+        (expected_out,), (expected_grad,) = _outputs_and_grads(fake_quantized, (x,))
+        assert torch.equal(out, expected_out)
+        assert torch.equal(grad, expected_grad)
+
+
+def test_embedding_gradient_scaled_by_frequency_runs_on_ort():
+    weight = torch.randn(10, 4, requires_grad=True)
+    ids = torch.tensor([[1, 1, 1, 2], [0, 2, 5, 1]])  # repeats, and the padding id
+    check(lambda w, i: F.embedding(i, w, padding_idx=0, scale_grad_by_freq=True) * 2.0, weight, ids)

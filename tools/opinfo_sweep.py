@@ -144,6 +144,22 @@ kernels, and the idioms whose indices are data.
 Approximations accurate to float32 only (the gamma family, Chebyshev polynomials) declare so
 (`ACCURATE_DTYPES`): their float64 inputs stay in PyTorch, with that reason in the report.
 
+## Ops the OpInfos do not sample (tests/test_op_gaps.py)
+
+* Fake quantization for quantization-aware training (`torch.fake_quantize_per_tensor_affine`
+  with number or tensor scale and zero point, `torch.fake_quantize_per_channel_affine` with
+  integer or float zero points, and the `fake_quant_enabled` switch that `FakeQuantize` modules
+  pass) runs on ORT and gives eager's values and gradients bit for bit, in float32, float16 and
+  bfloat16: `x * (1 / scale)` rounded half to even, as ATen computes it (torchlib's lowering
+  divides by the scale through `QuantizeLinear`, which rounds some values the other way).
+  `torch.ao.quantization`'s eager-mode modules themselves are skipped by Dynamo (graph breaks:
+  the whole module runs in PyTorch, as with Inductor); torchao's QAT writes the same arithmetic
+  in plain ops. The learnable variant (`_fake_quantize_learnable_per_*_affine`, LSQ) is a
+  reported fallback.
+* `nn.Embedding(scale_grad_by_freq=True)`: its gradient divides each row by the count of its id
+  in the batch, on ORT (`EmbeddingBag`'s stays in PyTorch: eager's CPU kernel divides by another
+  id's count there).
+
 ## What stays in PyTorch by design
 
 * Random draws on CPU (dropout's masks, `rand`, `bernoulli`, `multinomial`, ...; option
