@@ -363,14 +363,35 @@ def _antialias_matrix(in_size: int, out_size: int, align_corners: bool, scale_ar
     return torch.where(total != 0, weight / total, weight)
 
 
-def _static_row(sizes, dim, index):
-    """(dim, size, index) of ``select(dim, index)``, both made non-negative; None if that dim's
-    size is symbolic."""
+def _row(sizes, dim, index):
+    """(dim, size, index) of ``select(dim, index)``, the index made non-negative; the size, and
+    so a negative index made non-negative, may be symbolic (a sequence length under
+    ``dynamic=True``). None where the index itself is symbolic."""
+    if not isinstance(index, int):
+        return None
     dim = dim % len(sizes)
     size = sizes[dim]
-    if not isinstance(size, int):
-        return None
     return dim, size, index + size if index < 0 else index
+
+
+def _slice_pads(sizes, dim, start, end, step, length):
+    """(dim, zeros before, zeros after) that make a step-1 slice's ``length`` elements the
+    whole dim again; either count may be symbolic. None for other steps or symbolic bounds.
+    The bounds were clamped when the forward sliced, under guards on the sizes: the count
+    after is what the size leaves."""
+    if step != 1 or not isinstance(start or 0, int):
+        return None
+    dim = dim % len(sizes)
+    size = sizes[dim]
+    if start is None or start >= 0:
+        before = start or 0
+        if isinstance(size, int):
+            before = min(before, size)
+    elif isinstance(size, int):
+        before = max(start + size, 0)
+    else:
+        before = start + size
+    return dim, before, size - before - length
 
 
 def _unit_slice(sizes, dim, start, end, step):
@@ -996,12 +1017,11 @@ def own_decompositions() -> dict:
     # slice (step 1) is a Pad of zeros, or a Concat around the slice.
     @register(aten.slice_backward.default)
     def slice_backward(grad, input_sizes, dim, start, end, step):
-        span = _unit_slice(input_sizes, dim, start, end, step)
+        span = _slice_pads(input_sizes, dim, start, end, step, grad.shape[dim])
         if span is None:  # torch's: zeros + slice_scatter
             return _torch_decompositions[aten.slice_backward.default](grad, input_sizes, dim, start, end, step)
-        dim, start, end = span
-        pads = [0, 0] * (grad.dim() - 1 - dim) + [start, input_sizes[dim] - end]
-        return aten.constant_pad_nd(grad, pads, 0.0)
+        dim, before, after = span
+        return _with_zeros(grad, dim, before, after)
 
     @register(aten.slice_scatter.default)
     def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
@@ -1021,16 +1041,16 @@ def own_decompositions() -> dict:
     # step. A Pad of zeros around it, or a Concat around the row, is a copy.
     @register(aten.select_backward.default)
     def select_backward(grad, input_sizes, dim, index):
-        row = _static_row(input_sizes, dim, index)
-        if row is None:
-            return NotImplemented
+        row = _row(input_sizes, dim, index)
+        if row is None:  # torch's: zeros + select_scatter
+            return _torch_decompositions[aten.select_backward.default](grad, input_sizes, dim, index)
         dim, size, index = row
         pads = [0, 0] * (len(input_sizes) - 1 - dim) + [index, size - 1 - index]
         return aten.constant_pad_nd(grad.unsqueeze(dim), pads, 0.0)
 
     @register(aten.select_scatter.default)
     def select_scatter(x, src, dim, index):
-        row = _static_row(x.shape, dim, index)
+        row = _row(x.shape, dim, index)
         if row is None:
             return NotImplemented
         dim, _, index = row
@@ -1836,9 +1856,9 @@ def _select_backward_as_where(grad, input_sizes, dim, index):
     pointwise kernels fuse with the sum of a split's gradients (torchtune's interleaved RoPE:
     ``x.reshape(..., -1, 2)[..., 0]`` and ``[..., 1]``), where ORT's Pad along an axis of 2 is
     four times slower. Without those kernels ORT's broadcasting Where is the slower one."""
-    row = _static_row(input_sizes, dim, index)
+    row = _row(input_sizes, dim, index)
     if row is None:
-        return NotImplemented
+        return own_decompositions()[aten.select_backward.default](grad, input_sizes, dim, index)
     dim, size, index = row
     row = torch.arange(size, device=grad.device).view([size if d == dim else 1 for d in range(len(input_sizes))])
     return torch.where(row == index, grad.unsqueeze(dim), torch.zeros((), dtype=grad.dtype, device=grad.device))

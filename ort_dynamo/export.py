@@ -578,8 +578,8 @@ def save_debug_files(exported: ExportedGraph, gm, model_bytes: bytes, options, s
     library to load: it is written beside it as ``.pointwise.so``, which
     ``SessionOptions.register_custom_ops_library(path)`` registers, with the kernels' C source
     (``.pointwise.c``, to read; ``.pointwise.cu`` for CUDA's)."""
-    os.makedirs(options.save_path, exist_ok=True)
     base = os.path.join(options.save_path, f"{options.onnx_prefix}_{stem}")
+    os.makedirs(os.path.dirname(base) or ".", exist_ok=True)  # a prefix may name a subfolder
     with open(base + ".onnx", "wb") as fh:
         fh.write(model_bytes)
     if exported.kernels:

@@ -110,7 +110,7 @@ class OrtOptions:
         "ORTMODULE_LOG_LEVEL")
     save_onnx: bool = _field(False, "Write each exported ONNX model and its FX graph as text.",
                              "DebugOptions.save_onnx")
-    onnx_prefix: str = _field("ort_dynamo", "File name prefix of saved models.",
+    onnx_prefix: str = _field("ort_dynamo", "File name prefix of saved models (a folder in it is created too).",
                               "DebugOptions.onnx_prefix")
     save_path: str = _field(".", "Folder for saved models (created if missing).",
                             "ORTMODULE_SAVE_ONNX_PATH")

@@ -311,6 +311,35 @@ def test_slice_backward_and_slice_scatter_without_scatter_nd(tmp_path):
     assert "ScatterND" not in ops and "Pad" in ops, ops
 
 
+@pytest.mark.parametrize("pointwise_kernels", [True, False])
+def test_slices_and_rows_of_a_dynamic_length_have_gradients_on_ort_without_scatters(tmp_path, pointwise_kernels):
+    """Under ``dynamic=True`` the sequence length is symbolic. A pooled first or last token
+    (BERT's pooler, a reward model's ``h[:, -1]``) and a shifted slice (``logits[:, :-1]``) have
+    gradients of zeros around them: Pads or a Where, as with static sizes. BERT's pooler fell
+    back to PyTorch here, and slices went through ScatterND."""
+    import glob
+
+    import onnx
+
+    def pooled_and_shifted(h):
+        return h[:, 0] * 2 + h[:, -1], h[:, 1:] * h[:, :-1], h[:, 2:5].exp()
+
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    options = {"save_onnx": True, "save_path": str(tmp_path), "pointwise_kernels": pointwise_kernels}
+    compiled = torch.compile(pooled_and_shifted, backend="ort", dynamic=True, options=options)
+    for length in (7, 9, 12):
+        h = torch.randn(3, length, 4, requires_grad=True)
+        got, got_grads = _outputs_and_grads(compiled, (h,))
+        want, want_grads = _outputs_and_grads(pooled_and_shifted, (h,))
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_grads, want_grads)
+    report = ort_dynamo.report()
+    assert report.fallback_nodes == 0 and report.exports == 2, report  # one forward, one backward
+    ops = {node.op_type for path in glob.glob(str(tmp_path / "*backward*.onnx")) for node in onnx.load(path).graph.node}
+    assert not ops & {"ScatterND", "ScatterElements"}, ops
+
+
 def test_strided_slices_backward_without_scatter_nd_where_kernels_build(tmp_path):
     """GPT-J's interleaved rotary reads ``x[..., ::2]`` and ``x[..., 1::2]``. Where the pointwise
     kernels apply, each slice's gradient is a Where the kernels fuse, not torchlib's Transpose,

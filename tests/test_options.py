@@ -64,12 +64,12 @@ def test_env_opset_is_used_by_the_exported_model(monkeypatch, tmp_path):
     import onnx
 
     monkeypatch.setenv("ORT_DYNAMO_OPSET", "20")
-    model = torch.nn.Linear(3, 2)
-    out = torch.compile(model, backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})(
-        torch.randn(2, 3))
-    torch.testing.assert_close(out, model(torch.randn(2, 3)) * 0 + out)  # ran
+    model, x = torch.nn.Linear(3, 2), torch.randn(2, 3)
+    options = {"save_onnx": True, "save_path": str(tmp_path), "onnx_prefix": "runs/linear"}
+    torch.testing.assert_close(torch.compile(model, backend="ort", options=options)(x), model(x))
     saved = ort_dynamo.report().graphs[0].onnx_paths
     assert saved and all(os.path.exists(p) for p in saved)
+    assert all(p.startswith(str(tmp_path / "runs" / "linear_")) for p in saved)  # the prefix's folder made
     opsets = {o.domain: o.version for o in onnx.load(saved[0]).opset_import}
     assert opsets[""] == 20
 
