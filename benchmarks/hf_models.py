@@ -7,6 +7,7 @@ graphs use.
     .venv/bin/python benchmarks/hf_models.py --backend inductor segformer   # another backend's ratio
     .venv/bin/python benchmarks/hf_models.py --float64 mobilenet_v2  # each side against float64
     .venv/bin/python benchmarks/hf_models.py --profile 12 segformer  # and ORT's 12 heaviest nodes
+    .venv/bin/python benchmarks/hf_models.py --dynamic      # dynamic=True, and a second batch of other sizes
 
 Each model (random weights from a config: nothing is downloaded; 2 layers, hidden 128, 4 heads,
 batch 4 x 64 tokens; the vision models 8 images of 3 x 64 x 64; no dropout) runs forward and
@@ -164,8 +165,22 @@ def _float64_gradients(model, batch: dict) -> dict:
     return _gradients(wide)
 
 
+def _smaller(batch: dict) -> dict:
+    """The batch with one sample fewer and 16 tokens fewer in its token tensors (2-d integer
+    ones: ids, labels), contiguous as a loader gives them: other sizes for ``--dynamic``."""
+    def cut(value):
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        value = value[:-1]
+        tokens = value.dim() == 2 and not value.is_floating_point()
+        return (value[:, :-16] if tokens else value).contiguous()
+
+    cuts: dict[int, object] = {}  # a tensor given twice (input_ids is labels) stays one tensor
+    return {key: cuts.setdefault(id(value), cut(value)) for key, value in batch.items()}
+
+
 def measure(name: str, build, make_batch, steps: int, backend: str = "ort", float64: bool = False,
-            autocast: bool = False) -> str:
+            autocast: bool = False, dynamic: bool = False) -> str:
     torch.manual_seed(0)
     model = build().train()
     batch = make_batch(model)
@@ -173,7 +188,7 @@ def measure(name: str, build, make_batch, steps: int, backend: str = "ort", floa
     torch._dynamo.reset()
     with tempfile.TemporaryDirectory() as folder:
         options = {"save_onnx": True, "save_path": folder} if backend == "ort" else None
-        compiled = torch.compile(copy.deepcopy(model), backend=backend, options=options)
+        compiled = torch.compile(copy.deepcopy(model), backend=backend, options=options, dynamic=dynamic or None)
 
         def step(fn, bfloat16: bool = autocast) -> tuple[float, float]:
             fn.zero_grad(set_to_none=True)
@@ -201,6 +216,15 @@ def measure(name: str, build, make_batch, steps: int, backend: str = "ort", floa
             shaken(**nudged).loss.backward()
             parity += (f" (vs float64: eager {_difference(want, wide):.0e}, {backend} {_difference(got, wide):.0e},"
                        f" eager on inputs x (1 + 1e-6 noise) {_difference(_gradients(shaken), wide):.0e})")
+        if dynamic:  # other sizes: eager's gradients, and no new export
+            exports = ort_dynamo.report().exports if backend == "ort" else 0
+            smaller = _smaller(batch)
+            for fn in (model, compiled):
+                fn.zero_grad(set_to_none=True)
+                fn(**smaller).loss.backward()
+            parity += f"  other sizes: grad diff {_difference(_gradients(compiled), _gradients(model)):.0e}"
+            if backend == "ort":
+                parity += f", new exports {ort_dynamo.report().exports - exports}"
         ratios, eager_ms = [], []
         for _ in range(steps):
             eager = step(model)[0]
@@ -254,6 +278,9 @@ def main() -> None:
     parser.add_argument("--autocast", action="store_true",
                         help="both sides under torch.autocast(cpu, bfloat16); also counts the bfloat16 products "
                              "and gives eager's bfloat16-against-float32 gradient difference for scale")
+    parser.add_argument("--dynamic", action="store_true",
+                        help="compile with dynamic=True; after the parity step, one more step on a batch with "
+                             "one sample fewer (and 16 tokens fewer): its gradient difference and new exports")
     args = parser.parse_args()
     unknown = [name for name in args.models if name not in configs]
     if unknown:
@@ -263,7 +290,8 @@ def main() -> None:
           f"{args.steps} interleaved steps{'; bfloat16 autocast' if args.autocast else ''}")
     for name in args.models or configs:
         try:
-            print(measure(name, *configs[name], args.steps, args.backend, args.float64, args.autocast), flush=True)
+            print(measure(name, *configs[name], args.steps, args.backend, args.float64, args.autocast, args.dynamic),
+                  flush=True)
             if args.profile:
                 for ms, node in heaviest_model_nodes(*configs[name], args.profile):
                     print(f"      {ms:6.2f} ms  {node[:150]}", flush=True)

@@ -44,6 +44,23 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
     return grad
 
 
+def _spread_back(grad, weight, stride, dilation, groups, rows_after):
+    """The transposed convolution of ``grad`` (no padding), with ``rows_after`` more rows of
+    zeros along each spatial dim: rows past every window's last tap. ONNX's ConvTranspose takes
+    them as ``output_padding``, an attribute. Where a count is symbolic (``dynamic=True``) the
+    result has ``stride - 1`` rows of zeros after instead, at least as many: the caller narrows
+    to the input. (Padding by the symbolic count would make Dynamo guard on whether it is 0,
+    and recompile as the input's size changes parity.)"""
+    spatial = weight.dim() - 2
+    if all(isinstance(rows, int) for rows in rows_after):
+        return aten.convolution(grad, weight, None, stride, [0] * spatial, dilation, True, rows_after, groups)
+    spread = aten.convolution(grad, weight, None, stride, [0] * spatial, dilation, True, [0] * spatial, groups)
+    for dim in range(spatial):
+        if stride[dim] > 1:
+            spread = _with_zeros(spread, dim + 2, 0, stride[dim] - 1)
+    return spread
+
+
 def _per_spatial_dim(values, spatial: int) -> list:
     """A convolution parameter with one entry per spatial dim (ATen broadcasts a single one)."""
     values = list(values)
@@ -138,14 +155,14 @@ def _avg_pool_backward(grad_out, x, kernel_size, stride, padding, ceil_mode, cou
     x_padded, kernel, st, divisor, (pd, sizes, spatial) = _avg_pool_parts(
         x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
     g = grad_out.reshape(-1, 1, *grad_out.shape[-spatial:]) / divisor
-    # The transposed conv spreads each window's gradient back; output_padding covers the
-    # rows past the last window (always < stride).
+    # The transposed conv spreads each window's gradient back; the rows past the last window
+    # (always fewer than the stride) get zeros.
     out_pad = [x_padded.shape[2 + i] - ((g.shape[2 + i] - 1) * st[i] + kernel.shape[2 + i])
                for i in range(spatial)]
     if all(g.shape[2 + i] == 1 and kernel.shape[2 + i] == x_padded.shape[2 + i] for i in range(spatial)):
         grad_padded = g.expand(x_padded.shape)  # one window over everything: a broadcast
     else:
-        grad_padded = aten.convolution(g, kernel, None, st, [0] * spatial, [1] * spatial, True, out_pad, 1)
+        grad_padded = _spread_back(g, kernel, st, [1] * spatial, 1, out_pad)
     grad = grad_padded
     for i in range(spatial):
         grad = grad.narrow(2 + i, pd[i], sizes[i])
@@ -961,8 +978,13 @@ def own_decompositions() -> dict:
                     full = ((grad_out.shape[i + 2] - 1) * stride[i] - 2 * padding[i]
                             + dilation[i] * (weight.shape[i + 2] - 1) + 1)
                     extra.append(inp.shape[i + 2] - full)
-                grad_input = aten.convolution(grad_out, weight, None, stride, padding, dilation,
-                                              True, extra, groups)
+                if all(isinstance(e, int) for e in extra):
+                    grad_input = aten.convolution(grad_out, weight, None, stride, padding, dilation,
+                                                  True, extra, groups)
+                else:  # a symbolic size (dynamic=True): spread over the padded input, then cut
+                    grad_input = _spread_back(grad_out, weight, stride, dilation, groups, extra)
+                    for dim in range(spatial):
+                        grad_input = grad_input.narrow(dim + 2, padding[dim], inp.shape[dim + 2])
         if output_mask[1]:
             if transposed:
                 grad_weight = _conv_weight_grad(grad_out, inp, weight.shape, stride, padding,

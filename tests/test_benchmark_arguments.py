@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
@@ -49,3 +50,18 @@ def test_an_attention_dropout_outside_zero_to_one_is_refused_before_training(scr
     result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, script), "--attention-dropout", "1"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "--attention-dropout must be in [0, 1)" in result.stderr, result.stderr[-1000:]
+
+
+def test_hf_models_dynamic_batch_is_smaller_contiguous_and_keeps_a_shared_tensor_shared():
+    # Anything else makes Dynamo recompile for a reason other than the sizes (a stride guard, or
+    # ``input_ids is labels``), and the count of new exports would measure that instead.
+    from hf_models import _smaller
+
+    ids = torch.arange(4 * 64).reshape(4, 64)
+    batch = _smaller({"input_ids": ids, "labels": ids, "pixel_values": torch.randn(4, 3, 64, 64),
+                      "input_values": torch.randn(4, 4000)})
+    assert batch["input_ids"] is batch["labels"] and batch["input_ids"].is_contiguous()
+    assert batch["input_ids"].shape == (3, 48) and torch.equal(batch["input_ids"], ids[:3, :48])
+    assert batch["pixel_values"].shape == (3, 3, 64, 64) and batch["input_values"].shape == (3, 4000)
+    masks = _smaller({"labels": torch.zeros(8, 64, 64, dtype=torch.int64)})  # a label per pixel: sizes kept
+    assert masks["labels"].shape == (7, 64, 64)
