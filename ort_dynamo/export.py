@@ -31,6 +31,13 @@ def onnx_registry(opset: int):
     return registry
 
 
+def _empty_ints_attribute(record: logging.LogRecord) -> bool:
+    """Drops onnx_ir's "Attribute type is ambiguous because it is an empty sequence" warning:
+    torchlib's ``index_put`` makes ``Constant(value_ints=[])`` where no dim is sliced (Mixtral's
+    expert routing), and the INTS it defaults to is what was meant. Printed to every user."""
+    return "is ambiguous because it is an empty sequence" not in record.getMessage()
+
+
 @functools.lru_cache(None)
 def _built_registry(opset: int):
     """torchlib's registry with our lowerings (built once: it is slow)."""
@@ -38,6 +45,7 @@ def _built_registry(opset: int):
 
     for name in ("_registration", "_core"):
         logging.getLogger(f"torch.onnx._internal.exporter.{name}").setLevel(logging.ERROR)
+    logging.getLogger("onnx_ir._convenience").addFilter(_empty_ints_attribute)
     from . import lowerings
 
     try:

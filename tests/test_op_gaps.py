@@ -6,6 +6,7 @@ statistically."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -938,3 +939,11 @@ def test_embedding_gradient_scaled_by_frequency_runs_on_ort():
     weight = torch.randn(10, 4, requires_grad=True)
     ids = torch.tensor([[1, 1, 1, 2], [0, 2, 5, 1]])  # repeats, and the padding id
     check(lambda w, i: F.embedding(i, w, padding_idx=0, scale_grad_by_freq=True) * 2.0, weight, ids)
+
+
+def test_an_index_put_over_every_dim_exports_without_onnx_irs_empty_attribute_warning(caplog):
+    # torchlib builds it with Constant(value_ints=[]), on which onnx_ir warned in every run.
+    x, index, values = torch.zeros(6), torch.tensor([4, 1]), torch.tensor([2.0, 3.0], requires_grad=True)
+    with caplog.at_level(logging.WARNING):
+        check(lambda v: x.index_put((index,), v) * 2, values)
+    assert not [r for r in caplog.records if "ambiguous" in r.getMessage()]
