@@ -621,6 +621,20 @@ _ABOVE_AUTOGRAD = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.Composite
 _upsampling_lock = threading.RLock()
 
 
+def _upsampling_vec(default):
+    """An upsampling op's ``.vec`` as its ``.default``, the output size computed as torch's
+    Python kernel computes it (symbolic sizes allowed), the scales passed on as ATen does."""
+    from torch._decomp.decompositions import upsample_compute_output_size
+
+    def vec(x, output_size, *arguments):
+        scale_factors = arguments[-1]  # after align_corners, for the linear modes
+        size = upsample_compute_output_size(x.size(), output_size, scale_factors)
+        scales = list(scale_factors) if scale_factors else [None] * len(size)
+        return default(x, size, *arguments[:-1], *scales)
+
+    return vec
+
+
 @contextlib.contextmanager
 def whole_upsampling():
     """While AOTAutograd traces: nearest and linear upsampling reach the trace as the ATen op,
@@ -629,7 +643,9 @@ def whole_upsampling():
     index_add otherwise, ``decompositions``).
     torch's Python kernels for those dispatch keys are set aside and put back after; eager
     never runs them (only the tracer's Python dispatcher does), and ATen's C++ kernels compute
-    the same."""
+    the same. A ``.vec`` overload (sizes or scales) gets a kernel that calls its ``.default``
+    op instead: ATen's C++ one needs the output size in numbers, and under ``dynamic=True``
+    it is symbolic (SegFormer's decoder upsamples to a size read off a tensor)."""
     with _upsampling_lock:
         saved = {}
         try:
@@ -637,6 +653,8 @@ def whole_upsampling():
                 for key in _ABOVE_AUTOGRAD:
                     if key in op.py_kernels:
                         saved[op, key] = op.py_kernels.pop(key)
+                        if op._overloadname == "vec":
+                            op.py_kernels[key] = _upsampling_vec(op.overloadpacket.default)
                 op._dispatch_cache.clear()
             yield
         finally:

@@ -947,3 +947,24 @@ def test_an_index_put_over_every_dim_exports_without_onnx_irs_empty_attribute_wa
     with caplog.at_level(logging.WARNING):
         check(lambda v: x.index_put((index,), v) * 2, values)
     assert not [r for r in caplog.records if "ambiguous" in r.getMessage()]
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear"])
+def test_upsampling_to_a_size_read_off_a_tensor_compiles_with_dynamic_sizes(mode):
+    # SegFormer's decoder: F.interpolate(x, size=skip.shape[2:]). With dynamic=True that size
+    # is symbolic, and ATen's C++ kernel of the .vec overload, which AOTAutograd traced while
+    # torch's Python one was set aside, raised "expected to contain only concrete integers".
+    def upsampled(x, skip):
+        kwargs = {} if mode == "nearest" else {"align_corners": False}
+        return torch.nn.functional.interpolate(x, size=skip.shape[2:], mode=mode, **kwargs) * skip
+
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(upsampled, backend="ort", dynamic=True)
+    for size in (4, 5):
+        x, skip = torch.randn(2, 3, size, size, requires_grad=True), torch.randn(2, 3, 2 * size, 2 * size)
+        got, got_grads = _outputs_and_grads(compiled, (x, skip))
+        want, want_grads = _outputs_and_grads(upsampled, (x, skip))
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_grads, want_grads)
+    assert ort_dynamo.report().fallback_nodes == 0
