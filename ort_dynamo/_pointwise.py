@@ -385,7 +385,48 @@ def _groups(graph: ir.Graph, info: _Graph | None = None, reductions: str = "all"
         chosen.nodes.append(node)
         chosen.last = index
         group_of[node] = chosen
-    return groups, info
+    return _without_cycles(graph, groups, group_of), info
+
+
+def _without_cycles(graph: ir.Graph, groups: list[_Group], group_of: dict) -> list[_Group]:
+    """``groups`` less those that would make kernels wait on each other. Each join above keeps
+    its own group free of a path out and back in, but two groups can still each read, through
+    ops between them, what the other computes (CLIP's loss backward: each embedding's gradient
+    reads a product of the other's); as kernels neither could run first. Until none remain,
+    the latest group on such a cycle is left to ORT's ops."""
+    while True:
+        unit = {node: id(group_of[node]) if node in group_of and group_of[node] in groups else id(node)
+                for node in graph}
+        edges: dict[int, set] = collections.defaultdict(set)
+        waiting: collections.Counter = collections.Counter({u: 0 for u in unit.values()})
+        for node in graph:
+            for value in node.inputs:
+                producer = value.producer() if value is not None else None
+                if producer in unit and unit[producer] != unit[node] and unit[node] not in edges[unit[producer]]:
+                    edges[unit[producer]].add(unit[node])
+                    waiting[unit[node]] += 1
+        ready = [u for u, n in waiting.items() if n == 0]
+        while ready:  # Kahn's order: what is left is on a cycle or after one
+            for after in edges[ready.pop()]:
+                waiting[after] -= 1
+                if waiting[after] == 0:
+                    ready.append(after)
+        left = {u for u, n in waiting.items() if n > 0}
+        leads = {u: len(edges[u] & left) for u in left}  # backwards: what is left is on a cycle
+        ready = [u for u, n in leads.items() if n == 0]
+        before = collections.defaultdict(set)
+        for u in left:
+            for after in edges[u] & left:
+                before[after].add(u)
+        while ready:
+            for earlier in before[ready.pop()]:
+                leads[earlier] -= 1
+                if leads[earlier] == 0:
+                    ready.append(earlier)
+        on_cycle = [g for g in groups if leads.get(id(g), 0) > 0]
+        if not on_cycle:
+            return groups
+        groups = [g for g in groups if g is not max(on_cycle, key=lambda g: g.first)]
 
 
 def _per_row_group(node: ir.Node, shape: tuple, producers: list[ir.Node], group_of: dict) -> _Group | None:

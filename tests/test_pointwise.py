@@ -1930,3 +1930,31 @@ def test_a_cuda_row_kernel_sums_each_row_across_its_block_as_a_norms_backward_ne
         want = (gw - gw.mean(-1, keepdim=True) - xhat * (gw * xhat).mean(-1, keepdim=True)) * rstd
         torch.testing.assert_close(got["dx"], want, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got["total"], gw.sum(-1, keepdim=True), rtol=1e-5, atol=1e-4)
+
+
+def test_two_groups_that_each_read_the_other_through_a_product_are_not_both_kernels():
+    """CLIP's loss backward under dynamic=True: each embedding's gradient chain reads a product
+    of the other's chain. Each group is free of a path out and back in, yet as two kernels
+    neither could run first: the fusion pass failed ("Graph contains a cycle") and the whole
+    partition lost its kernels. Now the later group is left to ORT's ops."""
+    def value(name, shape):
+        return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
+
+    a, b, x, y, p = value("a", [4, 8]), value("b", [4, 8]), value("x", [4, 8]), value("y", [4, 8]), value("p", [8, 8])
+    a_scaled = ir.node("Neg", [a])
+    b_scaled = ir.node("Neg", [b])
+    a_product = ir.node("MatMul", [a_scaled.outputs[0], p])
+    b_product = ir.node("MatMul", [b_scaled.outputs[0], p])
+    a_grad = ir.node("Add", [x, b_product.outputs[0]])  # a's chain reads b's product
+    b_grad = ir.node("Add", [y, a_product.outputs[0]])  # and b's reads a's
+    nodes = [a_scaled, b_scaled, a_product, b_product, a_grad, b_grad]
+    graph = ir.Graph([a, b, x, y, p], [a_grad.outputs[0], b_grad.outputs[0]], nodes=nodes, opset_imports={"": 18})
+    first, second = _pointwise._Group((4, 8), 0), _pointwise._Group((4, 8), 1)
+    first.nodes, second.nodes = [a_scaled, a_grad], [b_scaled, b_grad]
+    group_of = {a_scaled: first, a_grad: first, b_scaled: second, b_grad: second}
+    assert _pointwise._without_cycles(graph, [first, second], group_of) == [first]
+    third = _pointwise._Group((4, 8), 2)  # a group after them, on no cycle, stays
+    third.nodes = [ir.node("Relu", [a_grad.outputs[0]])]
+    graph.append(third.nodes[0])
+    group_of[third.nodes[0]] = third
+    assert _pointwise._without_cycles(graph, [first, second, third], group_of) == [first, third]
