@@ -152,6 +152,9 @@ def _avg_pool_forward(x, kernel_size, stride=(), padding=0, ceil_mode=False, cou
 
 def _avg_pool_backward(grad_out, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
                        divisor_override):
+    one_window = _one_window_backward(grad_out, x, kernel_size, padding, count_include_pad, divisor_override)
+    if one_window is not None:
+        return one_window
     x_padded, kernel, st, divisor, (pd, sizes, spatial) = _avg_pool_parts(
         x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override)
     g = grad_out.reshape(-1, 1, *grad_out.shape[-spatial:]) / divisor
@@ -167,6 +170,26 @@ def _avg_pool_backward(grad_out, x, kernel_size, stride, padding, ceil_mode, cou
     for i in range(spatial):
         grad = grad.narrow(2 + i, pd[i], sizes[i])
     return grad.reshape(x.shape)
+
+
+def _one_window_backward(grad_out, x, kernel_size, padding, count_include_pad, divisor_override):
+    """Average pooling's backward where each plane has one window and an input size is
+    symbolic (``dynamic=True``, where ``_avg_pool_parts`` cannot shrink the kernel to the
+    input): the window's gradient over the inputs it covers, over its count, from masks of
+    positions. Not a transposed convolution whose kernel is the window (HF EfficientNet's
+    pooler: 320 x 320 on every plane of a 2 x 2 map). None where that does not apply."""
+    spatial = len(kernel_size) if len(kernel_size) > 1 else x.dim() - 2
+    sizes = list(x.shape[-spatial:])
+    if _static(*sizes) or any(o != 1 for o in grad_out.shape[-spatial:]):  # a guard: one window
+        return None
+    kernel, pads = _per_spatial_dim(kernel_size, spatial), _per_spatial_dim(padding, spatial)
+    grad, count = grad_out, None
+    for d, (n, k, p) in enumerate(zip(sizes, kernel, pads)):
+        inside = torch.arange(n, device=x.device) < k - p  # the window spans [-p, k - p)
+        counted = (torch.arange(n + 2 * p, device=x.device) < k) if count_include_pad else inside
+        grad = grad * inside.to(grad.dtype).reshape([n] + [1] * (spatial - 1 - d))
+        count = counted.sum() if count is None else count * counted.sum()
+    return grad / (float(divisor_override) if divisor_override else count.to(grad.dtype))
 
 
 def _adaptive_matrix(in_size: int, out_size: int, like):

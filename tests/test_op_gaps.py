@@ -968,3 +968,33 @@ def test_upsampling_to_a_size_read_off_a_tensor_compiles_with_dynamic_sizes(mode
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(got_grads, want_grads)
     assert ort_dynamo.report().fallback_nodes == 0
+
+
+@pytest.mark.parametrize("pool", [
+    torch.nn.AvgPool2d(320, ceil_mode=True),  # HF EfficientNet's pooler: a kernel of its width
+    torch.nn.AvgPool2d(5, padding=2, ceil_mode=True, count_include_pad=False),  # one window up to 3 x 3
+    torch.nn.AvgPool2d(7, ceil_mode=True, divisor_override=3),
+], ids=["wider_than_the_map", "padding_not_counted", "divisor_override"])
+def test_one_pooling_window_per_plane_of_dynamic_size_has_a_gradient_without_convolutions(tmp_path, pool):
+    """With a static size the kernel shrinks to the input; a symbolic one cannot, and the
+    backward counted the window with a 320 x 320 convolution over padded ones, or spread the
+    gradient with a ConvTranspose of that kernel (EfficientNet under dynamic=True: 2.5x eager's
+    step). Now a mask over the window and its count."""
+    import glob
+
+    import onnx
+
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    options = {"save_onnx": True, "save_path": str(tmp_path)}
+    compiled = torch.compile(pool, backend="ort", dynamic=True, options=options)
+    for size in (2, 3):
+        x = torch.randn(2, 3, size, size, requires_grad=True)
+        got, got_grads = _outputs_and_grads(compiled, (x,))
+        want, want_grads = _outputs_and_grads(pool, (x,))
+        assert want[0].shape[-2:] == (1, 1)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_grads, want_grads)
+    assert ort_dynamo.report().fallback_nodes == 0
+    ops = {node.op_type for path in glob.glob(str(tmp_path / "*backward*.onnx")) for node in onnx.load(path).graph.node}
+    assert ops and not ops & {"Conv", "ConvTranspose"}, ops  # no convolution over a padded window
