@@ -249,8 +249,9 @@ def measure(name: str, build, make_batch, steps: int, backend: str = "ort", floa
             f"{'indexed ops and products' if autocast else 'indexed ops'}: {indexed}")
 
 
-def heaviest_model_nodes(build, make_batch, top: int) -> list[tuple[float, str]]:
-    """ORT's ``top`` heaviest nodes in a forward and backward of the model (profile_step.py's)."""
+def heaviest_model_nodes(build, make_batch, top: int, dynamic: bool = False) -> list[tuple[float, str]]:
+    """ORT's ``top`` heaviest nodes in a forward and backward of the model (profile_step.py's),
+    compiled with ``dynamic=True`` where ``dynamic``."""
     from profile_step import heaviest_ort_nodes
 
     def step():
@@ -258,7 +259,7 @@ def heaviest_model_nodes(build, make_batch, top: int) -> list[tuple[float, str]]
         model = build().train()
         batch = make_batch(model)
         model(**batch)  # transformers installs its output-capturing hooks in the first call
-        compiled = torch.compile(model, backend="ort")
+        compiled = torch.compile(model, backend="ort", dynamic=dynamic or None)
         return lambda: compiled(**batch).loss.backward()
 
     return heaviest_ort_nodes(step, top=top)
@@ -293,7 +294,7 @@ def main() -> None:
             print(measure(name, *configs[name], args.steps, args.backend, args.float64, args.autocast, args.dynamic),
                   flush=True)
             if args.profile:
-                for ms, node in heaviest_model_nodes(*configs[name], args.profile):
+                for ms, node in heaviest_model_nodes(*configs[name], args.profile, args.dynamic):
                     print(f"      {ms:6.2f} ms  {node[:150]}", flush=True)
         except Exception as exc:  # noqa: BLE001 - one model's failure is a result, not the end
             print(f"{name:11s} FAILED {type(exc).__name__}: {' '.join(str(exc).split())[:200]}", flush=True)
