@@ -559,8 +559,17 @@ def _nearest_ratio(input_size: int, output_size: int, scale):
 
 def _whole_repeat(in_size, out_size, scale):
     """How many times upsampling repeats each input element along a dim, where that is a whole
-    number and a scale given is that number; None otherwise (symbolic sizes too)."""
-    if not _static(in_size, out_size) or in_size <= 0 or out_size % in_size:
+    number and a scale given is that number; None otherwise. Symbolic sizes (``dynamic=True``:
+    SegFormer upsamples each stage to the first one's size): the power of two their values have
+    now, with a guard that they keep it, so another ratio compiles anew; powers of two only, as
+    torch's float ratio is then exact at every size."""
+    if not _static(in_size, out_size):
+        n, m = (size if isinstance(size, int) else size.node.hint for size in (in_size, out_size))
+        repeat = m // n if isinstance(n, int) and isinstance(m, int) and n > 0 and m % n == 0 else 0
+        if repeat < 1 or repeat & (repeat - 1) or (scale is not None and scale > 0 and scale != repeat):
+            return None
+        return repeat if out_size == repeat * in_size else None  # the guard
+    if in_size <= 0 or out_size % in_size:
         return None
     repeat = out_size // in_size
     return None if scale is not None and scale > 0 and scale != repeat else repeat
@@ -569,8 +578,7 @@ def _whole_repeat(in_size, out_size, scale):
 def _nearest_blocks(input_sizes, output_size, scales):
     """Per upsampled dim, the whole number of times each input element repeats, where torch's
     index (``floor(o * ratio)`` in float32, as ATen's kernel) is ``o // s`` at every output ``o``
-    and a scale given is that number, so that ONNX Resize picks the same elements; else None
-    (symbolic sizes too)."""
+    and a scale given is that number, so that ONNX Resize picks the same elements; else None."""
     import numpy as np
 
     spatial = len(output_size)
@@ -581,6 +589,9 @@ def _nearest_blocks(input_sizes, output_size, scales):
         repeat = _whole_repeat(isize, osize, scale)
         if repeat is None:
             return None
+        if not _static(isize, osize):  # a power of two: the float ratio is exact
+            blocks.append(repeat)
+            continue
         index = (np.arange(osize, dtype=np.float32) * np.float32(_nearest_ratio(isize, osize, scale))).astype(np.int64)
         if not np.array_equal(index, np.arange(osize) // repeat):
             return None
@@ -651,9 +662,11 @@ def _linear_phases(in_size, out_size, align_corners, scale):
     repeat = None if align_corners else _whole_repeat(in_size, out_size, scale)
     if repeat is None:
         return None
+    deltas = [(2 * r + 1 - repeat) / (2 * repeat) for r in range(repeat)]
+    if not _static(in_size, out_size):  # a power of two: torch's positions are these exactly
+        return deltas
     ratio = np.float32(1.0 / scale if scale is not None and scale > 0 else in_size / out_size)
     source = np.maximum(ratio * (np.arange(out_size, dtype=np.float32) + np.float32(0.5)) - np.float32(0.5), 0)
-    deltas = [(2 * r + 1 - repeat) / (2 * repeat) for r in range(repeat)]
     expected = np.array([max(i + d, 0.0) for i in range(in_size) for d in deltas])
     if not np.allclose(source, expected, rtol=0, atol=1e-5):
         return None

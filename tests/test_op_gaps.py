@@ -950,24 +950,33 @@ def test_an_index_put_over_every_dim_exports_without_onnx_irs_empty_attribute_wa
 
 
 @pytest.mark.parametrize("mode", ["nearest", "bilinear"])
-def test_upsampling_to_a_size_read_off_a_tensor_compiles_with_dynamic_sizes(mode):
+def test_upsampling_to_a_size_read_off_a_tensor_compiles_with_dynamic_sizes(mode, tmp_path):
     # SegFormer's decoder: F.interpolate(x, size=skip.shape[2:]). With dynamic=True that size
     # is symbolic, and ATen's C++ kernel of the .vec overload, which AOTAutograd traced while
     # torch's Python one was set aside, raised "expected to contain only concrete integers".
+    # A ratio of two (a guard keeps it) is a Resize, and its backward sums: no index-driven ops.
+    import glob
+
+    import onnx
+
     def upsampled(x, skip):
         kwargs = {} if mode == "nearest" else {"align_corners": False}
         return torch.nn.functional.interpolate(x, size=skip.shape[2:], mode=mode, **kwargs) * skip
 
     ort_dynamo.reset()
     torch._dynamo.reset()
-    compiled = torch.compile(upsampled, backend="ort", dynamic=True)
+    options = {"save_onnx": True, "save_path": str(tmp_path)}
+    compiled = torch.compile(upsampled, backend="ort", dynamic=True, options=options)
     for size in (4, 5):
         x, skip = torch.randn(2, 3, size, size, requires_grad=True), torch.randn(2, 3, 2 * size, 2 * size)
         got, got_grads = _outputs_and_grads(compiled, (x, skip))
         want, want_grads = _outputs_and_grads(upsampled, (x, skip))
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(got_grads, want_grads)
-    assert ort_dynamo.report().fallback_nodes == 0
+    report = ort_dynamo.report()
+    assert report.fallback_nodes == 0 and len(report.graphs) == 2, report  # both sizes: one forward, one backward
+    ops = {node.op_type for path in glob.glob(str(tmp_path / "*.onnx")) for node in onnx.load(path).graph.node}
+    assert "Resize" in ops and not ops & {"GatherElements", "ScatterElements", "GatherND", "ScatterND"}, ops
 
 
 @pytest.mark.parametrize("pool", [
