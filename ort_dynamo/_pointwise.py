@@ -8,7 +8,8 @@ domain, whose C source is generated here and compiled by ``_kernels`` into a cus
 library the session registers.
 
 Groups are formed in topological order: a node joins the group of one of its inputs when it
-iterates over the same shape and joining creates no cycle. Every value a group computes that
+iterates over the same shape and joining creates no cycle (``_without_cycles`` then drops a
+group that two kernels' mutual reads would still deadlock). Every value a group computes that
 something outside needs (another node, a graph output) becomes one of its outputs, so what
 autograd saves for backward stays computed. Arithmetic is float32, op by op, in ONNX's order
 (no reassociation, no FMA contraction); exp is ``pw_expf`` (csrc/pointwise.h, within 1 ulp),
@@ -395,8 +396,8 @@ def _without_cycles(graph: ir.Graph, groups: list[_Group], group_of: dict) -> li
     reads a product of the other's); as kernels neither could run first. Until none remain,
     the latest group on such a cycle is left to ORT's ops."""
     while True:
-        unit = {node: id(group_of[node]) if node in group_of and group_of[node] in groups else id(node)
-                for node in graph}
+        kept = {id(group) for group in groups}
+        unit = {node: id(group_of[node]) if id(group_of.get(node)) in kept else id(node) for node in graph}
         edges: dict[int, set] = collections.defaultdict(set)
         waiting: collections.Counter = collections.Counter({u: 0 for u in unit.values()})
         for node in graph:
@@ -426,7 +427,8 @@ def _without_cycles(graph: ir.Graph, groups: list[_Group], group_of: dict) -> li
         on_cycle = [g for g in groups if leads.get(id(g), 0) > 0]
         if not on_cycle:
             return groups
-        groups = [g for g in groups if g is not max(on_cycle, key=lambda g: g.first)]
+        latest = max(on_cycle, key=lambda g: g.first)
+        groups = [g for g in groups if g is not latest]
 
 
 def _per_row_group(node: ir.Node, shape: tuple, producers: list[ir.Node], group_of: dict) -> _Group | None:

@@ -434,20 +434,6 @@ def _slice_pads(sizes, dim, start, end, step, length):
     return dim, before, size - before - length
 
 
-def _unit_slice(sizes, dim, start, end, step):
-    """(dim, start, end) of a step-1 slice with static bounds, clamped as Python slices are;
-    None otherwise."""
-    dim = dim % len(sizes)
-    size = sizes[dim]
-    if step != 1 or not all(isinstance(v, int) for v in (size, start or 0, end if end is not None else 0)):
-        return None
-    start = 0 if start is None else start
-    end = size if end is None else end
-    start = min(max(start + size if start < 0 else start, 0), size)
-    end = min(max(end + size if end < 0 else end, start), size)
-    return dim, start, end
-
-
 def _with_zeros(x, dim, before, after):
     """``x`` with ``before`` zeros ahead of it and ``after`` behind, along ``dim``."""
     return aten.constant_pad_nd(x, [0, 0] * (x.dim() - 1 - dim) + [before, after], 0.0)
@@ -1083,14 +1069,14 @@ def own_decompositions() -> dict:
 
     @register(aten.slice_scatter.default)
     def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
-        span = _unit_slice(x.shape, dim, start, end, step)
-        if span is None:
+        span = _slice_pads(x.shape, dim, start, end, step, src.shape[dim % x.dim()])
+        if span is None or not _static(*span[1:]):
             return NotImplemented
-        dim, start, end = span
-        pieces = [x.narrow(dim, 0, start)] if start > 0 else []
+        dim, before, after = span
+        pieces = [x.narrow(dim, 0, before)] if before > 0 else []
         pieces.append(src.to(x.dtype))
-        if end < x.shape[dim]:
-            pieces.append(x.narrow(dim, end, x.shape[dim] - end))
+        if after > 0:
+            pieces.append(x.narrow(dim, x.shape[dim] - after, after))
         return aten.cat(pieces, dim) if len(pieces) > 1 else pieces[0].clone()
 
     # Indexing's backward (``q, k, v = qkv`` after a permute, as nanoGPT-style attention
