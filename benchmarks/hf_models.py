@@ -216,13 +216,17 @@ def measure(name: str, build, make_batch, steps: int, backend: str = "ort", floa
             shaken(**nudged).loss.backward()
             parity += (f" (vs float64: eager {_difference(want, wide):.0e}, {backend} {_difference(got, wide):.0e},"
                        f" eager on inputs x (1 + 1e-6 noise) {_difference(_gradients(shaken), wide):.0e})")
-        if dynamic:  # other sizes: eager's gradients, and no new export
+        if dynamic:  # other sizes: eager's gradients, and no new graph or export
+            from torch._dynamo.utils import counters
+
             exports = ort_dynamo.report().exports if backend == "ort" else 0
+            graphs = counters["stats"]["unique_graphs"]
             smaller = _smaller(batch)
             for fn in (model, compiled):
                 fn.zero_grad(set_to_none=True)
                 fn(**smaller).loss.backward()
-            parity += f"  other sizes: grad diff {_difference(_gradients(compiled), _gradients(model)):.0e}"
+            parity += (f"  other sizes: grad diff {_difference(_gradients(compiled), _gradients(model)):.0e}, "
+                       f"new Dynamo graphs {counters['stats']['unique_graphs'] - graphs}")
             if backend == "ort":
                 parity += f", new exports {ort_dynamo.report().exports - exports}"
         ratios, eager_ms = [], []
@@ -281,7 +285,8 @@ def main() -> None:
                              "and gives eager's bfloat16-against-float32 gradient difference for scale")
     parser.add_argument("--dynamic", action="store_true",
                         help="compile with dynamic=True; after the parity step, one more step on a batch with "
-                             "one sample fewer (and 16 tokens fewer): its gradient difference and new exports")
+                             "one sample fewer (and 16 tokens fewer): its gradient difference, new Dynamo graphs "
+                             "(any backend) and new exports")
     args = parser.parse_args()
     unknown = [name for name in args.models if name not in configs]
     if unknown:
