@@ -8,8 +8,8 @@ domain, whose C source is generated here and compiled by ``_kernels`` into a cus
 library the session registers.
 
 Groups are formed in topological order: a node joins the group of one of its inputs when it
-iterates over the same shape and joining creates no cycle (``_without_cycles`` then drops a
-group that two kernels' mutual reads would still deadlock). Every value a group computes that
+iterates over the same shape and joining creates no cycle: no path out of the group leads
+back in, also through another group that an early node of the path belongs to. Every value a group computes that
 something outside needs (another node, a graph output) becomes one of its outputs, so what
 autograd saves for backward stays computed. Arithmetic is float32, op by op, in ONNX's order
 (no reassociation, no FMA contraction); exp is ``pw_expf`` (csrc/pointwise.h, within 1 ulp),
@@ -299,9 +299,21 @@ def _groups(graph: ir.Graph, info: _Graph | None = None, reductions: str = "all"
                 if producer is not None and producer in order:
                     yield producer
 
+    def unreached_before(group: _Group) -> int:
+        """An index such that what lies wholly before it cannot read ``group``. Before the
+        group's first node, unless a group spans that index: read at an early node, it reads
+        through its later ones too, so the index moves back to that group's first node."""
+        index = group.first
+        while True:
+            earlier = min((other.first for other in groups if other.first < index <= other.last), default=index)
+            if earlier == index:
+                return index
+            index = earlier
+
     def depends_on(start: ir.Node, group: _Group) -> bool:
         """Whether ``start`` (outside ``group``) reads, through any path of the graph as
         fused so far, a value ``group`` computes: then ``group`` cannot also read ``start``."""
+        horizon = unreached_before(group)
         seen, stack = set(), [start]
         while stack:
             node = stack.pop()
@@ -313,8 +325,8 @@ def _groups(graph: ir.Graph, info: _Graph | None = None, reductions: str = "all"
             if unit is group:
                 return True
             last = unit.last if unit is not None else order[node]
-            if last < group.first:
-                continue  # everything there was computed before the group's first node
+            if last < horizon:
+                continue
             stack.extend(predecessors(unit.nodes if unit is not None else [node]))
         return False
 
@@ -386,49 +398,7 @@ def _groups(graph: ir.Graph, info: _Graph | None = None, reductions: str = "all"
         chosen.nodes.append(node)
         chosen.last = index
         group_of[node] = chosen
-    return _without_cycles(graph, groups, group_of), info
-
-
-def _without_cycles(graph: ir.Graph, groups: list[_Group], group_of: dict) -> list[_Group]:
-    """``groups`` less those that would make kernels wait on each other. Each join above keeps
-    its own group free of a path out and back in, but two groups can still each read, through
-    ops between them, what the other computes (CLIP's loss backward: each embedding's gradient
-    reads a product of the other's); as kernels neither could run first. Until none remain,
-    the latest group on such a cycle is left to ORT's ops."""
-    while True:
-        kept = {id(group) for group in groups}
-        unit = {node: id(group_of[node]) if id(group_of.get(node)) in kept else id(node) for node in graph}
-        edges: dict[int, set] = collections.defaultdict(set)
-        waiting: collections.Counter = collections.Counter({u: 0 for u in unit.values()})
-        for node in graph:
-            for value in node.inputs:
-                producer = value.producer() if value is not None else None
-                if producer in unit and unit[producer] != unit[node] and unit[node] not in edges[unit[producer]]:
-                    edges[unit[producer]].add(unit[node])
-                    waiting[unit[node]] += 1
-        ready = [u for u, n in waiting.items() if n == 0]
-        while ready:  # Kahn's order: what is left is on a cycle or after one
-            for after in edges[ready.pop()]:
-                waiting[after] -= 1
-                if waiting[after] == 0:
-                    ready.append(after)
-        left = {u for u, n in waiting.items() if n > 0}
-        leads = {u: len(edges[u] & left) for u in left}  # backwards: what is left is on a cycle
-        ready = [u for u, n in leads.items() if n == 0]
-        before = collections.defaultdict(set)
-        for u in left:
-            for after in edges[u] & left:
-                before[after].add(u)
-        while ready:
-            for earlier in before[ready.pop()]:
-                leads[earlier] -= 1
-                if leads[earlier] == 0:
-                    ready.append(earlier)
-        on_cycle = [g for g in groups if leads.get(id(g), 0) > 0]
-        if not on_cycle:
-            return groups
-        latest = max(on_cycle, key=lambda g: g.first)
-        groups = [g for g in groups if g is not latest]
+    return groups, info
 
 
 def _per_row_group(node: ir.Node, shape: tuple, producers: list[ir.Node], group_of: dict) -> _Group | None:

@@ -1932,29 +1932,34 @@ def test_a_cuda_row_kernel_sums_each_row_across_its_block_as_a_norms_backward_ne
         torch.testing.assert_close(got["total"], gw.sum(-1, keepdim=True), rtol=1e-5, atol=1e-4)
 
 
-def test_two_groups_that_each_read_the_other_through_a_product_are_not_both_kernels():
-    """CLIP's loss backward under dynamic=True: each embedding's gradient chain reads a product
-    of the other's chain. Each group is free of a path out and back in, yet as two kernels
-    neither could run first: the fusion pass failed ("Graph contains a cycle") and the whole
-    partition lost its kernels. Now the later group is left to ORT's ops."""
-    def value(name, shape):
-        return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
+def test_a_group_never_reads_a_path_that_leaves_through_an_earlier_group_and_comes_back():
+    """CLIP's loss backward under dynamic=True. ``a``'s group gains a late node reading ``g``'s
+    product, so whatever reads ``a`` reads ``g`` too; ``g + (a @ w)`` must then not join ``g``.
+    The join check had skipped ``a @ w`` as computed before ``g``: the two kernels waited on
+    each other, the fusion pass failed ("Graph contains a cycle") and the partition lost all
+    its kernels."""
+    def value(name):
+        return ir.Value(name=name, shape=ir.Shape([128, 128]), type=ir.TensorType(ir.DataType.FLOAT))
 
-    a, b, x, y, p = value("a", [4, 8]), value("b", [4, 8]), value("x", [4, 8]), value("y", [4, 8]), value("p", [8, 8])
-    a_scaled = ir.node("Neg", [a])
-    b_scaled = ir.node("Neg", [b])
-    a_product = ir.node("MatMul", [a_scaled.outputs[0], p])
-    b_product = ir.node("MatMul", [b_scaled.outputs[0], p])
-    a_grad = ir.node("Add", [x, b_product.outputs[0]])  # a's chain reads b's product
-    b_grad = ir.node("Add", [y, a_product.outputs[0]])  # and b's reads a's
-    nodes = [a_scaled, b_scaled, a_product, b_product, a_grad, b_grad]
-    graph = ir.Graph([a, b, x, y, p], [a_grad.outputs[0], b_grad.outputs[0]], nodes=nodes, opset_imports={"": 18})
-    first, second = _pointwise._Group((4, 8), 0), _pointwise._Group((4, 8), 1)
-    first.nodes, second.nodes = [a_scaled, a_grad], [b_scaled, b_grad]
-    group_of = {a_scaled: first, a_grad: first, b_scaled: second, b_grad: second}
-    assert _pointwise._without_cycles(graph, [first, second], group_of) == [first]
-    third = _pointwise._Group((4, 8), 2)  # a group after them, on no cycle, stays
-    third.nodes = [ir.node("Relu", [a_grad.outputs[0]])]
-    graph.append(third.nodes[0])
-    group_of[third.nodes[0]] = third
-    assert _pointwise._without_cycles(graph, [first, second, third], group_of) == [first, third]
+    x, y, w, w2 = value("x"), value("y"), value("w"), value("w2")
+    a = ir.node("Relu", [x])
+    a_product = ir.node("MatMul", [a.outputs[0], w])
+    g = ir.node("Sigmoid", [y])
+    g_product = ir.node("MatMul", [g.outputs[0], w2])
+    a_late = ir.node("Mul", [a.outputs[0], g_product.outputs[0]])
+    g_late = ir.node("Add", [g.outputs[0], a_product.outputs[0]])
+    nodes = [a, a_product, g, g_product, a_late, g_late]
+    for node in nodes:
+        node.outputs[0].shape, node.outputs[0].type = ir.Shape([128, 128]), ir.TensorType(ir.DataType.FLOAT)
+    graph = ir.Graph([x, y, w, w2], [a_late.outputs[0], g_late.outputs[0]], nodes=nodes, opset_imports={"": 18})
+
+    groups, _ = _pointwise._groups(graph)
+    assert [[n.op_type for n in group.nodes] for group in groups] == [["Relu", "Mul"], ["Sigmoid"], ["Add"]]
+    ops, session = _after_pointwise_stage(ir.Model(graph, ir_version=10))
+    assert "Relu" not in ops  # a's group is a kernel
+    rng = np.random.default_rng(0)
+    feeds = {name: rng.standard_normal((128, 128)).astype(np.float32) for name in ("x", "y", "w", "w2")}
+    relu, sigmoid = np.maximum(feeds["x"], 0), 1 / (1 + np.exp(-feeds["y"]))
+    got = session.run(None, feeds)
+    np.testing.assert_allclose(got[0], relu * (sigmoid @ feeds["w2"]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], sigmoid + relu @ feeds["w"], rtol=1e-5, atol=1e-5)
