@@ -207,51 +207,63 @@ def max_pools_as_kernels(graph: ir.Graph) -> list[str]:
 
 
 def _group_convolution(node: ir.Node) -> tuple | None:
-    """(transposed, bias, kernel, strides, pads before, dilations, planes) of a float32 2-D Conv
-    of static shapes with groups of one output channel, or such a ConvTranspose with groups of
-    one input channel, else None. Planes: H, W, OH, OW as csrc/group_conv.h names them (the
-    pads after and the output padding are in them)."""
+    """(transposed, bias, kernel, strides, pads before, pads after, dilations, planes) of a
+    float32 2-D Conv with groups of one output channel, or such a ConvTranspose with groups of
+    one input channel, else None. ``pads after``: a ConvTranspose's output padding less them.
+    Planes: H, W, OH, OW as csrc/group_conv.h names them. A size that is symbolic (as are the
+    window of a weight gradient and the planes under ``dynamic=True``) is -1: the kernel reads
+    it at run time; a ConvTranspose's window must be fixed."""
     if node.op_type not in ("Conv", "ConvTranspose") or node.domain not in ("", "ai.onnx") \
             or not 2 <= len(node.inputs) <= 3:
         return None
     transposed = node.op_type == "ConvTranspose"
     x, w = node.inputs[0], node.inputs[1]
     bias = node.inputs[2] if len(node.inputs) == 3 else None
-    dims, wdims = _static_dims(x), _static_dims(w)
+    dims, wdims = _dims_or_unknown(x), _dims_or_unknown(w)
     attributes = node.attributes
     group = attributes.get_int("group", 1)
-    if dims is None or wdims is None or len(dims) != 4 or len(wdims) != 4 or group < 2 or min(dims) < 1 \
+    if dims is None or wdims is None or len(dims) != 4 or len(wdims) != 4 or group < 2 or 0 in dims \
             or not _is_float32(x) or not _is_float32(w) or (bias is not None and not _is_float32(bias)) \
             or attributes.get_string("auto_pad", "NOTSET") != "NOTSET" or "output_shape" in attributes:
         return None
-    if transposed and (wdims[0] != group or dims[1] != group):
+    if wdims[0] != group or (transposed and dims[1] != group):
         return None
-    if not transposed and (wdims[0] != group or dims[1] != group * wdims[1]):
+    if not transposed and -1 not in (dims[1], wdims[1]) and dims[1] != group * wdims[1]:
         return None
     kernel = wdims[2:]
-    if list(attributes.get_ints("kernel_shape", kernel)) != kernel:
+    if transposed and -1 in kernel or -1 not in kernel and list(attributes.get_ints("kernel_shape", kernel)) != kernel:
         return None
     strides = list(attributes.get_ints("strides", [1, 1]))
     pads = list(attributes.get_ints("pads", [0, 0, 0, 0]))
     dilations = list(attributes.get_ints("dilations", [1, 1]))
     extra = list(attributes.get_ints("output_padding", [0, 0])) if transposed else [0, 0]
     if len(strides) != 2 or len(pads) != 4 or len(dilations) != 2 or len(extra) != 2 \
-            or min(strides + dilations + kernel) < 1 or min(pads + extra) < 0:
+            or min(strides + dilations + [k for k in kernel if k != -1]) < 1 or min(pads + extra) < 0:
         return None
-    sizes = [_convolution_size(n, k, s, p, e, d, x, transposed)
-             for n, k, s, p, e, d, x in zip(dims[2:], kernel, strides, pads[:2], pads[2:], dilations, extra)]
-    if min(sizes) < 1:
+    after = [e - p for e, p in zip(extra, pads[2:])] if transposed else pads[2:]
+    sizes = [_convolution_size(n, k, s, p, a, d, transposed) if -1 not in (n, k) else -1
+             for n, k, s, p, a, d in zip(dims[2:], kernel, strides, pads[:2], after, dilations)]
+    if 0 in sizes:
         return None
     planes = [*sizes, *dims[2:]] if transposed else [*dims[2:], *sizes]
-    return int(transposed), int(bias is not None), kernel, strides, pads[:2], dilations, planes
+    return int(transposed), int(bias is not None), kernel, strides, pads[:2], after, dilations, planes
 
 
-def _convolution_size(n: int, k: int, s: int, before: int, after: int, d: int, extra: int, transposed: bool) -> int:
-    """ONNX's output length of a Conv (or ConvTranspose) along one axis, < 1 if none."""
+def _convolution_size(n: int, k: int, s: int, before: int, after: int, d: int, transposed: bool) -> int:
+    """ONNX's output length of a Conv (or ConvTranspose) along one axis, 0 if none (as
+    ``pw_conv_length`` in csrc/group_conv.h; a ConvTranspose's ``after``: its output padding
+    less its pads after)."""
     span = d * (k - 1) + 1
     if transposed:
-        return s * (n - 1) + extra + span - before - after
+        return max(s * (n - 1) + span - before + after, 0)
     return (n + before + after - span) // s + 1 if n + before + after >= span else 0
+
+
+def _dims_or_unknown(value: ir.Value | None) -> list[int] | None:
+    """``value``'s dims, -1 for each symbolic one; None without a shape."""
+    if value is None or value.shape is None:
+        return None
+    return [d if isinstance(d, int) else -1 for d in value.shape.dims]
 
 
 def group_convs_as_kernels(graph: ir.Graph) -> list[str]:

@@ -40,7 +40,13 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
     grad = aten.convolution(x, gy, None, dilation, padding, stride, False, [0] * spatial, groups)
     grad = grad.transpose(0, 1)  # (cout, cin_g, k...)
     for dim, size in enumerate(weight_shape[2:]):
-        grad = grad.narrow(dim + 2, 0, size)
+        if _static(grad.shape[dim + 2]):
+            grad = grad.narrow(dim + 2, 0, size)
+        else:
+            # Past the window are as many rows as the windows leave over at the input's end: a
+            # symbolic count (dynamic=True). A view cut to the window would be laid out by it,
+            # and Dynamo would guard on it (a recompile per parity of the image size).
+            grad = aten.slice_copy.Tensor(grad, dim + 2, 0, size)
     return grad
 
 
@@ -48,16 +54,18 @@ def _spread_back(grad, weight, stride, dilation, groups, rows_after):
     """The transposed convolution of ``grad`` (no padding), with ``rows_after`` more rows of
     zeros along each spatial dim: rows past every window's last tap. ONNX's ConvTranspose takes
     them as ``output_padding``, an attribute. Where a count is symbolic (``dynamic=True``) the
-    result has ``stride - 1`` rows of zeros after instead, at least as many: the caller narrows
+    result has ``stride`` rows of zeros after instead, more than the count: the caller narrows
     to the input. (Padding by the symbolic count would make Dynamo guard on whether it is 0,
-    and recompile as the input's size changes parity.)"""
+    and with ``stride - 1`` rows the cut would be the whole result for some input sizes: its
+    layout, a view or not, would be guarded on. Either way a recompile as the input's size
+    changes parity.)"""
     spatial = weight.dim() - 2
     if all(isinstance(rows, int) for rows in rows_after):
         return aten.convolution(grad, weight, None, stride, [0] * spatial, dilation, True, rows_after, groups)
     spread = aten.convolution(grad, weight, None, stride, [0] * spatial, dilation, True, [0] * spatial, groups)
     for dim in range(spatial):
         if stride[dim] > 1:
-            spread = _with_zeros(spread, dim + 2, 0, stride[dim] - 1)
+            spread = _with_zeros(spread, dim + 2, 0, stride[dim])
     return spread
 
 
@@ -96,7 +104,9 @@ def _pool_geometry(size: int, k: int, s: int, p: int, ceil_mode: bool) -> tuple[
     out = (size + 2 * p - k + (s - 1 if ceil_mode else 0)) // s + 1
     if ceil_mode and (out - 1) * s >= size + p:
         out -= 1
-    return out, max(0, (out - 1) * s + k - (size + 2 * p))
+    past = (out - 1) * s + k - (size + 2 * p)
+    # sym_max: a symbolic Max, where max() would make Dynamo guard on the sign (by parity)
+    return out, max(0, past) if _static(past) else torch.sym_max(0, past)
 
 
 def _avg_pool_parts(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):

@@ -1086,6 +1086,44 @@ def test_depthwise_convolutions_and_their_gradients_are_kernels_with_eagers_resu
     assert len(kernels) == 3, (forward, backward)  # forward, input gradient, weight gradient
 
 
+@pytest.mark.parametrize("layer", [
+    dict(kernel_size=7, padding=3),                                   # ConvNeXt's
+    dict(kernel_size=(3, 5), stride=2, padding=(1, 2), dilation=(2, 1)),
+    dict(kernel_size=2, stride=3, padding=1, transposed=True),
+])
+def test_depthwise_convolutions_of_dynamic_sizes_are_kernels_that_serve_every_size(tmp_path, layer):
+    """Under dynamic=True the planes (and the weight gradient's window, the output gradient's
+    plane) are symbolic: the kernels read those sizes at run time, so a new image size neither
+    re-exports nor leaves the convolutions to ORT's GEMM per (image, group). A row's last
+    outputs, fewer than 8, are computed 8 at a time with the extra lanes dropped."""
+    layer = dict(layer)
+    kind = nn.ConvTranspose2d if layer.pop("transposed", False) else nn.Conv2d
+    torch.manual_seed(0)
+    model = nn.Sequential(kind(6, 6, groups=6, **layer), nn.Tanh())
+    compiled = torch.compile(model, backend="ort", dynamic=True,
+                             options={"save_onnx": True, "save_path": str(tmp_path)})
+
+    def results(fn, x):
+        x.grad = None
+        model.zero_grad()
+        y = fn(x.requires_grad_())
+        y.square().sum().backward()
+        return [y.detach(), x.grad] + [p.grad.clone() for p in model.parameters()]
+
+    ort_dynamo.reset()
+    results(compiled, torch.randn(3, 6, 11, 12))
+    ort_dynamo.wait_for_kernels()
+    exports = ort_dynamo.report().exports
+    for x in (torch.randn(3, 6, 11, 12), torch.randn(2, 6, 16, 9), torch.randn(2, 6, 7, 5)):  # rows of 8 and less
+        for got, want in zip(results(compiled, x), results(model, x)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert ort_dynamo.report().exports == exports and ort_dynamo.report().fallback_nodes == 0
+    forward = _ops(glob.glob(str(tmp_path / "*forward*.onnx")))
+    backward = _ops(glob.glob(str(tmp_path / "*backward*.onnx")))
+    assert not {"Conv", "ConvTranspose"} & set(forward + backward), (forward, backward)
+    assert len([op for op in forward + backward if op.startswith("TorchGroupConv_")]) == 3, (forward, backward)
+
+
 def test_a_convolution_kernel_rejects_a_plane_of_another_size_with_a_clear_error():
     """TorchGroupConv is compiled for one plane size (its loops unroll over it): an input of
     another size, which a graph with symbolic sizes could hand it, is an error naming the

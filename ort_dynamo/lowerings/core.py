@@ -75,6 +75,13 @@ def prims_view_of(self: TReal) -> TReal:
     return op.Identity(self)
 
 
+def aten_slice_copy(self: TReal, dim: int = 0, start: INT64 | None = None, end: INT64 | None = None,
+                    step: INT64 = 1) -> TReal:
+    """slice_copy.Tensor: a slice as a new tensor, which ``decompositions`` writes where a view
+    of a symbolic length would make Dynamo guard on its layout. For ONNX, a Slice either way."""
+    return torchlib_core.aten_slice(self, dim, start, end, step)
+
+
 def aten_unfold(self: TReal, dimension: int, size: int, step: int) -> TReal:
     """unfold(Tensor(a) self, int dimension, int size, int step): the windows as slices of the
     input cut into rows of ``step``, not torchlib's Gather with an index per element (2-7x
@@ -165,6 +172,7 @@ LOWERINGS = {
     aten.view.default: aten_view,
     aten._unsafe_view.default: aten_view,
     aten.unfold.default: aten_unfold,
+    aten.slice_copy.Tensor: aten_slice_copy,
     **{getattr(aten, f"max_pool{n}d_with_indices").default: _max_pool_with_indices(n) for n in (1, 2, 3)},
 }
 
