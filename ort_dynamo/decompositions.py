@@ -23,7 +23,7 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
     """dL/dW of a (non-transposed) convolution, as one grouped convolution."""
     kernel = list(weight_shape[2:])
     if groups == 1 and list(stride) == kernel and not any(padding) and all(d == 1 for d in dilation) \
-            and _static(*inp.shape, *grad_out.shape):
+            and (_static(*inp.shape, *grad_out.shape) or any(k > 1 for k in kernel)):
         return _patch_weight_grad(inp, grad_out, weight_shape)
     if groups == 1 and all(k == 1 for k in kernel) and not any(padding) and _static(*inp.shape, *grad_out.shape):
         # A strided 1x1 convolution (ResNet's shortcuts) reads every stride-th pixel: those, as
@@ -91,7 +91,9 @@ def _patch_weight_grad(inp, grad_out, weight_shape):
         return (gy.transpose(0, 1).reshape(cout, -1) @ x.transpose(0, 1).reshape(cin, -1).t()).reshape(weight_shape)
     x = inp
     for d in range(spatial):  # what no window reads (the input's remainder, output_padding)
-        if x.shape[2 + d] != outs[d] * kernel[d]:
+        if not _static(x.shape[2 + d], outs[d]):  # a view of it would be guarded on (_conv_weight_grad)
+            x = aten.slice_copy.Tensor(x, 2 + d, 0, outs[d] * kernel[d])
+        elif x.shape[2 + d] != outs[d] * kernel[d]:
             x = x.narrow(2 + d, 0, outs[d] * kernel[d])
     x = x.reshape(n, cin, *[size for pair in zip(outs, kernel) for size in pair])
     order = [0, *[2 + 2 * d for d in range(spatial)], 1, *[3 + 2 * d for d in range(spatial)]]

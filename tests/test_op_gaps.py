@@ -346,7 +346,8 @@ def test_slices_and_rows_of_a_dynamic_length_have_gradients_on_ort_without_scatt
     (torch.nn.Conv2d(3, 8, 3, stride=2), torch.nn.AvgPool2d(2)),
     (torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.AvgPool2d(3, 2, 1, ceil_mode=True, count_include_pad=False)),
     (torch.nn.Conv2d(3, 8, 3, stride=3, padding=1, dilation=2), torch.nn.Conv2d(8, 8, 3, 2, 1, groups=4)),
-], ids=["resnet_stem", "avg_pool", "avg_pool_ceil", "dilated_grouped"])
+    (torch.nn.Conv2d(3, 8, 2, stride=2), torch.nn.Conv2d(8, 8, (2, 3), stride=(2, 3))),  # ConvNeXt's downsampling
+], ids=["resnet_stem", "avg_pool", "avg_pool_ceil", "dilated_grouped", "patches"])
 def test_strided_convolutions_and_pooling_of_dynamic_sizes_train_on_ort_like_eager(layers):
     """Under ``dynamic=True`` the rows a strided window never reads (fewer than the stride) are
     a symbolic count. The input's gradient ran wrong where the convolution was padded (ResNet's
