@@ -6,6 +6,7 @@ forward and backward, eager against ``backend="ort"``, on the shapes those model
     .venv/bin/python benchmarks/layer_ops.py reflect2d unfold_frames    # some cases only
     .venv/bin/python benchmarks/layer_ops.py --profile max_pool2d          # and ORT's heaviest nodes
     .venv/bin/python benchmarks/layer_ops.py --first-step lstm_64          # and aot_eager's first step
+    .venv/bin/python benchmarks/layer_ops.py --dynamic depthwise_conv      # compiled with dynamic=True
 
 Each case is ``(op(x) * 1.5).square().sum()`` and its backward, timed interleaved with eager
 after the generated kernels are built, with glibc malloc's thresholds fixed as in
@@ -80,6 +81,8 @@ CASES = {
     "channel_softmax": (lambda x: F.softmax(x, dim=1), (8, 64, 32, 32), "softmax over channels (attention maps)"),
     "depthwise_conv": (lambda x, w=torch.randn(96, 1, 7, 7, requires_grad=True): F.conv2d(x, w, padding=3, groups=96),
                        (8, 96, 56, 56), "ConvNeXt's 7x7 depthwise convolution, weight gradient included"),
+    "depthwise_conv_14": (lambda x, w=torch.randn(384, 1, 7, 7, requires_grad=True): F.conv2d(x, w, padding=3, groups=384),
+                          (8, 384, 14, 14), "the same in ConvNeXt's third stage"),
     "pointwise_conv": (lambda x, w=torch.randn(192, 64, 1, 1, requires_grad=True): F.conv2d(x, w),
                        (8, 64, 28, 28), "MobileNet's and ResNet's 1x1 convolution, weight gradient included"),
     "shortcut_conv": (lambda x, w=torch.randn(128, 64, 1, 1, requires_grad=True): F.conv2d(x, w, stride=2),
@@ -103,12 +106,12 @@ CASES = {
 }
 
 
-def heaviest_nodes(op, x, steps: int = 10, top: int = 6) -> list[tuple[float, str]]:
+def heaviest_nodes(op, x, steps: int = 10, top: int = 6, dynamic: bool = False) -> list[tuple[float, str]]:
     """(median ms, "op output-shape") of ORT's heaviest nodes in a step of the case."""
     from profile_step import heaviest_ort_nodes
 
     def step():
-        compiled = torch.compile(lambda t: (op(t) * 1.5).square().sum(), backend="ort")
+        compiled = torch.compile(lambda t: (op(t) * 1.5).square().sum(), backend="ort", dynamic=dynamic or None)
         return lambda: compiled(x).backward()
 
     return heaviest_ort_nodes(step, steps, top)
@@ -124,8 +127,8 @@ def aot_eager_first_step(op, x) -> float:
 
 
 def main(names: list[str]) -> None:
-    profile, first_steps = "--profile" in names, "--first-step" in names
-    names = [name for name in names if name not in ("--profile", "--first-step")]
+    profile, first_steps, dynamic = "--profile" in names, "--first-step" in names, "--dynamic" in names
+    names = [name for name in names if name not in ("--profile", "--first-step", "--dynamic")]
     warnings.simplefilter("ignore")
     unknown = sorted(set(names) - set(CASES))
     if unknown:
@@ -133,7 +136,8 @@ def main(names: list[str]) -> None:
     torch.manual_seed(0)
     torch._dynamo.config.allow_rnn = True  # the recurrent cases; no other case has an RNN
     _steady_malloc()  # as train_step.py: neither side pays page faults for the other's frees
-    print(f"torch {torch.__version__}; forward + backward, median of 20 interleaved steps")
+    print(f"torch {torch.__version__}; forward + backward, median of 20 interleaved steps"
+          + ("; compiled with dynamic=True" if dynamic else ""))
     if first_steps:  # the process's one-time costs (imports, first traces) go to neither side
         warm = torch.randn(4, 4, requires_grad=True)
         aot_eager_first_step(torch.sin, warm)
@@ -143,7 +147,7 @@ def main(names: list[str]) -> None:
         x = torch.randn(*shape, requires_grad=True)
         if first_steps:
             aot_first = aot_eager_first_step(op, x)
-        e, o, first = interleaved_ms(lambda t, op=op: (op(t) * 1.5).square().sum(), (x,), 20)
+        e, o, first = interleaved_ms(lambda t, op=op: (op(t) * 1.5).square().sum(), (x,), 20, dynamic=dynamic)
         print(f"{name:20s} {str(tuple(shape)):19s} eager {e:7.2f} ms  ort {o:7.2f} ms  ort/eager {o / e:5.2f}  "
               f"ort first step {first:5.1f} s  fallback nodes {ort_dynamo.report().fallback_nodes}  ({where})",
               flush=True)
@@ -151,7 +155,7 @@ def main(names: list[str]) -> None:
             print(f"{'':40s} first step: aot_eager {aot_first:5.1f} s, ort {first:5.1f} s, "
                   f"ort/aot_eager {first / aot_first:.2f}", flush=True)
         if profile:
-            for ms, node in heaviest_nodes(op, x):
+            for ms, node in heaviest_nodes(op, x, dynamic=dynamic):
                 print(f"    {ms:6.2f} ms  {node[:100]}")
 
 

@@ -325,10 +325,12 @@ def _child_first_step(name, backend, cache_dir, args) -> None:
     print(json.dumps({"seconds": seconds, "exports": ort_dynamo.report().exports}))
 
 
-def interleaved_ms(function, inputs, steps: int, loss=lambda out: out) -> tuple[float, float, float]:
+def interleaved_ms(function, inputs, steps: int, loss=lambda out: out,
+                   dynamic: bool = False) -> tuple[float, float, float]:
     """Median ms of ``loss(function(*inputs)).backward()`` in eager and with ``function``
-    compiled on ORT, steps interleaved, after three warm-up steps and the kernels' build; and
-    the seconds of ORT's first step (compile included; the kernels build in the background)."""
+    compiled on ORT (with ``dynamic=True`` where ``dynamic``), steps interleaved, after three
+    warm-up steps and the kernels' build; and the seconds of ORT's first step (compile
+    included; the kernels build in the background)."""
     def step(fn) -> float:
         start = time.perf_counter()
         loss(fn(*inputs)).backward()
@@ -336,7 +338,7 @@ def interleaved_ms(function, inputs, steps: int, loss=lambda out: out) -> tuple[
 
     ort_dynamo.reset()
     torch._dynamo.reset()
-    compiled = torch.compile(function, backend="ort")
+    compiled = torch.compile(function, backend="ort", dynamic=dynamic or None)
     first = step(compiled)
     for _ in range(3):
         step(function)

@@ -212,7 +212,7 @@ def _group_convolution(node: ir.Node) -> tuple | None:
     one input channel, else None. ``pads after``: a ConvTranspose's output padding less them.
     Planes: H, W, OH, OW as csrc/group_conv.h names them. A size that is symbolic (as are the
     window of a weight gradient and the planes under ``dynamic=True``) is -1: the kernel reads
-    it at run time; a ConvTranspose's window must be fixed."""
+    it at run time."""
     if node.op_type not in ("Conv", "ConvTranspose") or node.domain not in ("", "ai.onnx") \
             or not 2 <= len(node.inputs) <= 3:
         return None
@@ -231,7 +231,7 @@ def _group_convolution(node: ir.Node) -> tuple | None:
     if not transposed and -1 not in (dims[1], wdims[1]) and dims[1] != group * wdims[1]:
         return None
     kernel = wdims[2:]
-    if transposed and -1 in kernel or -1 not in kernel and list(attributes.get_ints("kernel_shape", kernel)) != kernel:
+    if -1 not in kernel and list(attributes.get_ints("kernel_shape", kernel)) != kernel:
         return None
     strides = list(attributes.get_ints("strides", [1, 1]))
     pads = list(attributes.get_ints("pads", [0, 0, 0, 0]))

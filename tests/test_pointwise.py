@@ -1124,6 +1124,32 @@ def test_depthwise_convolutions_of_dynamic_sizes_are_kernels_that_serve_every_si
     assert len([op for op in forward + backward if op.startswith("TorchGroupConv_")]) == 3, (forward, backward)
 
 
+def test_a_depthwise_window_that_is_an_input_of_dynamic_size_is_a_kernel_too(tmp_path):
+    """A weight handed in as an input (not a module's parameter) has symbolic sizes under
+    dynamic=True, its window too: the input gradient's transposed convolution reads its window
+    at run time as well, where ORT's ConvTranspose took 5x the step of the rest."""
+    def fn(x, w):
+        return torch.tanh(F.conv2d(x, w, padding=2, groups=6))
+
+    compiled = torch.compile(fn, backend="ort", dynamic=True, options={"save_onnx": True, "save_path": str(tmp_path)})
+    ort_dynamo.reset()
+    torch.manual_seed(0)
+    for step, (x, w) in enumerate([(torch.randn(3, 6, 11, 12), torch.randn(6, 1, 5, 5)),
+                                   (torch.randn(2, 6, 9, 16), torch.randn(6, 1, 3, 3))]):
+        results = []
+        for f in (compiled, fn):
+            inputs = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+            f(*inputs).square().sum().backward()
+            results.append([f(*inputs).detach()] + [t.grad for t in inputs])
+        if step == 0:
+            ort_dynamo.wait_for_kernels()
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert ort_dynamo.report().exports == 2 and ort_dynamo.report().fallback_nodes == 0
+    ops = _ops(glob.glob(str(tmp_path / "*backward*.onnx")))
+    assert not {"Conv", "ConvTranspose"} & set(ops) and len([op for op in ops if op.startswith("TorchGroupConv_")]) == 2
+
+
 def test_a_convolution_kernel_rejects_a_plane_of_another_size_with_a_clear_error():
     """TorchGroupConv is compiled for one plane size (its loops unroll over it): an input of
     another size, which a graph with symbolic sizes could hand it, is an error naming the

@@ -159,13 +159,19 @@ static inline __attribute__((always_inline)) void pw_group_conv_transposed_plane
   const int64_t T0 = (K0 - 1) * D0 > P0 ? (K0 - 1) * D0 - P0 : 0, T1 = (K1 - 1) * D1 > P1 ? (K1 - 1) * D1 - P1 : 0;
   const int64_t PH = H + P0 + T0, PW = W + P1 + T1;
   const int gather = S0 == 1 && S1 == 1;
-  float* pad = gather ? (float*)malloc((size_t)(PH * PW + PW_SLACK) * sizeof(float)) : NULL;
-  if (gather && !pad) {
+  /* the padded plane (stride 1) and its slack, the flipped window; each tap column's range */
+  const int64_t planed = gather ? PH * PW + PW_SLACK : 0;
+  float* pad = (float*)malloc((size_t)(planed + K0 * K1) * sizeof(float));
+  int64_t* lo = (int64_t*)malloc((size_t)(2 * K1) * sizeof(int64_t));
+  if (!pad || !lo) {
+    free(pad);
+    free(lo);
     __atomic_store_n(a->out_of_memory, 1, __ATOMIC_RELAXED);
     return;
   }
-  if (pad) memset(pad + PH * PW, 0, PW_SLACK * sizeof(float));
-  int64_t lo[K1 > 0 ? K1 : 1], hi[K1 > 0 ? K1 : 1];
+  if (gather) memset(pad + PH * PW, 0, PW_SLACK * sizeof(float));
+  float* restrict flipped = pad + planed;
+  int64_t* hi = lo + K1;
   for (int64_t j = 0; j < K1; ++j) pw_conv_range(W, S1, j * D1 - P1, OW, &lo[j], &hi[j]);
   for (int64_t q = p0 * a->per_group; q < p1 * a->per_group; ++q) { /* output plane (n, g * per_group + m) */
     const int64_t c = q % (a->groups * a->per_group);
@@ -176,7 +182,6 @@ static inline __attribute__((always_inline)) void pw_group_conv_transposed_plane
     if (gather) {
       if (q == p0 * a->per_group || q % a->per_group == 0) pw_pad_plane(x, OH, OW, pad, PH, PW, T0, T1);
       /* The flipped window: tap (i, j) reads pad row h + P0 + T0 - i D0, column col + P1 + T1 - j D1. */
-      float flipped[K0 * K1 > 0 ? K0 * K1 : 1];
       for (int64_t i = 0; i < K0 * K1; ++i) flipped[i] = w[K0 * K1 - 1 - i];
       const int64_t top = P0 + T0 - (K0 - 1) * D0, left = P1 + T1 - (K1 - 1) * D1;
       for (int64_t h = 0; h < H; ++h) {
@@ -205,6 +210,7 @@ static inline __attribute__((always_inline)) void pw_group_conv_transposed_plane
     }
   }
   free(pad);
+  free(lo);
 }
 
 /* A plane length on the other side of the convolution from n, < 1 if none (ONNX's formulas;
@@ -288,8 +294,8 @@ static inline __attribute__((always_inline)) OrtStatus* pw_group_conv_compute(
 /* One convolution: per axis (H, W) kernel, stride, pad before, pads after (transposed: the
  * output padding less the pads after) and dilation; BIAS: a third input; the planes, H x W
  * (the forward convolution's input, the transposed one's output) and OH x OW (the other
- * side). Sizes are constants, so that the loops over them unroll, or -1: read at run time (a
- * transposed convolution's window must be fixed). Defines name_compute and the type lists;
+ * side). Sizes are constants, so that the loops over them unroll, or -1: read at run time.
+ * Defines name_compute and the type lists;
  * the generated unit's PW_KERNEL line names the op. */
 #define PW_GROUP_CONV(name, TRANSPOSED, BIAS, K0, K1, S0, S1, P0, P1, A0, A1, D0, D1, H, W, OH, OW)              \
   static void name##_task(void* user, size_t t) {                                                           \
