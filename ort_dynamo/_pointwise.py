@@ -9,8 +9,9 @@ library the session registers.
 
 Groups are formed in topological order: a node joins the group of one of its inputs when it
 iterates over the same shape and joining creates no cycle: no path out of the group leads
-back in, also through another group that an early node of the path belongs to. Every value a group computes that
-something outside needs (another node, a graph output) becomes one of its outputs, so what
+back in, also through another group that an early node of the path belongs to. Every value a
+group computes that something outside needs (another node, a graph output) becomes one of its
+outputs, so what
 autograd saves for backward stays computed. Arithmetic is float32, op by op, in ONNX's order
 (no reassociation, no FMA contraction); exp is ``pw_expf`` (csrc/pointwise.h, within 1 ulp),
 log/tanh/erf come from the C library.
@@ -310,11 +311,11 @@ def _groups(graph: ir.Graph, info: _Graph | None = None, reductions: str = "all"
                 return index
             index = earlier
 
-    def depends_on(start: ir.Node, group: _Group) -> bool:
-        """Whether ``start`` (outside ``group``) reads, through any path of the graph as
-        fused so far, a value ``group`` computes: then ``group`` cannot also read ``start``."""
+    def depends_on(starts: list[ir.Node], group: _Group) -> bool:
+        """Whether one of ``starts`` (outside ``group``) reads, through any path of the graph
+        as fused so far, a value ``group`` computes: then ``group`` cannot also read it."""
         horizon = unreached_before(group)
-        seen, stack = set(), [start]
+        seen, stack = set(), list(starts)
         while stack:
             node = stack.pop()
             unit = group_of.get(node)
@@ -342,7 +343,7 @@ def _groups(graph: ir.Graph, info: _Graph | None = None, reductions: str = "all"
                 group = group_of.get(use.node)
                 if group is None or group.shape != shape or len(group.nodes) >= 64:
                     continue
-                if not any(depends_on(p, group) for p in producers):
+                if not depends_on(producers, group):
                     return group
         return None
 
@@ -370,7 +371,7 @@ def _groups(graph: ir.Graph, info: _Graph | None = None, reductions: str = "all"
             if len(candidate.nodes) >= 64:
                 continue
             outside = [p for p in producers if group_of.get(p) is not candidate]
-            if not any(depends_on(p, candidate) for p in outside):
+            if not depends_on(outside, candidate):
                 chosen = candidate
                 break
         for other in candidates if chosen is not None else ():
@@ -383,7 +384,7 @@ def _groups(graph: ir.Graph, info: _Graph | None = None, reductions: str = "all"
             outside_other = [p for p in predecessors(other.nodes) if group_of.get(p) not in (chosen, other)]
             outside_chosen = [p for p in [*predecessors(chosen.nodes), *producers]
                               if group_of.get(p) not in (chosen, other)]
-            if any(depends_on(p, chosen) for p in outside_other) or any(depends_on(p, other) for p in outside_chosen):
+            if depends_on(outside_other, chosen) or depends_on(outside_chosen, other):
                 continue
             chosen.nodes = sorted(chosen.nodes + other.nodes, key=order.__getitem__)
             chosen.first, chosen.last = min(chosen.first, other.first), max(chosen.last, other.last)

@@ -40,14 +40,18 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
     grad = aten.convolution(x, gy, None, dilation, padding, stride, False, [0] * spatial, groups)
     grad = grad.transpose(0, 1)  # (cout, cin_g, k...)
     for dim, size in enumerate(weight_shape[2:]):
-        if _static(grad.shape[dim + 2]):
-            grad = grad.narrow(dim + 2, 0, size)
-        else:
-            # Past the window are as many rows as the windows leave over at the input's end: a
-            # symbolic count (dynamic=True). A view cut to the window would be laid out by it,
-            # and Dynamo would guard on it (a recompile per parity of the image size).
-            grad = aten.slice_copy.Tensor(grad, dim + 2, 0, size)
+        grad = _first_rows(grad, dim + 2, size)
     return grad
+
+
+def _first_rows(x, dim: int, length):
+    """``x``'s first ``length`` rows along ``dim``. Where the rows past them are a symbolic
+    count (``dynamic=True``: what strided windows leave over at the input's end), a copy: a
+    view would be laid out by that count, and Dynamo would guard on it (a recompile per
+    remainder of the image size by the stride)."""
+    if not _static(x.shape[dim], length):
+        return aten.slice_copy.Tensor(x, dim, 0, length)
+    return x if x.shape[dim] == length else x.narrow(dim, 0, length)
 
 
 def _spread_back(grad, weight, stride, dilation, groups, rows_after):
@@ -91,10 +95,7 @@ def _patch_weight_grad(inp, grad_out, weight_shape):
         return (gy.transpose(0, 1).reshape(cout, -1) @ x.transpose(0, 1).reshape(cin, -1).t()).reshape(weight_shape)
     x = inp
     for d in range(spatial):  # what no window reads (the input's remainder, output_padding)
-        if not _static(x.shape[2 + d], outs[d]):  # a view of it would be guarded on (_conv_weight_grad)
-            x = aten.slice_copy.Tensor(x, 2 + d, 0, outs[d] * kernel[d])
-        elif x.shape[2 + d] != outs[d] * kernel[d]:
-            x = x.narrow(2 + d, 0, outs[d] * kernel[d])
+        x = _first_rows(x, 2 + d, outs[d] * kernel[d])
     x = x.reshape(n, cin, *[size for pair in zip(outs, kernel) for size in pair])
     order = [0, *[2 + 2 * d for d in range(spatial)], 1, *[3 + 2 * d for d in range(spatial)]]
     patches = x.permute(order).reshape(-1, cin * math.prod(kernel))  # (n, o..) x (cin, k..)

@@ -295,8 +295,7 @@ static inline __attribute__((always_inline)) OrtStatus* pw_group_conv_compute(
  * output padding less the pads after) and dilation; BIAS: a third input; the planes, H x W
  * (the forward convolution's input, the transposed one's output) and OH x OW (the other
  * side). Sizes are constants, so that the loops over them unroll, or -1: read at run time.
- * Defines name_compute and the type lists;
- * the generated unit's PW_KERNEL line names the op. */
+ * Defines name_compute and the type lists; the generated unit's PW_KERNEL line names the op. */
 #define PW_GROUP_CONV(name, TRANSPOSED, BIAS, K0, K1, S0, S1, P0, P1, A0, A1, D0, D1, H, W, OH, OW)              \
   static void name##_task(void* user, size_t t) {                                                           \
     const PwGroupConv* a = (const PwGroupConv*)user;                                                        \
