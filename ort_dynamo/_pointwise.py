@@ -1296,7 +1296,8 @@ def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
     row; ORT's own Softmax kernel is slow on short rows. Over another axis (a segmentation
     loss's channels), ORT transposes that axis last and back and runs rows as short as the
     channels (3 to 5 times eager's time): there the max and the sum stay ORT's reductions over
-    that axis, and the elementwise steps become kernels. That needs static sizes."""
+    that axis, and the elementwise steps become kernels. That needs that axis's length static
+    (the classes' count); the other sizes may be symbolic."""
     axes_of: dict[int, ir.Value] = {}
     for node in list(graph):
         if node.domain not in ("", "ai.onnx") or node.op_type not in ("Softmax", "LogSoftmax"):
@@ -1310,7 +1311,7 @@ def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
             continue
         axis %= len(shape)
         along_rows = axis == len(shape) - 1
-        if not along_rows and not (static and shape[axis] > 1):
+        if not along_rows and not (isinstance(shape[axis], int) and shape[axis] > 1):
             continue
         key = -1 if along_rows else axis
         if key not in axes_of:
@@ -1328,7 +1329,7 @@ def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
             steps = [peak, shifted, exp, total, log, ir.node("Sub", [shifted.outputs[0], log.outputs[0]])]
         for step in steps:
             step.outputs[0].dtype = ir.DataType.FLOAT
-            if static:  # what the groups read their operands' layouts from
+            if static or not along_rows:  # what the groups read their operands' layouts from
                 reduced = step.op_type in ("ReduceMax", "ReduceSum", "Log")
                 step.outputs[0].shape = ir.Shape([1 if reduced and d == axis else n for d, n in enumerate(shape)])
         _replace_node(graph, node, steps, "unexpanded")

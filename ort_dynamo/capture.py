@@ -313,6 +313,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOpti
     lower_stage.stacked_row_gradients(gm)
     lower_stage.random_draws_in_pytorch(gm, all_draws=options.torch_random and device == "cpu" and kind != "backward")
     lower_stage.sizes_from_inputs(gm)
+    lower_stage.squeezes_as_traced(gm)
     registry = functools.partial(export_stage.onnx_registry, options.opset)  # built on first need
     graph_key = cache_stage.cache_key(gm, options) if options.cache_dir else None
     known = cache_stage.load_json(options.cache_dir, graph_key, "verdicts") if graph_key else None

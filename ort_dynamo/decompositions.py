@@ -22,8 +22,7 @@ __all__ = ["own_decompositions", "pointwise_decompositions"]
 def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, groups):
     """dL/dW of a (non-transposed) convolution, as one grouped convolution."""
     kernel = list(weight_shape[2:])
-    if groups == 1 and list(stride) == kernel and not any(padding) and all(d == 1 for d in dilation) \
-            and (_static(*inp.shape, *grad_out.shape) or any(k > 1 for k in kernel)):
+    if groups == 1 and list(stride) == kernel and not any(padding) and all(d == 1 for d in dilation):
         return _patch_weight_grad(inp, grad_out, weight_shape)
     if groups == 1 and all(k == 1 for k in kernel) and not any(padding) and _static(*inp.shape, *grad_out.shape):
         # A strided 1x1 convolution (ResNet's shortcuts) reads every stride-th pixel: those, as
@@ -90,7 +89,9 @@ def _patch_weight_grad(inp, grad_out, weight_shape):
     kernel, outs = list(weight_shape[2:]), list(grad_out.shape[2:])
     if all(k == 1 for k in kernel):  # 1x1: the patches are the input itself, [cin, pixels] per image
         x, gy = inp.reshape(n, cin, -1), grad_out.reshape(n, cout, -1)
-        if cout * cin <= x.shape[-1] * (cin + cout):  # each image's product, summed: nothing transposed
+        # Either product is right at every size: a symbolic pixel count picks by its value now,
+        # without a guard (which would recompile where the choice flips).
+        if _hint(cout) * _hint(cin) <= _hint(x.shape[-1]) * (_hint(cin) + _hint(cout)):  # each image's product, summed: nothing transposed
             return torch.bmm(gy, x.transpose(1, 2)).sum(0).reshape(weight_shape)
         return (gy.transpose(0, 1).reshape(cout, -1) @ x.transpose(0, 1).reshape(cin, -1).t()).reshape(weight_shape)
     x = inp
@@ -217,6 +218,15 @@ def _adaptive_matrix(in_size: int, out_size: int, like):
 
 def _static(*sizes) -> bool:
     return all(isinstance(size, int) for size in sizes)
+
+
+def _hint(size) -> int:
+    """A size's value in the example being traced, read without a guard (an unbacked size,
+    which has none: 0)."""
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    return int(hint) if hint is not None else 0
 
 
 def _pool_window(in_size, out_size):
@@ -563,8 +573,8 @@ def _whole_repeat(in_size, out_size, scale):
     now, with a guard that they keep it, so another ratio compiles anew; powers of two only, as
     torch's float ratio is then exact at every size."""
     if not _static(in_size, out_size):
-        n, m = (size if isinstance(size, int) else size.node.hint for size in (in_size, out_size))
-        repeat = m // n if isinstance(n, int) and isinstance(m, int) and n > 0 and m % n == 0 else 0
+        n, m = _hint(in_size), _hint(out_size)
+        repeat = m // n if n > 0 and m % n == 0 else 0
         if repeat < 1 or repeat & (repeat - 1) or (scale is not None and scale > 0 and scale != repeat):
             return None
         return repeat if out_size == repeat * in_size else None  # the guard
@@ -734,7 +744,10 @@ def _linear_phases_backward(grad, axis, size, deltas):
     """The gradient of one whole-number linear upsampling along ``axis``: per input element the
     sum of its outputs' own weights, plus what the neighbours' outputs gave it."""
     phases = grad.unflatten(axis, (size, len(deltas)))
-    rows = [row.squeeze(axis + 1) for row in phases.split(1, axis + 1)]  # output s * i + r, per i: one Split
+    if _static(*grad.shape):
+        rows = [row.squeeze(axis + 1) for row in phases.split(1, axis + 1)]  # output s * i + r, per i: one Split
+    else:  # the phases' axis is symbolic (out // in); a split's last part would not be known to squeeze
+        rows = [phases.select(axis + 1, r) for r in range(len(deltas))]
 
     def weighted(weights):  # elementwise, which the pointwise kernels fuse
         terms = [row * w for row, w in zip(rows, weights) if w]

@@ -32,7 +32,7 @@ from .decompositions import (attention_backward, attention_forward, attention_in
                              masked_scores, own_decompositions, pointwise_decompositions, zero_rows)
 
 __all__ = ["lower_graph", "decomposition_table", "whole_upsampling", "trainable_rnns", "stacked_row_gradients",
-           "random_draws_in_pytorch", "sizes_from_inputs", "IN_PYTORCH"]
+           "random_draws_in_pytorch", "sizes_from_inputs", "squeezes_as_traced", "IN_PYTORCH"]
 
 aten = torch.ops.aten
 
@@ -1124,6 +1124,19 @@ def _empty_like(graph: torch.fx.Graph, like: torch.fx.Node, draw: torch.fx.Node,
     return empty
 
 
+def _size_arithmetic() -> dict:
+    """The sympy functions of shape arithmetic (a strided window's count, (s - 1) // 4 + 1), as
+    the Python operation that computes each on SymInts."""
+    from torch.utils._sympy import functions as sizes
+
+    return {sizes.FloorDiv: operator.floordiv, sizes.CleanDiv: operator.floordiv, sizes.PythonMod: operator.mod,
+            sizes.Mod: operator.mod, sizes.PowByNatural: operator.pow, sizes.Max: torch.sym_max,
+            sizes.Min: torch.sym_min}
+
+
+_SIZE_ARITHMETIC = _size_arithmetic()
+
+
 class _InputSizes:
     """Sizes computed from a graph's inputs: placeholders that are a size's symbols, or sizes
     of placeholder tensors that have them, added and multiplied as its expression says. Each
@@ -1161,12 +1174,14 @@ class _InputSizes:
             return self.symbols[expr]
         if expr in self.dims:
             return _fx_call(self.graph, aten.sym_size.int, *self.dims[expr])
-        if not (expr.is_Add or expr.is_Mul):
+        natural_power = expr.is_Pow and expr.exp.is_Integer and expr.exp > 0
+        combine = _SIZE_ARITHMETIC.get(type(expr)) or (operator.add if expr.is_Add else operator.mul if expr.is_Mul
+                                                        else operator.pow if natural_power else None)
+        if combine is None:
             return None
         terms = [self._expression(term) for term in expr.args]
         if any(term is None for term in terms):
             return None
-        combine = operator.add if expr.is_Add else operator.mul
         result = terms[0]
         for term in terms[1:]:
             result = _fx_call(self.graph, combine, result, term)
@@ -1174,15 +1189,18 @@ class _InputSizes:
 
 
 def sizes_from_inputs(gm: torch.fx.GraphModule) -> int:
-    """After AOTAutograd, with dynamic shapes: a size read off a tensor the graph computes
-    (``sym_size.int(h, 0)``) is read off the graph's inputs instead, where one has it. Else the
-    size, and the shape arithmetic PyTorch does with it, waits for that tensor: the ORT
-    partition that makes it ends there and another begins (HF GPT-2's forward ran as two).
-    Returns how many sizes now come from the inputs."""
+    """After AOTAutograd, with dynamic shapes: a size or element count read off a tensor the
+    graph computes (``sym_size.int(h, 0)``, ``sym_numel(h)``) is computed from the graph's
+    inputs instead, where they have its symbols (sums, products, powers, floor divisions,
+    remainders, max and min of them). Else the size, and the shape arithmetic PyTorch does with
+    it, waits for that tensor: the ORT partition that makes it ends there and another begins
+    (HF GPT-2's forward ran as two, SegFormer's as seven). Returns how many sizes now come from
+    the inputs."""
     graph, moved = gm.graph, 0
     sizes = _InputSizes(graph)
     for node in list(graph.nodes):
-        if not _call(node, aten.sym_size.int) or node.args[0].op == "placeholder" \
+        if not (_call(node, aten.sym_size.int) or _call(node, aten.sym_numel.default)) \
+                or node.args[0].op == "placeholder" \
                 or not isinstance(node.meta.get("val"), torch.SymInt):
             continue
         with graph.inserting_before(node):
@@ -1195,3 +1213,56 @@ def sizes_from_inputs(gm: torch.fx.GraphModule) -> int:
     if moved:
         gm.recompile()
     return moved
+
+
+_SQUEEZES = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+
+
+def squeezes_as_traced(gm: torch.fx.GraphModule) -> int:
+    """After AOTAutograd, with dynamic shapes: a squeeze that took out a dim of symbolic size
+    (one PyTorch found to be 1 and guarded, such as ``n // 8`` or ``out // in - 3``) becomes a
+    select of index 0 on each dim it took out. The ONNX lowering sees only the symbol, cannot
+    tell such a size from any other, and left the dim in: ranks disagreed downstream, with a
+    broadcast's result silently of the wrong shape. Returns how many squeezes changed."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    graph, changed = gm.graph, 0
+    for node in list(graph.nodes):
+        if not any(_call(node, squeeze) for squeeze in _SQUEEZES):
+            continue
+        before, after = _example(node.args[0]), node.meta.get("val")
+        if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor) or before.dim() == 0:
+            continue
+        asked = range(before.dim()) if len(node.args) < 2 else node.args[1]
+        asked = {d % before.dim() for d in ([asked] if isinstance(asked, int) else asked)}
+        taken = _taken_out(before.shape, after.shape, asked)
+        if taken is None or all(is_concrete_int(before.shape[d]) for d in taken):
+            continue  # no symbolic size taken out: the lowering's case
+        with graph.inserting_before(node):
+            out = node.args[0]
+            for d in reversed(taken):
+                out = _fx_call(graph, aten.select.int, out, d, 0)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed
+
+
+def _taken_out(before, after, asked) -> list | None:
+    """The dims of ``asked`` that a squeeze from shape ``before`` to ``after`` took out, read by
+    matching sizes' expressions (comparing the SymInts would add guards); None if they do not
+    line up."""
+    def key(size):
+        return size.node.expr if isinstance(size, torch.SymInt) else size
+
+    taken, kept = [], 0
+    for d, size in enumerate(before):
+        if kept < len(after) and key(size) == key(after[kept]):
+            kept += 1
+        elif d in asked:
+            taken.append(d)
+        else:
+            return None
+    return taken if kept == len(after) else None

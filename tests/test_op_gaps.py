@@ -723,6 +723,33 @@ def test_a_1x1_convolutions_gradients_are_products_with_no_transposed_activation
             assert perm == [1, 0, 2, 3] or (perm == [0, 2, 1] and read_by[node.output[0]] == "MatMul"), perm
 
 
+def test_a_1x1_convolutions_weight_gradient_is_a_product_with_dynamic_sizes_too(tmp_path):
+    # SegFormer's fuse and classifier layers under dynamic=True: the weight gradient was ORT's
+    # Conv with the whole output gradient as its kernel (3.9 ms of a 27 ms step).
+    import glob
+
+    import onnx
+
+    def conv(t, w):
+        return F.conv2d(t, w).square()
+
+    torch.manual_seed(0)
+    weight = torch.randn(4, 6, 1, 1, requires_grad=True)
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(conv, backend="ort", dynamic=True,
+                             options={"save_onnx": True, "save_path": str(tmp_path), "pointwise_kernels": False})
+    for size in (9, 12):
+        x = torch.randn(3, 6, size, size, requires_grad=True)
+        got, got_grads = _outputs_and_grads(compiled, (x, weight))
+        want, want_grads = _outputs_and_grads(conv, (x, weight))
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_grads, want_grads, rtol=1e-4, atol=1e-4)
+    assert ort_dynamo.report().exports == 2 and ort_dynamo.report().fallback_nodes == 0, ort_dynamo.report()
+    backward = [n.op_type for n in onnx.load(glob.glob(str(tmp_path / "*backward*.onnx"))[0]).graph.node]
+    assert backward.count("Conv") == 1 and "MatMul" in backward, backward  # the Conv: the input's gradient
+
+
 def test_a_strided_1x1_convolutions_weight_gradient_is_a_product_over_the_pixels_it_reads(tmp_path):
     """A 1x1 convolution with stride (ResNet's shortcuts) reads every stride-th pixel. As the
     correlation of the input with the output's gradient its weight gradient computed stride²
@@ -995,6 +1022,49 @@ def test_upsampling_to_a_size_read_off_a_tensor_compiles_with_dynamic_sizes(mode
     assert report.fallback_nodes == 0 and len(report.graphs) == 2, report  # both sizes: one forward, one backward
     ops = {node.op_type for path in glob.glob(str(tmp_path / "*.onnx")) for node in onnx.load(path).graph.node}
     assert "Resize" in ops and not ops & {"GatherElements", "ScatterElements", "GatherND", "ScatterND"}, ops
+
+
+def test_upsampling_back_to_the_size_a_strided_convolution_came_from_trains_with_dynamic_sizes():
+    # SegFormer's head: logits of the stride-4 stage upsampled to the image. The ratio is
+    # s // ((s - 1) // 4 + 1), which no guard simplifies to 4: the backward's per-phase split
+    # had a last part of size "ratio - 3", whose squeeze torch did and the ONNX graph did not.
+    def segmented(conv, image):
+        return torch.nn.functional.interpolate(conv(image), size=image.shape[2:], mode="bilinear",
+                                               align_corners=False)
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 5, 7, stride=4, padding=3)
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(segmented, backend="ort", dynamic=True)
+    for size in (32, 48):
+        image = torch.randn(2, 3, size, size, requires_grad=True)
+        got, got_grads = _outputs_and_grads(lambda x: compiled(conv, x), (image,))
+        want, want_grads = _outputs_and_grads(lambda x: segmented(conv, x), (image,))
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_grads, want_grads, rtol=1e-4, atol=1e-5)
+    report = ort_dynamo.report()
+    assert report.fallback_nodes == 0 and len(report.graphs) == 2, report
+
+
+def test_a_squeeze_of_a_size_that_is_one_only_by_a_guard_takes_the_dim_out_on_ort():
+    # x.shape[-1] // 8 is symbolic under dynamic=True; torch squeezes it where it is 1 (and
+    # guards that it stays 1). The ONNX graph must drop the dim too, or ranks disagree.
+    def squeezed(x):
+        return x.narrow(-1, 0, x.shape[-1] // 8).squeeze(-1) * x.sum(-1)
+
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(squeezed, backend="ort", dynamic=True)
+    for size in (12, 13):
+        x = torch.randn(3, size, requires_grad=True)
+        got, got_grads = _outputs_and_grads(compiled, (x,))
+        want, want_grads = _outputs_and_grads(squeezed, (x,))
+        assert got[0].shape == want[0].shape == (3,)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_grads, want_grads)
+    report = ort_dynamo.report()
+    assert report.fallback_nodes == 0 and report.ort_nodes > 0 and len(report.graphs) == 2, report
 
 
 @pytest.mark.parametrize("pool", [

@@ -261,6 +261,34 @@ def test_softmax_over_channels_is_reductions_over_that_axis_and_kernels(tmp_path
     assert ops.count("ReduceMax") == 3 and _pointwise_nodes(forward), ops
 
 
+def test_softmax_over_channels_of_dynamic_sizes_is_reductions_over_that_axis_and_kernels(tmp_path):
+    """The same with dynamic=True (a segmentation loss over images of any size): the channels'
+    count is a constant, the other sizes symbolic. ORT's LogSoftmax took 2.2 ms of SegFormer's
+    27 ms step there."""
+    classifier = torch.nn.Conv2d(3, 5, 1)  # a parameter's sizes are static: 5 classes
+
+    def fn(x):
+        logits = classifier(x)
+        return logits.log_softmax(1) * 2, (logits * 3).softmax(1)
+
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="ort", dynamic=True, options={"save_onnx": True, "save_path": str(tmp_path)})
+    for size in (24, 31, 24):
+        x = torch.randn(2, 3, size, size)
+        x[0, :, 3, 4] = float("-inf")
+        with torch.no_grad():
+            outputs = compiled(x), fn(x)
+        for got, want in zip(*outputs):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+        ort_dynamo.wait_for_kernels()  # the sizes after the first run the kernels
+    assert ort_dynamo.report().exports == 1, ort_dynamo.report()
+    forward = glob.glob(str(tmp_path / "*inference*.onnx"))[0]
+    ops = [n.op_type for n in onnx.load(forward).graph.node]
+    assert "Softmax" not in ops and "LogSoftmax" not in ops and "Transpose" not in ops, ops
+    assert ops.count("ReduceMax") == 2 and _pointwise_nodes(forward), ops
+
+
 def _step_fn(fn, x, w, tmp_path=None):
     """Outputs and gradients of ``fn`` (eager when no ``tmp_path``, else ort, saving models)."""
     x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()

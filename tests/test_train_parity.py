@@ -210,3 +210,30 @@ def test_dynamic_batch_and_sequence_length_do_not_reexport_a_transformer():
     assert ort_dynamo.report().fallback_nodes == 0
     # Sizes come from the inputs, not from tensors ORT computes: one ORT run per forward.
     assert [g.partitions for g in ort_dynamo.report().graphs if g.kind == "forward"] == [1, 1]
+
+
+class _PatchEmbedding(nn.Module):
+    """SegFormer's and PVT's stem: a strided convolution, its pixels as tokens, then a map again."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.bn = nn.Conv2d(3, 8, 7, stride=4, padding=3), nn.LayerNorm(8), nn.BatchNorm2d(8)
+
+    def forward(self, image):
+        x = self.conv(image)
+        batch, channels, height, width = x.shape
+        tokens = self.norm(x.flatten(2).transpose(1, 2))
+        return self.bn(tokens.transpose(1, 2).reshape(batch, channels, height, width)).square().mean()
+
+
+def test_sizes_of_strided_windows_come_from_the_inputs_and_keep_a_dynamic_forward_in_one_run():
+    # (s - 1) // 4 + 1 and BatchNorm's element count were read off the convolution's output:
+    # the forward ran as three ORT partitions, the shape arithmetic in Python between them.
+    torch.manual_seed(0)
+    sizes = iter([32, 37, 45])
+    result = train_both(_PatchEmbedding(), lambda: (torch.randn(2, 3, *[next(sizes)] * 2),), lambda loss: loss,
+                        dynamic=True)
+    assert_same_training(*result, rtol=1e-4, atol=1e-5)
+    assert_all_on_ort()
+    forward = [g for g in ort_dynamo.report().graphs if g.kind == "forward"]
+    assert len(forward) == 1 and forward[0].partitions == 1, ort_dynamo.report()
