@@ -39,7 +39,8 @@ def _scalar_like(value, like):
 
 def _squeezable(self, dims: Sequence[int]) -> list[int] | None:
     """The dims of ``dims`` torch really squeezes (those of size 1); None if the shape is unknown.
-    A symbolic size is never 1 (torch specializes sizes 0 and 1), so it is never squeezed."""
+    A symbolic size is kept: an input's is never 1 (torch specializes sizes 0 and 1), and one
+    that is 1 by a guard (``n // 8``) was made a select before export (``lower.squeezes_as_traced``)."""
     shape = self.shape
     if shape is None:
         return None
