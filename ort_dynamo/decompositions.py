@@ -220,6 +220,14 @@ def _static(*sizes) -> bool:
     return all(isinstance(size, int) for size in sizes)
 
 
+def _known(condition) -> bool:
+    """Whether a condition on sizes holds at every size the graph serves, decided without a
+    guard: a symbolic size's range (an input's is at least 2), else False."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(condition)
+
+
 def _hint(size) -> int:
     """A size's value in the example being traced, read without a guard (an unbacked size,
     which has none: 0)."""
@@ -484,8 +492,9 @@ def _reflection_pad_backward(op, grad, x, padding):
     """Per padded dim: the middle, plus each border flipped onto the positions it mirrors
     (1..left and size-1-right..size-2), added only there."""
     spatial = len(padding) // 2
-    if min(padding) < 0 or not _static(*x.shape[-spatial:], *grad.shape[-spatial:]):
-        return _torch_decompositions[op](grad, x, padding)
+    if min(padding) < 0 or not all(_known(x.shape[x.dim() - 1 - i] > max(padding[2 * i:2 * i + 2]))
+                                   for i in range(spatial)):
+        return _torch_decompositions[op](grad, x, padding)  # (a pad this wide is torch's error)
     out = grad
     for i in range(spatial):
         dim, left, right = x.dim() - 1 - i, padding[2 * i], padding[2 * i + 1]
@@ -493,7 +502,7 @@ def _reflection_pad_backward(op, grad, x, padding):
         middle = out.narrow(dim, left, size)
         mirrored_left = out.narrow(dim, 0, left).flip(dim)
         mirrored_right = out.narrow(dim, left + size, right).flip(dim)
-        if left + right <= size - 2:  # the borders' targets do not meet: touch only them
+        if _known(left + right <= size - 2):  # the borders' targets do not meet: touch only them
             pieces = [middle.narrow(dim, 0, 1), middle.narrow(dim, 1, left) + mirrored_left,
                       middle.narrow(dim, 1 + left, size - 2 - left - right),
                       middle.narrow(dim, size - 1 - right, right) + mirrored_right,
@@ -508,13 +517,14 @@ def _reflection_pad_backward(op, grad, x, padding):
 def _replication_pad_backward(op, grad, x, padding):
     """Per padded dim: each edge element gets its own gradient and its border's, summed."""
     spatial = len(padding) // 2
-    if min(padding) < 0 or not _static(*x.shape[-spatial:], *grad.shape[-spatial:]):
+    if min(padding) < 0 or not all(_known(x.shape[x.dim() - 1 - i] >= 2) or _known(x.shape[x.dim() - 1 - i] == 1)
+                                   for i in range(spatial)):
         return _replication_pad_backward_scattered(grad, x, padding)
     out = grad
     for i in range(spatial):
         dim, left, right = x.dim() - 1 - i, padding[2 * i], padding[2 * i + 1]
         size = x.shape[dim]
-        if size == 1:
+        if _known(size == 1):
             out = out.sum(dim, keepdim=True)
             continue
         first = out.narrow(dim, 0, left + 1).sum(dim, keepdim=True)

@@ -1196,23 +1196,32 @@ def sizes_from_inputs(gm: torch.fx.GraphModule) -> int:
     it, waits for that tensor: the ORT partition that makes it ends there and another begins
     (HF GPT-2's forward ran as two, SegFormer's as seven). Returns how many sizes now come from
     the inputs."""
-    graph, moved = gm.graph, 0
-    sizes = _InputSizes(graph)
+    sizes = _InputSizes(gm.graph)
+
+    def read_off_a_computed_tensor(node) -> bool:
+        return (_call(node, aten.sym_size.int) or _call(node, aten.sym_numel.default)) \
+            and node.args[0].op != "placeholder" and isinstance(node.meta.get("val"), torch.SymInt)
+
+    return _replace_calls(gm, read_off_a_computed_tensor, lambda node: sizes.of(node.meta["val"]))
+
+
+def _replace_calls(gm: torch.fx.GraphModule, matches, replacement) -> int:
+    """Each node ``matches`` accepts is replaced by the node ``replacement(node)`` makes before
+    it (None: it stays). Returns how many were replaced."""
+    graph, replaced = gm.graph, 0
     for node in list(graph.nodes):
-        if not (_call(node, aten.sym_size.int) or _call(node, aten.sym_numel.default)) \
-                or node.args[0].op == "placeholder" \
-                or not isinstance(node.meta.get("val"), torch.SymInt):
+        if not matches(node):
             continue
         with graph.inserting_before(node):
-            source = sizes.of(node.meta["val"])
-        if source is None:
+            new = replacement(node)
+        if new is None:
             continue
-        node.replace_all_uses_with(source)
+        node.replace_all_uses_with(new)
         graph.erase_node(node)
-        moved += 1
-    if moved:
+        replaced += 1
+    if replaced:
         gm.recompile()
-    return moved
+    return replaced
 
 
 _SQUEEZES = (aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
@@ -1226,28 +1235,21 @@ def squeezes_as_traced(gm: torch.fx.GraphModule) -> int:
     broadcast's result silently of the wrong shape. Returns how many squeezes changed."""
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-    graph, changed = gm.graph, 0
-    for node in list(graph.nodes):
-        if not any(_call(node, squeeze) for squeeze in _SQUEEZES):
-            continue
+    def as_selects(node):
         before, after = _example(node.args[0]), node.meta.get("val")
         if not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor) or before.dim() == 0:
-            continue
+            return None
         asked = range(before.dim()) if len(node.args) < 2 else node.args[1]
         asked = {d % before.dim() for d in ([asked] if isinstance(asked, int) else asked)}
         taken = _taken_out(before.shape, after.shape, asked)
         if taken is None or all(is_concrete_int(before.shape[d]) for d in taken):
-            continue  # no symbolic size taken out: the lowering's case
-        with graph.inserting_before(node):
-            out = node.args[0]
-            for d in reversed(taken):
-                out = _fx_call(graph, aten.select.int, out, d, 0)
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
-        changed += 1
-    if changed:
-        gm.recompile()
-    return changed
+            return None  # no symbolic size taken out: the lowering's case
+        out = node.args[0]
+        for d in reversed(taken):
+            out = _fx_call(gm.graph, aten.select.int, out, d, 0)
+        return out
+
+    return _replace_calls(gm, lambda node: any(_call(node, squeeze) for squeeze in _SQUEEZES), as_selects)
 
 
 def _taken_out(before, after, asked) -> list | None:

@@ -341,6 +341,34 @@ def test_slices_and_rows_of_a_dynamic_length_have_gradients_on_ort_without_scatt
     assert not ops & {"ScatterND", "ScatterElements"}, ops
 
 
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+def test_reflection_and_replication_padding_of_dynamic_sizes_have_gradients_without_scatters(tmp_path, mode):
+    """CycleGAN's and vocoders' padding under ``dynamic=True``: the backward took torch's
+    decomposition, an index scatter per padded dim (ReflectionPad2d's step 41 times eager's in
+    ``layer_ops.py --dynamic reflect2d``). Sizes known to exceed the padding (an input's sizes
+    are at least 2) keep the sums and Concats of static sizes."""
+    import glob
+
+    import onnx
+
+    def padded(x):
+        return F.pad(x, (3, 2, 1, 3), mode=mode) * x.sum()
+
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(padded, backend="ort", dynamic=True, options={"save_onnx": True, "save_path": str(tmp_path)})
+    for size in (9, 4, 12):  # 4: the left and right borders' targets overlap
+        x = torch.randn(2, 3, size, size + 1, requires_grad=True)
+        got, got_grads = _outputs_and_grads(compiled, (x,))
+        want, want_grads = _outputs_and_grads(padded, (x,))
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_grads, want_grads, rtol=1e-4, atol=1e-5)
+    report = ort_dynamo.report()
+    assert report.fallback_nodes == 0 and report.exports == 2, report  # one forward, one backward
+    ops = {node.op_type for path in glob.glob(str(tmp_path / "*backward*.onnx")) for node in onnx.load(path).graph.node}
+    assert not ops & {"ScatterND", "ScatterElements"}, ops
+
+
 @pytest.mark.parametrize("layers", [
     (torch.nn.Conv2d(3, 8, 7, stride=2, padding=3), torch.nn.MaxPool2d(3, 2, 1)),  # ResNet's stem
     (torch.nn.Conv2d(3, 8, 3, stride=2), torch.nn.AvgPool2d(2)),
