@@ -24,11 +24,13 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
     kernel = list(weight_shape[2:])
     if groups == 1 and list(stride) == kernel and not any(padding) and all(d == 1 for d in dilation):
         return _patch_weight_grad(inp, grad_out, weight_shape)
-    if groups == 1 and all(k == 1 for k in kernel) and not any(padding) and _static(*inp.shape, *grad_out.shape):
+    if groups == 1 and all(k == 1 for k in kernel) and not any(padding):
         # A strided 1x1 convolution (ResNet's shortcuts) reads every stride-th pixel: those, as
         # a 1x1 convolution's. As a correlation it would compute stride² taps for its one.
-        every = [slice(0, (o - 1) * s + 1, s) for o, s in zip(grad_out.shape[2:], stride)]
-        return _patch_weight_grad(inp[(slice(None), slice(None), *every)], grad_out, weight_shape)
+        read = inp
+        for d, (o, s) in enumerate(zip(grad_out.shape[2:], stride)):
+            read = _every(read, 2 + d, (o - 1) * s + 1, s)
+        return _patch_weight_grad(read, grad_out, weight_shape)
     n = inp.shape[0]
     spatial = len(weight_shape) - 2
     cin_g = inp.shape[1] // groups
@@ -51,6 +53,14 @@ def _first_rows(x, dim: int, length):
     if not _static(x.shape[dim], length):
         return aten.slice_copy.Tensor(x, dim, 0, length)
     return x if x.shape[dim] == length else x.narrow(dim, 0, length)
+
+
+def _every(x, dim: int, end, step: int):
+    """Every ``step``-th row of ``x`` along ``dim`` before ``end``; a copy where the sizes are
+    symbolic, for the reason ``_first_rows`` gives."""
+    if not _static(x.shape[dim], end):
+        return aten.slice_copy.Tensor(x, dim, 0, end, step)
+    return aten.slice.Tensor(x, dim, 0, end, step)
 
 
 def _spread_back(grad, weight, stride, dilation, groups, rows_after):

@@ -375,7 +375,8 @@ def test_reflection_and_replication_padding_of_dynamic_sizes_have_gradients_with
     (torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.AvgPool2d(3, 2, 1, ceil_mode=True, count_include_pad=False)),
     (torch.nn.Conv2d(3, 8, 3, stride=3, padding=1, dilation=2), torch.nn.Conv2d(8, 8, 3, 2, 1, groups=4)),
     (torch.nn.Conv2d(3, 8, 2, stride=2), torch.nn.Conv2d(8, 8, (2, 3), stride=(2, 3))),  # ConvNeXt's downsampling
-], ids=["resnet_stem", "avg_pool", "avg_pool_ceil", "dilated_grouped", "patches"])
+    (torch.nn.Conv2d(3, 8, 1, stride=2), torch.nn.Conv2d(8, 8, 1, stride=(3, 2))),  # ResNet's shortcuts
+], ids=["resnet_stem", "avg_pool", "avg_pool_ceil", "dilated_grouped", "patches", "strided_1x1"])
 def test_strided_convolutions_and_pooling_of_dynamic_sizes_train_on_ort_like_eager(layers):
     """Under ``dynamic=True`` the rows a strided window never reads (fewer than the stride) are
     a symbolic count. The input's gradient ran wrong where the convolution was padded (ResNet's
@@ -751,31 +752,35 @@ def test_a_1x1_convolutions_gradients_are_products_with_no_transposed_activation
             assert perm == [1, 0, 2, 3] or (perm == [0, 2, 1] and read_by[node.output[0]] == "MatMul"), perm
 
 
-def test_a_1x1_convolutions_weight_gradient_is_a_product_with_dynamic_sizes_too(tmp_path):
-    # SegFormer's fuse and classifier layers under dynamic=True: the weight gradient was ORT's
-    # Conv with the whole output gradient as its kernel (3.9 ms of a 27 ms step).
+@pytest.mark.parametrize("stride", [1, 2])
+def test_a_1x1_convolutions_weight_gradient_is_a_product_with_dynamic_sizes_too(tmp_path, stride):
+    # SegFormer's fuse and classifier layers, and ResNet's strided shortcuts, under
+    # dynamic=True: the weight gradient was ORT's Conv with the whole output gradient as its
+    # kernel (SegFormer: 3.9 ms of a 27 ms step; layer_ops --dynamic shortcut_conv 2.3x eager).
+    import copy
     import glob
 
     import onnx
 
-    def conv(t, w):
-        return F.conv2d(t, w).square()
-
     torch.manual_seed(0)
-    weight = torch.randn(4, 6, 1, 1, requires_grad=True)
+    eager = torch.nn.Conv2d(6, 4, 1, stride=stride, bias=False)  # a layer's weight: static sizes
+    layer = copy.deepcopy(eager)
     ort_dynamo.reset()
     torch._dynamo.reset()
-    compiled = torch.compile(conv, backend="ort", dynamic=True,
+    compiled = torch.compile(lambda t: layer(t).square(), backend="ort", dynamic=True,
                              options={"save_onnx": True, "save_path": str(tmp_path), "pointwise_kernels": False})
     for size in (9, 12):
         x = torch.randn(3, 6, size, size, requires_grad=True)
-        got, got_grads = _outputs_and_grads(compiled, (x, weight))
-        want, want_grads = _outputs_and_grads(conv, (x, weight))
+        got, got_grads = _outputs_and_grads(compiled, (x,))
+        want, want_grads = _outputs_and_grads(lambda t: eager(t).square(), (x,))
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(got_grads, want_grads, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(layer.weight.grad, eager.weight.grad, rtol=1e-4, atol=1e-4)
+        layer.weight.grad = eager.weight.grad = None
     assert ort_dynamo.report().exports == 2 and ort_dynamo.report().fallback_nodes == 0, ort_dynamo.report()
     backward = [n.op_type for n in onnx.load(glob.glob(str(tmp_path / "*backward*.onnx"))[0]).graph.node]
-    assert backward.count("Conv") == 1 and "MatMul" in backward, backward  # the Conv: the input's gradient
+    convolutions = backward.count("Conv") + backward.count("ConvTranspose")
+    assert convolutions == 1 and "MatMul" in backward, backward  # the input's gradient
 
 
 def test_a_strided_1x1_convolutions_weight_gradient_is_a_product_over_the_pixels_it_reads(tmp_path):
