@@ -168,6 +168,9 @@ class _OnnxSupport(OperatorSupportBase):
             verdict = "complex, sparse or quantized tensors are not supported by ORT"
         elif refusal := dtype_refusal(node):
             verdict = refusal
+        elif symbolic := _symbolic_attributes(node):
+            verdict = (f"its {symbolic} symbolic, and ONNX takes it as an attribute (under dynamic=True, "
+                       f"Dynamo makes an int the function closes over symbolic; a module's are constants)")
         elif node.name in self._known:
             verdict = self._known[node.name]
         else:
@@ -184,6 +187,23 @@ class _OnnxSupport(OperatorSupportBase):
 
 
 _ACCUMULATING_INDEX_PUT = {_aten.index_put.default, _aten._unsafe_index_put.default}
+
+#: Arguments that ONNX takes as attributes (numbers fixed in the graph), by position.
+_ATTRIBUTE_ARGUMENTS = {_aten.convolution.default: {3: "stride", 4: "padding", 5: "dilation", 7: "output_padding",
+                                                    8: "groups"}}
+
+
+def _symbolic_attributes(node: torch.fx.Node) -> str:
+    """Which of the node's attribute arguments is symbolic ("stride is"), or ""."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    for position, name in _ATTRIBUTE_ARGUMENTS.get(node.target, {}).items():
+        value = node.args[position] if position < len(node.args) else None
+        values = [v.meta.get("val") if isinstance(v, torch.fx.Node) else v
+                  for v in (value if isinstance(value, (list, tuple)) else [value])]
+        if any(isinstance(v, torch.SymInt) and not is_concrete_int(v) for v in values):
+            return f"{name} is"
+    return ""
 
 
 def _accumulates(node: torch.fx.Node) -> bool:

@@ -363,3 +363,24 @@ def test_attention_trains_like_eager_kept_in_pytorch_on_cuda_and_on_ort_otherwis
         assert {g.kind for g in report.graphs if g.kept} == {"forward", "backward"}, report
     else:
         assert report.kept_nodes == 0, report
+
+
+def test_a_convolution_whose_stride_dynamo_made_symbolic_falls_back_alone_with_that_reason():
+    # Under dynamic=True an int the function closes over becomes a SymInt; ONNX's Conv takes
+    # strides as an attribute. Before: every node of both graphs fell back, with the reason
+    # "Unsupported attribute type: <class 'list'>".
+    def make(stride):
+        def conv(t, w):
+            return F.conv2d(t.sin(), w, stride=stride).square()
+        return conv
+
+    x, w = torch.randn(3, 6, 9, 9, requires_grad=True), torch.randn(4, 6, 1, 1, requires_grad=True)
+    compiled = torch.compile(make(2), backend="ort", dynamic=True)
+    compiled(x, w).sum().backward()
+    got = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    make(2)(x, w).sum().backward()
+    torch.testing.assert_close(got, (x.grad, w.grad))
+    report = ort_dynamo.report()
+    assert report.ort_nodes > 0 and {f.op for f in report.fallbacks} == {"aten.convolution.default"}, report
+    assert all("stride is symbolic" in f.reason for f in report.fallbacks), report.fallbacks
