@@ -99,9 +99,10 @@ def _patch_weight_grad(inp, grad_out, weight_shape):
     kernel, outs = list(weight_shape[2:]), list(grad_out.shape[2:])
     if all(k == 1 for k in kernel):  # 1x1: the patches are the input itself, [cin, pixels] per image
         x, gy = inp.reshape(n, cin, -1), grad_out.reshape(n, cout, -1)
-        # Either product is right at every size: a symbolic pixel count picks by its value now,
-        # without a guard (which would recompile where the choice flips).
-        if _hint(cout) * _hint(cin) <= _hint(x.shape[-1]) * (_hint(cin) + _hint(cout)):  # each image's product, summed: nothing transposed
+        # Each image's product, summed (nothing transposed), unless it outgrows the operands.
+        # Either is right at every size: a symbolic pixel count picks by its value now, without
+        # a guard (which would recompile where the choice flips).
+        if _hint(cout) * _hint(cin) <= _hint(x.shape[-1]) * (_hint(cin) + _hint(cout)):
             return torch.bmm(gy, x.transpose(1, 2)).sum(0).reshape(weight_shape)
         return (gy.transpose(0, 1).reshape(cout, -1) @ x.transpose(0, 1).reshape(cin, -1).t()).reshape(weight_shape)
     x = inp
