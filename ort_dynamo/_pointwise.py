@@ -11,10 +11,9 @@ Groups are formed in topological order: a node joins the group of one of its inp
 iterates over the same shape and joining creates no cycle: no path out of the group leads
 back in, also through another group that an early node of the path belongs to. Every value a
 group computes that something outside needs (another node, a graph output) becomes one of its
-outputs, so what
-autograd saves for backward stays computed. Arithmetic is float32, op by op, in ONNX's order
-(no reassociation, no FMA contraction); exp is ``pw_expf`` (csrc/pointwise.h, within 1 ulp),
-log/tanh/erf come from the C library.
+outputs, so what autograd saves for backward stays computed. Arithmetic is float32, op by op,
+in ONNX's order (no reassociation, no FMA contraction); exp is ``pw_expf`` (csrc/pointwise.h,
+within 1 ulp), log/tanh/erf come from the C library.
 
 On CUDA the same groups (elementwise ops and row sums) become CUDA C (``_emit_cuda``), which
 ``_kernels`` compiles with NVRTC into a library for ORT's CUDA provider (csrc/pointwise_cuda*).

@@ -528,8 +528,8 @@ def _reflection_pad_backward(op, grad, x, padding):
 def _replication_pad_backward(op, grad, x, padding):
     """Per padded dim: each edge element gets its own gradient and its border's, summed."""
     spatial = len(padding) // 2
-    if min(padding) < 0 or not all(_known(x.shape[x.dim() - 1 - i] >= 2) or _known(x.shape[x.dim() - 1 - i] == 1)
-                                   for i in range(spatial)):
+    padded_sizes = x.shape[x.dim() - spatial:]
+    if min(padding) < 0 or not all(_known(size >= 2) or _known(size == 1) for size in padded_sizes):
         return _replication_pad_backward_scattered(grad, x, padding)
     out = grad
     for i in range(spatial):
@@ -767,7 +767,8 @@ def _linear_phases_backward(grad, axis, size, deltas):
     phases = grad.unflatten(axis, (size, len(deltas)))
     if _static(*grad.shape):
         rows = [row.squeeze(axis + 1) for row in phases.split(1, axis + 1)]  # output s * i + r, per i: one Split
-    else:  # the phases' axis is symbolic (out // in); a split's last part would not be known to squeeze
+    else:  # the phases' axis is out // in, which no guard makes a number: a split's last part
+        # would be "out // in - (s - 1)" long; each phase is taken directly instead
         rows = [phases.select(axis + 1, r) for r in range(len(deltas))]
 
     def weighted(weights):  # elementwise, which the pointwise kernels fuse
