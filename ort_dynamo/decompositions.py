@@ -250,8 +250,11 @@ def _hint(size) -> int:
 
 def _pool_window(in_size, out_size):
     """The window of adaptive pooling along a dim whose windows tile it (``in`` a multiple of
-    ``out``): then each is a plain mean, without the (out, in) matrix. None otherwise."""
-    if _static(in_size, out_size) and out_size > 0 and in_size % out_size == 0:
+    ``out``): then each is a plain mean, without the (out, in) matrix. None otherwise.
+
+    A symbolic ``in`` gets a guard on being a multiple, as torch's forward decomposition of
+    2-D adaptive pooling already takes: a size that is not recompiles once, onto the matrix."""
+    if out_size > 0 and in_size % out_size == 0:
         return in_size // out_size
     return None
 
@@ -261,8 +264,12 @@ def _adaptive_avg_pool(x, output_size):
     lead = x.dim() - spatial
     windows = [_pool_window(x.shape[lead + d], output_size[d]) for d in range(spatial)]
     if None not in windows:  # windows that tile the input: one mean over them all
-        tiles = [n for pair in zip(output_size, windows) for n in pair]
-        return x.reshape(*x.shape[:lead], *tiles).mean([lead + 2 * d + 1 for d in range(spatial)])
+        if spatial == 2 and _static(*windows):
+            return aten.avg_pool2d.default(x, windows, windows)  # ORT's AveragePool
+        tiles = x.reshape(*x.shape[:lead], *[n for pair in zip(output_size, windows) for n in pair])
+        if spatial == 3:  # ORT's ReduceMean over 3 strided axes is 2x slower than over the last, then 2
+            tiles = tiles.mean(-1, keepdim=True)
+        return tiles.mean([lead + 2 * d + 1 for d in range(spatial)])
     out = x
     for d in range(spatial):
         axis = lead + d
@@ -1099,6 +1106,11 @@ def own_decompositions() -> dict:
     @register(aten._adaptive_avg_pool3d_backward.default)
     def adaptive_avg_pool3d_backward(grad_out, x):
         return _adaptive_avg_pool_backward(grad_out, x, 3)
+
+    # torch's own decomposition makes the windows' size a constant: a recompile per input size.
+    @register(aten._adaptive_avg_pool2d.default)
+    def adaptive_avg_pool2d(x, output_size):
+        return _adaptive_avg_pool(x, output_size)
 
     @register(aten._adaptive_avg_pool3d.default)
     def adaptive_avg_pool3d(x, output_size):

@@ -483,6 +483,29 @@ def test_adaptive_average_pooling_whose_windows_tile_the_input_is_a_mean_and_a_s
     assert "Expand" in ops and "ReduceMean" in ops and not {"ReduceSum", "MatMul"} & ops, ops
 
 
+def test_adaptive_average_pooling_of_dynamic_sizes_compiles_once_for_every_multiple_of_the_output():
+    """Under ``dynamic=True`` torch's decomposition of 2-D adaptive pooling made the window a
+    constant (a guard ``size // 7 == 8``): each new image size recompiled and re-exported. The
+    window is now the symbolic ``size // 7``, and the backward a spread, not the (out, in)
+    matrix's products (layer_ops --dynamic adaptive_avg: 4.5x eager before). A size that is
+    not a multiple recompiles once, onto the matrix. 3-D pooling alike."""
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    pooled = {2: lambda t: F.adaptive_avg_pool2d(t, 7).sin(), 3: lambda t: F.adaptive_avg_pool3d(t, (7, 1, 7)).sin()}
+    for spatial, pool in pooled.items():
+        compiled = torch.compile(pool, backend="ort", dynamic=True)
+        exports = []
+        for size in (14, 21, 42, 23, 25):  # multiples of 7, then not
+            x = torch.randn(2, 3, *[size] * spatial, requires_grad=True)
+            got, got_grads = _outputs_and_grads(compiled, (x,))
+            want, want_grads = _outputs_and_grads(pool, (x,))
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(got_grads, want_grads)
+            exports.append(ort_dynamo.report().exports)
+        assert exports[0] == exports[1] == exports[2] < exports[3] == exports[4], (spatial, exports)
+    assert ort_dynamo.report().fallback_nodes == 0, ort_dynamo.report()
+
+
 def test_nearest_upsampling_by_whole_numbers_is_a_resize_and_a_sum(tmp_path):
     """Nearest upsampling (U-Net and diffusion decoders) reached the trace as torch's index
     gather, whose backward is a ScatterElements with an int64 index per element. Where each
