@@ -371,7 +371,7 @@ def _adaptive_max_pool(x, output_size):
     windows = [_pool_window(x.shape[x.dim() - spatial + d], output_size[d]) for d in range(spatial)]
     pool = aten.max_pool2d_with_indices if spatial == 2 else aten.max_pool3d_with_indices
     if None not in windows:
-        return pool(x, windows, windows)
+        return pool(x, windows, windows) if _static(*windows) else _tiled_max(x, output_size, windows)
     sizes = list(x.shape[-spatial:])
     tiles, positions, ks = x, torch.zeros((), dtype=torch.int64, device=x.device), []
     for d, (n, o) in enumerate(zip(sizes, output_size)):
@@ -388,6 +388,29 @@ def _adaptive_max_pool(x, output_size):
         positions = positions.unsqueeze(-1) * n + idx  # (o1*k1, .., od*kd): the plane's flat positions
     values, tile_index = pool(tiles, ks, ks)
     return values, positions.reshape(-1)[tile_index]
+
+
+def _tiled_max(x, output_size, windows):
+    """Adaptive max pooling over windows that tile the input and whose size is symbolic (ONNX's
+    MaxPool takes its kernel as an attribute): each window's elements flattened last, the
+    first maximum or the last NaN picked as torch's CPU kernel does, and its position mapped
+    back to the plane."""
+    spatial = len(output_size)
+    lead = x.dim() - spatial
+    tiles = x.reshape(*x.shape[:lead], *[n for pair in zip(output_size, windows) for n in pair])
+    order = [*range(lead), *range(lead, lead + 2 * spatial, 2), *range(lead + 1, lead + 2 * spatial, 2)]
+    flat = tiles.permute(order).flatten(-spatial)  # (.., o1, .., od, w1 * .. * wd)
+    nan = flat.isnan()
+    first_max = torch.where(nan, float("-inf"), flat).argmax(-1, keepdim=True)
+    last_nan = (nan * torch.arange(1, flat.shape[-1] + 1, device=x.device)).amax(-1, keepdim=True) - 1
+    local = torch.where(last_nan >= 0, last_nan, first_max)
+    values = flat.gather(-1, local).squeeze(-1)
+    rest, index, stride = local.squeeze(-1), 0, 1
+    for d in reversed(range(spatial)):
+        tile = torch.arange(output_size[d], device=x.device).reshape([-1] + [1] * (spatial - 1 - d))
+        index = index + (tile * windows[d] + rest % windows[d]) * stride
+        rest, stride = rest // windows[d], stride * x.shape[lead + d]
+    return values, index
 
 
 def _max_pool_indices_backward(grad, x, indices, spatial: int):
@@ -728,8 +751,8 @@ def _upsample_linear_backward(grad, output_size, input_size, align_corners, *sca
         axis, size = lead + d, input_size[lead + d]
         scale = scales[d] if d < len(scales) else None
         deltas = _linear_phases(size, output_size[d], align_corners, scale)
-        as_product = size <= (_MATRIX_MAX if deltas is None else _MATRIX_OVER_PHASES_MAX) \
-            and grad.dtype in (torch.float32, torch.float64) and _static(*out.shape)
+        as_product = _static(*out.shape) and grad.dtype in (torch.float32, torch.float64) \
+            and size <= (_MATRIX_MAX if deltas is None else _MATRIX_OVER_PHASES_MAX)  # no guard on a symbol
         if deltas is not None and not as_product:
             out = _linear_phases_backward(out, axis, size, deltas)
             continue

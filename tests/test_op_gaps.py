@@ -506,6 +506,72 @@ def test_adaptive_average_pooling_of_dynamic_sizes_compiles_once_for_every_multi
     assert ort_dynamo.report().fallback_nodes == 0, ort_dynamo.report()
 
 
+def test_adaptive_max_pooling_over_windows_of_dynamic_size_picks_eagers_indices():
+    """Windows that tile the input but whose size is symbolic are not ONNX's MaxPool (its
+    kernel is an attribute): each window's first maximum, or its last NaN, as torch's CPU
+    kernel picks, at every size from one export."""
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    pool = lambda t: F.adaptive_max_pool2d(t, (2, 3), return_indices=True)  # noqa: E731
+    compiled = torch.compile(pool, backend="ort", dynamic=True)
+    for size in (4, 6, 8):
+        x = torch.randint(0, 3, (2, 3, size, size * 3 // 2)).float()  # ties
+        x[0, 0, 0, 1] = x[0, 0, 1, 0] = float("nan")
+        x[1, 1, :size // 2, :size // 2] = float("-inf")
+        (values, indices), (want_values, want_indices) = compiled(x), pool(x)
+        torch.testing.assert_close(values, want_values, equal_nan=True)
+        assert torch.equal(indices, want_indices), size
+    assert ort_dynamo.report().exports == 1 and ort_dynamo.report().fallback_nodes == 0, ort_dynamo.report()
+
+
+#: Layers of convolutional and audio models, each at three sizes of its batch and spatial or
+#: time dims (channels fixed by the weights): (op, channels or None, sizes).
+_LAYERS_AT_THREE_SIZES = {
+    "reflect_pad": (lambda x: F.pad(x, (1, 2, 2, 1), mode="reflect"), 3, (9, 12, 17)),
+    "replicate_pad": (lambda x: F.pad(x, (1, 1, 1, 1), mode="replicate"), 3, (9, 12, 17)),
+    "frames": (lambda x: x.unfold(-1, 8, 4), None, (40, 64, 100)),
+    "nearest_up": (lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), 3, (9, 12, 17)),
+    "bilinear_up": (lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), 3, (9, 40, 70)),
+    "max_pool": (lambda x: F.max_pool2d(x, 3, 2, 1), 3, (9, 12, 17)),
+    "avg_pool": (lambda x: F.avg_pool2d(x, 2), 3, (8, 12, 18)),
+    "adaptive_avg": (lambda x: F.adaptive_avg_pool2d(x, 4), 3, (8, 12, 20)),
+    "global_avg": (lambda x: F.adaptive_avg_pool2d(x, 1), 3, (9, 12, 17)),
+    "adaptive_max": (lambda x: F.adaptive_max_pool2d(x[..., 1:], 4), 3, (8, 12, 20)),  # windows that tile
+    "pixel_shuffle": (lambda x: F.pixel_shuffle(x, 2), 8, (5, 8, 11)),
+    "group_norm": (lambda x: F.group_norm(x, 2), 4, (9, 12, 17)),
+    "instance_norm": (lambda x: F.instance_norm(x), 3, (9, 12, 17)),
+    "im2col": (lambda x: F.unfold(x, 3, padding=1), 3, (9, 12, 17)),
+    "channel_softmax": (lambda x: F.softmax(x, dim=1), 3, (9, 12, 17)),
+    "conv_transpose": (lambda x, w=torch.randn(3, 2, 2, 2): F.conv_transpose2d(x, w, stride=2), 3, (9, 12, 17)),
+    "strided_conv": (lambda x, w=torch.randn(4, 3, 3, 3): F.conv2d(x, w, stride=2, padding=1), 3, (9, 12, 17)),
+    "depthwise_conv": (lambda x, w=torch.randn(3, 1, 5, 5): F.conv2d(x, w, padding=2, groups=3), 3, (9, 12, 17)),
+}
+
+
+@pytest.mark.parametrize("layer", list(_LAYERS_AT_THREE_SIZES))
+def test_layers_of_dynamic_sizes_export_once_for_every_size(layer):
+    """``dynamic=True``: a new batch and image (or signal) size reuses the graphs exported for
+    the first, with eager's gradients. Before, bilinear upsampling's backward picked its path
+    with a guard on the size (a recompile past 64), and 2-D adaptive pooling made its window a
+    constant (a recompile at every size). Adaptive max pooling over windows that do not tile
+    the input still recompiles at each size (docs/performance.md)."""
+    op, channels, sizes = _LAYERS_AT_THREE_SIZES[layer]
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: op(t).square(), backend="ort", dynamic=True)
+    exports = []
+    for batch, size in zip((2, 3, 5), sizes):
+        x = torch.randn(batch, *([channels, size, size + 1] if channels else [size]), requires_grad=True)
+        with torch.fx.experimental._config.patch(use_duck_shape=False):  # a batch of 2 is not the weight's 2
+            got, got_grads = _outputs_and_grads(compiled, (x,))
+        want, want_grads = _outputs_and_grads(lambda t: op(t).square(), (x,))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got_grads, want_grads, rtol=1e-4, atol=1e-4)
+        exports.append(ort_dynamo.report().exports)
+    report = ort_dynamo.report()
+    assert exports[0] == exports[-1] and report.fallback_nodes == 0, (exports, report)
+
+
 def test_nearest_upsampling_by_whole_numbers_is_a_resize_and_a_sum(tmp_path):
     """Nearest upsampling (U-Net and diffusion decoders) reached the trace as torch's index
     gather, whose backward is a ScatterElements with an int64 index per element. Where each
