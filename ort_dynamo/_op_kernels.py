@@ -9,10 +9,11 @@ CPU provider runs slowly (csrc/max_pool.h, csrc/pointwise_runtime.c):
 - Its gradient, a ScatterElements adding along the last axis into zeros, on one thread in ORT:
   ``ScatterAddLastAxis``, parallel over rows.
 - Transposes that move the innermost axis and more than one axis, or keep it but it is short,
-  which ORT moves element by element (or a few floats at a time) on one thread (pixel shuffle and its gradient, einops' patch
-  rearrangements): ``TransposeRows``; and bfloat16 Transposes where ORT's bfloat16 path is
-  slower still (attention's k transposed): ``TransposeRowsBf16``. (``decompositions`` writes pixel shuffle as such a
-  transpose of static shapes.)
+  which ORT moves element by element (or a few floats at a time) on one thread (pixel shuffle
+  and its gradient, einops' patch rearrangements): ``TransposeRows``; and bfloat16 Transposes
+  where ORT's bfloat16 path is slower still (attention's k transposed): ``TransposeRowsBf16``.
+  (``decompositions`` writes pixel shuffle as such a transpose.) Symbolic sizes too: the
+  kernel reads them at run time.
 
 - Attention's heads moved back into rows, a Transpose [0, 2, 1, 3] of [B, H, S, D] that ORT
   copies slower than rows of D can be: ``MergeHeads``; and GPT-2's q, k and v gradients, three
@@ -324,6 +325,28 @@ def _static_dims(value: ir.Value | None) -> list[int] | None:
     return list(value.shape.dims)
 
 
+#: What a symbolic size counts as where a choice of kernel needs a number: Dynamo's symbolic
+#: sizes are at least 2, and in practice a batch, a length or an image side. The kernels read
+#: the sizes at run time, so this picks the faster path only; it cannot make a result wrong.
+_SYMBOLIC_SIZE = 256
+
+
+def _dims_for_choice(value: ir.Value | None) -> list[int] | None:
+    """The value's sizes, a symbolic one as ``_SYMBOLIC_SIZE``; None if its rank is unknown
+    or a dim is unnamed (it may be anything, 1 or 0 too)."""
+    if value is None or value.shape is None:
+        return None
+    dims = []
+    for d in value.shape.dims:
+        if isinstance(d, int):
+            dims.append(d)
+        elif isinstance(d, ir.SymbolicDim) and d.value is not None:
+            dims.append(_SYMBOLIC_SIZE)
+        else:
+            return None
+    return dims
+
+
 def _one_axis_moves(order: list[int]) -> bool:
     return any(order[:i] + order[i + 1:] == sorted(order[:i] + order[i + 1:]) for i in range(len(order)))
 
@@ -370,7 +393,7 @@ def transpose_rows_kernel(bfloat16: bool) -> tuple[str, str]:
 
 
 def slow_transposes_as_kernels(graph: ir.Graph) -> list[str]:
-    """Transposes of static shapes that ORT moves slowly -> ``TransposeRows``: float32 ones it
+    """Transposes that ORT moves slowly -> ``TransposeRows``: float32 ones it
     would move element by element (``_moves_elementwise``), bfloat16 ones where its bfloat16
     path is the slower (``_bfloat16_moves_slowly``). Run after the pointwise groups: a
     Transpose that only a group reads, the group reads at its strides instead. Returns the
@@ -380,7 +403,7 @@ def slow_transposes_as_kernels(graph: ir.Graph) -> list[str]:
         if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
             continue
         x = node.inputs[0]
-        dims = _static_dims(x)
+        dims = _dims_for_choice(x)
         perm = list(node.attributes.get_ints("perm", []))
         bfloat16 = element_type(x, _VIEWS) == ir.DataType.BFLOAT16
         if dims is None or not 3 <= len(dims) <= 8 or sorted(perm) != list(range(len(dims))) \

@@ -1012,11 +1012,10 @@ def own_decompositions() -> dict:
 
     @register(aten.pixel_shuffle.default)
     def pixel_shuffle(x, r):
-        # A Reshape, a Transpose that moves the innermost axis, a Reshape, all of static
-        # shapes, which the pointwise stage runs as one multi-threaded kernel (ORT's
-        # DepthToSpace, and torchlib's pixel_unshuffle through shape arithmetic, move each
-        # element on one thread). Symbolic sizes: torchlib's.
-        if x.device.type != "cpu" or x.dim() < 3 or not _static(*x.shape):
+        # A Reshape, a Transpose that moves the innermost axis, a Reshape, which the pointwise
+        # stage runs as one multi-threaded kernel (ORT's DepthToSpace, and torchlib's
+        # pixel_unshuffle through shape arithmetic, move each element on one thread).
+        if x.device.type != "cpu" or x.dim() < 3:
             return NotImplemented
         *lead, c, h, w = x.shape
         blocks = x.reshape(*lead, c // (r * r), r, r, h, w)
@@ -1025,7 +1024,7 @@ def own_decompositions() -> dict:
 
     @register(aten.pixel_unshuffle.default)
     def pixel_unshuffle(x, r):
-        if x.device.type != "cpu" or x.dim() < 3 or not _static(*x.shape):
+        if x.device.type != "cpu" or x.dim() < 3:
             return NotImplemented
         *lead, c, h, w = x.shape
         k = len(lead)

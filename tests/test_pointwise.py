@@ -1234,16 +1234,19 @@ def test_pixel_shuffle_and_its_gradient_move_rows_in_one_kernel(tmp_path):
     """Pixel shuffle (and unshuffle, its gradient) is a Transpose that moves the innermost axis;
     ORT's DepthToSpace and Transpose move such a tensor element by element on one thread
     (benchmarks/layer_ops.py pixel_shuffle: 1.80 times eager). TransposeRows gathers rows on
-    the intra-op threads, with eager's values and gradients, batched or not."""
+    the intra-op threads, with eager's values and gradients, batched or not, and under
+    ``dynamic=True`` (where it was torchlib's DepthToSpace: layer_ops --dynamic 2.1x eager)."""
     torch.manual_seed(0)
     x = torch.randn(2, 3, 16, 24, 32)  # big enough for a kernel (16384 elements)
-    for index, (fn, data) in enumerate(((lambda t: F.pixel_shuffle(t, 2).sin(), x[0]),
-                                        (lambda t: F.pixel_shuffle(t, 4).sin(), x),
-                                        (lambda t: F.pixel_unshuffle(t, 2).exp(), x[0]))):
+    cases = ((lambda t: F.pixel_shuffle(t, 2).sin(), x[0], False), (lambda t: F.pixel_shuffle(t, 4).sin(), x, False),
+             (lambda t: F.pixel_unshuffle(t, 2).exp(), x[0], False), (lambda t: F.pixel_shuffle(t, 2).sin(), x, True),
+             (lambda t: F.pixel_unshuffle(t, 2).exp(), x, True))
+    for index, (fn, data, dynamic) in enumerate(cases):
         folder = tmp_path / str(index)
         ort_dynamo.reset()
         torch._dynamo.reset()
-        compiled = torch.compile(fn, backend="ort", options={"save_onnx": True, "save_path": str(folder)})
+        compiled = torch.compile(fn, backend="ort", dynamic=dynamic,
+                                 options={"save_onnx": True, "save_path": str(folder)})
         data = data.clone().requires_grad_(True)
         compiled(data).sum().backward()
         ort_dynamo.wait_for_kernels()
@@ -1291,13 +1294,15 @@ def _one_transpose(dims, perm, dtype):
     ((16, 64, 48), (0, 2, 1), True),                       # one axis moves, rows of 64: ORT writes them slowly
     ((8, 56, 56, 64), (0, 3, 1, 2), False),                # NHWC to NCHW: long rows, ORT's single-axis path
     ((8, 1, 128, 1, 64), (0, 3, 4, 1, 2), False),          # the same through sizes of 1
+    (("n", 16, 2, 2, "h", "w"), (0, 1, 4, 2, 5, 3), True),  # pixel shuffle, dynamic=True: sizes read at run time
+    (("n", "s", 4, "d"), (0, 2, 1, 3), False),             # a symbolic innermost axis counts as a long row
 ])
 def test_transposes_ort_moves_element_by_element_run_as_kernels(dims, perm, kernel):
     ops, session = _one_transpose(dims, perm, ir.DataType.FLOAT)
     assert ("TransposeRows" in ops) == kernel
     if not kernel:
         return
-    data = np.random.randn(*dims).astype(np.float32)
+    data = np.random.randn(*[d if isinstance(d, int) else 5 for d in dims]).astype(np.float32)
     np.testing.assert_array_equal(session.run(None, {"x": data})[0], data.transpose(perm))
 
 
