@@ -988,15 +988,15 @@ def own_decompositions() -> dict:
         # F.unfold. torchlib gathers each window's elements with an int64 index, along the
         # innermost axis too (ORT's Gather: 17.7 ms of a 26 ms step at (8, 64, 32, 32)). The
         # patches are kernel-many strided slices of the padded input, stacked.
-        if not _static(*x.shape) or x.dim() not in (3, 4):
+        if x.dim() not in (3, 4):
             return NotImplemented
         batched = x.dim() == 4
         x = x if batched else x.unsqueeze(0)
         (kh, kw), (dh, dw), (ph, pw), (sh, sw) = kernel_size, dilation, padding, stride
         n, c, h, w = x.shape
         oh, ow = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1, (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-        if oh < 1 or ow < 1:
-            return NotImplemented  # torch's own error
+        if not (_known(oh >= 1) and _known(ow >= 1)):
+            return NotImplemented  # torch's own error, or a symbolic size that may leave no window
         padded = aten.constant_pad_nd(x, [pw, pw, ph, ph], 0.0) if ph or pw else x
         blocks = [padded[:, :, i * dh:i * dh + (oh - 1) * sh + 1:sh, j * dw:j * dw + (ow - 1) * sw + 1:sw]
                   for i in range(kh) for j in range(kw)]
