@@ -596,7 +596,7 @@ def _unfold_backward(grad, input_size, dimension, size, step):
         return _torch_decompositions[aten.unfold_backward.default](grad, input_size, dimension, size, step)
     dim = dimension % len(input_size)
     length, windows = input_size[dim], grad.shape[dim]
-    if not _static(length, windows) or step <= 0:
+    if step <= 0:
         return _torch_decompositions[aten.unfold_backward.default](grad, input_size, dimension, size, step)
     blocks = -(-size // step)
     rows = grad.movedim(-1, dim + 1)  # [..., windows, size, ...]
@@ -609,6 +609,9 @@ def _unfold_backward(grad, input_size, dimension, size, step):
         run = _with_zeros(run, dim, b * step, (blocks - 1 - b) * step) if blocks > 1 else run
         total = run if total is None else total + run
     span = (windows + blocks - 1) * step  # past position length - 1 there are only zeros
+    if not _static(length, windows):  # which is the longer depends on the length's remainder by the step
+        short = size + step - 1 - blocks * step  # length - span is at most this
+        return aten.slice_copy.Tensor(_with_zeros(total, dim, 0, short) if short > 0 else total, dim, 0, length)
     return total.narrow(dim, 0, length) if span >= length else _with_zeros(total, dim, 0, length - span)
 
 

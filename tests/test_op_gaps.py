@@ -531,6 +531,10 @@ _LAYERS_AT_THREE_SIZES = {
     "reflect_pad": (lambda x: F.pad(x, (1, 2, 2, 1), mode="reflect"), 3, (9, 12, 17)),
     "replicate_pad": (lambda x: F.pad(x, (1, 1, 1, 1), mode="replicate"), 3, (9, 12, 17)),
     "frames": (lambda x: x.unfold(-1, 8, 4), None, (40, 64, 100)),
+    "frames_uneven": (lambda x: x.unfold(-1, 7, 3), None, (40, 64, 101)),
+    "frames_with_gaps": (lambda x: x.unfold(-1, 3, 5), None, (40, 64, 102)),
+    "patches": (lambda x: x.unfold(-1, 4, 4), None, (41, 65, 103)),  # torch guards on a multiple of 4 (contiguity)
+    "rows_of_windows": (lambda x: x.unfold(2, 4, 3), 3, (9, 12, 17)),
     "nearest_up": (lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), 3, (9, 12, 17)),
     "bilinear_up": (lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"), 3, (9, 40, 70)),
     "max_pool": (lambda x: F.max_pool2d(x, 3, 2, 1), 3, (9, 12, 17)),
@@ -555,7 +559,8 @@ def test_layers_of_dynamic_sizes_export_once_for_every_size(layer):
     the first, with eager's gradients. Before, bilinear upsampling's backward picked its path
     with a guard on the size (a recompile past 64), and 2-D adaptive pooling made its window a
     constant (a recompile at every size). Adaptive max pooling over windows that do not tile
-    the input still recompiles at each size (docs/performance.md)."""
+    the input still recompiles at each size (docs/performance.md). ``Tensor.unfold`` along a
+    symbolic dim was torchlib's Gather and its backward torch's index scatter."""
     op, channels, sizes = _LAYERS_AT_THREE_SIZES[layer]
     ort_dynamo.reset()
     torch._dynamo.reset()

@@ -88,26 +88,33 @@ def aten_unfold(self: TReal, dimension: int, size: int, step: int) -> TReal:
     eager's time, benchmarks/layer_ops.py). Window ``w``'s element ``j`` is position
     ``w * step + j``: block ``b`` of ``step`` elements of every window is row ``w + b``."""
     shape = list(self.shape) if self.shape is not None else []
-    symbolic = [d for d in shape if not isinstance(d, int)]
-    if (not shape or not isinstance(shape[dimension % len(shape)], int) or len(symbolic) > 1
-            or 0 in shape or step <= 0):
+    if not shape or 0 in shape or step <= 0 or size <= 0:
         return torchlib_core.aten_unfold(self, dimension, size, step)
     rank, dim = len(shape), dimension % len(shape)
-    windows = (shape[dim] - size) // step + 1
     blocks = -(-size // step)
-    rows = windows + blocks - 1
-    x = self
-    if rows * step > shape[dim]:  # the last block's zeros are never read
-        pads = [0] * (2 * rank)
-        pads[rank + dim] = rows * step - shape[dim]
-        x = op.Pad(x, op.Constant(value_ints=pads))
-    elif rows * step < shape[dim]:
-        x = op.Slice(x, _ints(0), _ints(rows * step), _ints(dim))
-    sizes = [d if isinstance(d, int) else -1 for d in shape]
-    x = op.Reshape(x, op.Constant(value_ints=sizes[:dim] + [rows, step] + sizes[dim + 1:]), allowzero=True)
+    if isinstance(shape[dim], int) and sum(not isinstance(d, int) for d in shape) <= 1:
+        windows = (shape[dim] - size) // step + 1
+        rows = windows + blocks - 1
+        x = self
+        if rows * step > shape[dim]:  # the last block's zeros are never read
+            x = op.Pad(x, op.Constant(value_ints=_pads_at_end(rank, dim, rows * step - shape[dim])))
+        elif rows * step < shape[dim]:
+            x = op.Slice(x, _ints(0), _ints(rows * step), _ints(dim))
+        sizes = [d if isinstance(d, int) else -1 for d in shape]
+        x = op.Reshape(x, op.Constant(value_ints=sizes[:dim] + [rows, step] + sizes[dim + 1:]), allowzero=True)
+        ends = [_ints(b + windows) for b in range(blocks)]
+    else:  # symbolic sizes (dynamic=True: a signal's length): the same from the input's shape
+        windows = op.Add(op.Div(op.Sub(op.Shape(self, start=dim, end=dim + 1), _ints(size)), _ints(step)), _ints(1))
+        rows = op.Add(windows, _ints(blocks - 1))
+        # rows * step <= length - size + blocks * step: that many zeros at most are missing
+        x = self if blocks * step == size else \
+            op.Pad(self, op.Constant(value_ints=_pads_at_end(rank, dim, blocks * step - size)))
+        x = op.Slice(x, _ints(0), op.Mul(rows, _ints(step)), _ints(dim))
+        x = op.Reshape(x, op.Concat(op.Shape(self, start=0, end=dim), rows, _ints(step),
+                                    op.Shape(self, start=dim + 1), axis=0))
+        ends = [op.Add(windows, _ints(b)) for b in range(blocks)]
     if blocks > 1:
-        x = op.Concat(*[op.Slice(x, _ints(b), _ints(b + windows), _ints(dim)) for b in range(blocks)],
-                      axis=dim + 1)
+        x = op.Concat(*[op.Slice(x, _ints(b), end, _ints(dim)) for b, end in enumerate(ends)], axis=dim + 1)
     if blocks * step != size:
         x = op.Slice(x, _ints(0), _ints(size), _ints(dim + 1))
     if dim + 1 < rank:  # the window's elements go last
@@ -115,6 +122,12 @@ def aten_unfold(self: TReal, dimension: int, size: int, step: int) -> TReal:
         perm.append(perm.pop(dim + 1))
         x = op.Transpose(x, perm=perm)
     return x
+
+
+def _pads_at_end(rank: int, dim: int, count: int) -> list[int]:
+    pads = [0] * (2 * rank)
+    pads[rank + dim] = count
+    return pads
 
 
 def _max_pool_with_indices(spatial: int):
