@@ -394,18 +394,20 @@ def _tiled_max(x, output_size, windows):
     """Adaptive max pooling over windows that tile the input and whose size is symbolic (ONNX's
     MaxPool takes its kernel as an attribute): each window's elements flattened last, the
     first maximum or the last NaN picked as torch's CPU kernel does, and its position mapped
-    back to the plane."""
+    back to the plane. Reductions over the last axis only (ORT's GatherElements is slow)."""
     spatial = len(output_size)
     lead = x.dim() - spatial
     tiles = x.reshape(*x.shape[:lead], *[n for pair in zip(output_size, windows) for n in pair])
     order = [*range(lead), *range(lead, lead + 2 * spatial, 2), *range(lead + 1, lead + 2 * spatial, 2)]
     flat = tiles.permute(order).flatten(-spatial)  # (.., o1, .., od, w1 * .. * wd)
     nan = flat.isnan()
-    first_max = torch.where(nan, float("-inf"), flat).argmax(-1, keepdim=True)
-    last_nan = (nan * torch.arange(1, flat.shape[-1] + 1, device=x.device)).amax(-1, keepdim=True) - 1
-    local = torch.where(last_nan >= 0, last_nan, first_max)
-    values = flat.gather(-1, local).squeeze(-1)
-    rest, index, stride = local.squeeze(-1), 0, 1
+    position = torch.arange(flat.shape[-1], device=x.device, dtype=torch.float32)
+    last_nan = torch.where(nan, position, -1.0).amax(-1)
+    numbers = torch.where(nan, float("-inf"), flat)
+    has_nan = last_nan >= 0
+    values = torch.where(has_nan, float("nan"), numbers.amax(-1))
+    rest = torch.where(has_nan, last_nan.long(), numbers.argmax(-1))
+    index, stride = 0, 1
     for d in reversed(range(spatial)):
         tile = torch.arange(output_size[d], device=x.device).reshape([-1] + [1] * (spatial - 1 - d))
         index = index + (tile * windows[d] + rest % windows[d]) * stride
