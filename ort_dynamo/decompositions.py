@@ -756,8 +756,8 @@ def _upsample_linear_backward(grad, output_size, input_size, align_corners, *sca
         axis, size = lead + d, input_size[lead + d]
         scale = scales[d] if d < len(scales) else None
         deltas = _linear_phases(size, output_size[d], align_corners, scale)
-        as_product = _static(*out.shape) and grad.dtype in (torch.float32, torch.float64) \
-            and size <= (_MATRIX_MAX if deltas is None else _MATRIX_OVER_PHASES_MAX)  # no guard on a symbol
+        as_product = grad.dtype in (torch.float32, torch.float64) and _as_product(
+            size, _MATRIX_MAX if deltas is None else _MATRIX_OVER_PHASES_MAX, guarded=deltas is None)
         if deltas is not None and not as_product:
             out = _linear_phases_backward(out, axis, size, deltas)
             continue
@@ -777,6 +777,16 @@ _MATRIX_MAX = 256
 #: ... and up to this long where a whole-number scale has its phases' backward (the product is
 #: faster for 32 and 64 inputs, slower for 128: benchmarks/layer_ops.py upsample_bilinear*).
 _MATRIX_OVER_PHASES_MAX = 64
+
+
+def _as_product(size, limit: int, guarded: bool) -> bool:
+    """Whether a linear upsampling's backward along an input axis of ``size`` is a product with
+    its weights. A symbolic size: where the other path is the index scatter (align_corners, or
+    a ratio not whole), as its value now says, with a guard that it stays within ``limit`` (one
+    recompile if it grows past); where it is the phases' sums, no: they serve any size."""
+    if _static(size):
+        return size <= limit
+    return guarded and _hint(size) <= limit and size <= limit
 
 
 def _linear_matrix(lower, upper, weight, size):
