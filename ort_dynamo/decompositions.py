@@ -1162,6 +1162,8 @@ def own_decompositions() -> dict:
         if span is None:  # torch's: zeros + slice_scatter
             return _torch_decompositions[aten.slice_backward.default](grad, input_sizes, dim, start, end, step)
         dim, before, after = span
+        if _known(before == 0) and _known(after == 0):  # x[:, t] under dynamic=True slices all rows
+            return grad.clone()  # an Identity, which ORT drops; a Pad of nothing would copy
         return _with_zeros(grad, dim, before, after)
 
     @register(aten.slice_scatter.default)

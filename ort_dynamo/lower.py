@@ -27,8 +27,9 @@ import torch.fx
 from torch._decomp import _core_aten_decompositions_post_autograd, decomposition_table as _torch_decompositions
 from torch._export.utils import _is_preservable_cia_op
 from torch.export.decomp_utils import PRESERVED_ATEN_CIA_OPS
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .decompositions import (attention_backward, attention_forward, attention_inputs, attention_operands,
+from .decompositions import (_hint, attention_backward, attention_forward, attention_inputs, attention_operands,
                              masked_scores, own_decompositions, pointwise_decompositions, zero_rows)
 
 __all__ = ["lower_graph", "decomposition_table", "whole_upsampling", "trainable_rnns", "stacked_row_gradients",
@@ -729,7 +730,8 @@ def _stack_rows(graph: torch.fx.Graph, root: torch.fx.Node, leaves: list) -> boo
     for (dim, size), rows in groups.items():
         grads = {index: grad for (grad, _, _, index), _ in rows}
         if size < _MIN_STACKED_ROWS or len(grads) != len(rows) or set(grads) != set(range(size)) \
-                or not _same_shape(root, [leaf for _, leaf in rows]) or root.meta["val"].shape[dim] != size:
+                or not _same_shape(root, [leaf for _, leaf in rows]) \
+                or not statically_known_true(root.meta["val"].shape[dim] == size):
             continue
         _replace_sum(graph, root, leaves, [leaf for _, leaf in rows],
                      lambda: _fx_call(graph, aten.stack.default, [grads[i] for i in range(size)], dim))
@@ -766,10 +768,12 @@ def _summands(root: torch.fx.Node) -> list:
 
 
 def _same_shape(root: torch.fx.Node, terms: list) -> bool:
-    """Whether the sum and these terms have one static shape and dtype (a sum may broadcast)."""
+    """Whether the sum and these terms have one shape and dtype (a sum may broadcast): equal
+    sizes, symbolic ones too (``dynamic=True``'s batch) where they are equal without a guard."""
     values = [n.meta.get("val") for n in (root, *terms)]
-    return all(isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape)
-               and v.shape == values[0].shape and v.dtype == values[0].dtype for v in values)
+    first = values[0]
+    return all(isinstance(v, torch.Tensor) and v.dim() == first.dim() and v.dtype == first.dtype
+               and all(statically_known_true(a == b) for a, b in zip(v.shape, first.shape)) for v in values)
 
 
 def _product(node):
@@ -788,8 +792,8 @@ def _thin(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     if not isinstance(left, torch.Tensor) or not isinstance(right, torch.Tensor) or left.dim() != 2 \
             or right.dim() != 2:
         return False
-    (m, k), n = left.shape, right.shape[1]
-    return all(isinstance(d, int) for d in (m, k, n)) and m * n > k * (m + n)
+    (m, k), n = (_hint(d) for d in left.shape), _hint(right.shape[1])  # a choice of speed: no guard
+    return m * n > k * (m + n)
 
 
 def _selected_row(node):
@@ -799,6 +803,9 @@ def _selected_row(node):
     value = node.meta.get("val")
     if node.op != "call_function" or not isinstance(value, torch.Tensor):
         return None
+    if node.target is aten.clone.default or (node.target is aten.constant_pad_nd.default
+                                             and all(p == 0 for p in node.args[1])):
+        return _selected_row(node.args[0])  # x[:, t] under dynamic=True: the full slice's backward
     rank = value.dim()
     if node.target is aten.where.self:
         cond, picked, other = node.args
