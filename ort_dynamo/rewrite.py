@@ -30,6 +30,16 @@ _BF16_OK_ON_CPU = {
 }
 
 
+#: Ops that move values without computing new ones, so their results have their first input's
+#: type (what ``_compute_bfloat16_in_float32`` needs to know of values inlined from a lowering,
+#: which carry none). Not arithmetic: inside a lowering (torchlib's GELU) eager rounds only the
+#: op's result, so intermediate values must stay float32, untyped.
+_TYPE_OF_FIRST_INPUT = {
+    "Pad", "Slice", "Reshape", "Transpose", "Concat", "Split", "Expand", "Tile", "Squeeze", "Unsqueeze",
+    "Identity", "Flatten", "Gather", "GatherElements", "GatherND",
+}
+
+
 def pointwise_kernels_apply(options: OrtOptions, device: str) -> bool:
     """Whether a graph on ``device`` ("cpu", "cuda") gets generated kernels for its elementwise
     chains: asked here, and, for the CPU, before tracing, where it picks a few decompositions
@@ -339,6 +349,10 @@ def _compute_bfloat16_in_float32(graph: ir.Graph) -> None:
             out.dtype = node.inputs[1].dtype  # hardtanh's bounds
         elif node.op_type == "Cast":
             out.dtype = ir.DataType(node.attributes.get_int("to"))
+        elif node.op_type in _TYPE_OF_FIRST_INPUT and node.inputs and node.inputs[0] is not None \
+                and node.inputs[0].dtype is not None:
+            for value in node.outputs:  # a lowering's Pad (Tensor.unfold): else its float32 result went on unrounded
+                value.dtype = node.inputs[0].dtype
     for node in list(graph):
         if _bfloat16_ok_on_cpu(node) or node.domain not in ("", "ai.onnx"):
             continue

@@ -971,6 +971,25 @@ def test_unfold_into_patches_is_strided_slices_stacked(tmp_path):
         assert not {op for op in ops if op.startswith(("Gather", "Scatter"))}, (dynamic, ops)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_bfloat16_windows_that_read_past_the_end_run_on_ort(dynamic):
+    """``Tensor.unfold`` pads the input where its windows' blocks read past the end. On CPU a
+    bfloat16 Pad computes in float32, and its result, inlined from the lowering without a type,
+    was never rounded back: ORT refused the model ("Type (tensor(bfloat16)) of output arg
+    (unfold) ... does not match") and the partition fell back."""
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    unfold = lambda t: t.unfold(-1, 3, 2).float().square()  # noqa: E731
+    compiled = torch.compile(unfold, backend="ort", dynamic=dynamic)
+    for length in (13, 17):  # 13: 6 windows, and rows of 2 up to 14
+        x = torch.randn(2, 3, length, dtype=torch.bfloat16, requires_grad=True)
+        got, got_grads = _outputs_and_grads(compiled, (x,))
+        want, want_grads = _outputs_and_grads(unfold, (x,))
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_grads, want_grads)
+    assert ort_dynamo.report().fallback_nodes == 0, ort_dynamo.report().fallbacks
+
+
 def test_a_spectrograms_magnitude_runs_on_ort_in_real_arithmetic(tmp_path):
     """ORT has no complex tensors, so torch.stft and its abs stayed in PyTorch (14 nodes for a
     power spectrogram). When every use of a complex STFT is ``.abs()`` (a magnitude or power
