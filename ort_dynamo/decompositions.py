@@ -264,7 +264,7 @@ def _adaptive_avg_pool(x, output_size):
     lead = x.dim() - spatial
     windows = [_pool_window(x.shape[lead + d], output_size[d]) for d in range(spatial)]
     if None not in windows:  # windows that tile the input: one mean over them all
-        if spatial == 2 and _static(*windows):
+        if spatial == 2 and _static(*windows) and x.dtype != torch.float64:  # ORT's has no float64
             return aten.avg_pool2d.default(x, windows, windows)  # ORT's AveragePool
         tiles = x.reshape(*x.shape[:lead], *[n for pair in zip(output_size, windows) for n in pair])
         if spatial == 3:  # ORT's ReduceMean over 3 strided axes is 2x slower than over the last, then 2

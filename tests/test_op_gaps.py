@@ -474,6 +474,7 @@ def test_adaptive_average_pooling_whose_windows_tile_the_input_is_a_mean_and_a_s
     x = torch.randn(2, 3, 12, 8, requires_grad=True)
     check(lambda t: F.adaptive_avg_pool2d(t, (3, 4)).sin(), x)
     check(lambda t: F.adaptive_avg_pool2d(t, (6, 3)).sin(), x)  # 8 -> 3 does not tile
+    check(lambda t: F.adaptive_avg_pool2d(t, (3, 4)).sin(), x.double().requires_grad_())  # no float64 AveragePool
     v = torch.randn(2, 3, 4, 6, 8, requires_grad=True)
     check(lambda t: F.adaptive_avg_pool3d(t, (2, 3, 4)).sin(), v)
     check(lambda t: F.adaptive_avg_pool3d(t[0], (1, 2, 1)).sin(), v)  # unbatched
