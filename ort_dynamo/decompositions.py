@@ -252,8 +252,8 @@ def _pool_window(in_size, out_size):
     """The window of adaptive pooling along a dim whose windows tile it (``in`` a multiple of
     ``out``): then each is a plain mean, without the (out, in) matrix. None otherwise.
 
-    A symbolic ``in`` gets a guard on being a multiple, as torch's forward decomposition of
-    2-D adaptive pooling already takes: a size that is not recompiles once, onto the matrix."""
+    A symbolic ``in`` gets a guard on being a multiple (torch's own decomposition of 2-D
+    adaptive pooling takes the same): a size that is not recompiles once, onto the matrix."""
     if out_size > 0 and in_size % out_size == 0:
         return in_size // out_size
     return None
@@ -610,10 +610,11 @@ def _unfold_backward(grad, input_size, dimension, size, step):
         run = rows.narrow(dim + 1, b, 1).flatten(dim, dim + 2)  # [..., windows * step, ...]: a Slice, not a Gather
         run = _with_zeros(run, dim, b * step, (blocks - 1 - b) * step) if blocks > 1 else run
         total = run if total is None else total + run
-    span = (windows + blocks - 1) * step  # past position length - 1 there are only zeros
     if not _static(length, windows):  # which is the longer depends on the length's remainder by the step
-        short = size + step - 1 - blocks * step  # length - span is at most this
+        # the windows reach (windows + blocks - 1) * step, at most this short of the length
+        short = size + step - 1 - blocks * step
         return aten.slice_copy.Tensor(_with_zeros(total, dim, 0, short) if short > 0 else total, dim, 0, length)
+    span = (windows + blocks - 1) * step  # past position length - 1 there are only zeros
     return total.narrow(dim, 0, length) if span >= length else _with_zeros(total, dim, 0, length - span)
 
 

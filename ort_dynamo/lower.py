@@ -27,9 +27,8 @@ import torch.fx
 from torch._decomp import _core_aten_decompositions_post_autograd, decomposition_table as _torch_decompositions
 from torch._export.utils import _is_preservable_cia_op
 from torch.export.decomp_utils import PRESERVED_ATEN_CIA_OPS
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .decompositions import (_hint, attention_backward, attention_forward, attention_inputs, attention_operands,
+from .decompositions import (_hint, _known, attention_backward, attention_forward, attention_inputs, attention_operands,
                              masked_scores, own_decompositions, pointwise_decompositions, zero_rows)
 
 __all__ = ["lower_graph", "decomposition_table", "whole_upsampling", "trainable_rnns", "stacked_row_gradients",
@@ -731,7 +730,7 @@ def _stack_rows(graph: torch.fx.Graph, root: torch.fx.Node, leaves: list) -> boo
         grads = {index: grad for (grad, _, _, index), _ in rows}
         if size < _MIN_STACKED_ROWS or len(grads) != len(rows) or set(grads) != set(range(size)) \
                 or not _same_shape(root, [leaf for _, leaf in rows]) \
-                or not statically_known_true(root.meta["val"].shape[dim] == size):
+                or not _known(root.meta["val"].shape[dim] == size):
             continue
         _replace_sum(graph, root, leaves, [leaf for _, leaf in rows],
                      lambda: _fx_call(graph, aten.stack.default, [grads[i] for i in range(size)], dim))
@@ -773,7 +772,7 @@ def _same_shape(root: torch.fx.Node, terms: list) -> bool:
     values = [n.meta.get("val") for n in (root, *terms)]
     first = values[0]
     return all(isinstance(v, torch.Tensor) and v.dim() == first.dim() and v.dtype == first.dtype
-               and all(statically_known_true(a == b) for a, b in zip(v.shape, first.shape)) for v in values)
+               and all(_known(a == b) for a, b in zip(v.shape, first.shape)) for v in values)
 
 
 def _product(node):
@@ -803,8 +802,7 @@ def _selected_row(node):
     value = node.meta.get("val")
     if node.op != "call_function" or not isinstance(value, torch.Tensor):
         return None
-    if node.target is aten.clone.default or (node.target is aten.constant_pad_nd.default
-                                             and all(p == 0 for p in node.args[1])):
+    if node.target is aten.clone.default:
         return _selected_row(node.args[0])  # x[:, t] under dynamic=True: the full slice's backward
     rank = value.dim()
     if node.target is aten.where.self:
