@@ -384,3 +384,26 @@ def test_a_convolution_whose_stride_dynamo_made_symbolic_falls_back_alone_with_t
     report = ort_dynamo.report()
     assert report.ort_nodes > 0 and {f.op for f in report.fallbacks} == {"aten.convolution.default"}, report
     assert all("stride is symbolic" in f.reason for f in report.fallbacks), report.fallbacks
+
+
+@pytest.mark.parametrize("layer", ["max_pool", "avg_pool", "adaptive_avg", "nearest_up", "im2col", "pixel_shuffle"])
+def test_other_layers_whose_sizes_the_function_closes_over_train_on_ort_under_dynamic_true(layer):
+    # The same closure ints as the convolution's stride above, for layers whose ONNX ops take
+    # kernels, strides or scales as attributes too: these stay on ORT, with eager's gradients.
+    def make(k):
+        return {"max_pool": lambda t: F.max_pool2d(t.sin(), k), "avg_pool": lambda t: F.avg_pool2d(t.sin(), k, k),
+                "adaptive_avg": lambda t: F.adaptive_avg_pool2d(t.sin(), k),
+                "nearest_up": lambda t: F.interpolate(t.sin(), scale_factor=k, mode="nearest"),
+                "im2col": lambda t: F.unfold(t.sin(), k), "pixel_shuffle": lambda t: F.pixel_shuffle(t.sin(), k)}[layer]
+
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    x = torch.randn(3, 8, 10, 10, requires_grad=True)
+    compiled = torch.compile(make(2), backend="ort", dynamic=True)
+    compiled(x).square().sum().backward()
+    got = x.grad.clone()
+    x.grad = None
+    make(2)(x).square().sum().backward()
+    torch.testing.assert_close(got, x.grad)
+    report = ort_dynamo.report()
+    assert report.ort_nodes > 0 and report.fallback_nodes == 0, report.fallbacks
