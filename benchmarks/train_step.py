@@ -47,6 +47,7 @@ ORT_VARIANTS = {
     "ort_keep": {"memory_opt_level": 0}, "ort_recompute": {"memory_opt_level": 1},
     "ort_math_attention": {"cuda_torch_attention": False}, "ort_unfused": {"pointwise_kernels": False},
     "ort_arena": {"cuda_allocator": "shared_arena"}, "ort_whole_backward": {"backward_segments": 1},
+    "ort_segmented": {"backward_segments": 8},
     "ort_torch_attention": {"cpu_torch_attention": True},
 }
 CPU_SIZE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=1024)
@@ -131,7 +132,8 @@ def compiled_copy(model, backend: str, cache_dir: str = "", copy_model: bool = T
     or "ort_unfused" (ort with ``pointwise_kernels=False``: every elementwise op ORT's own kernel)
     or "ort_arena" (ort with ``cuda_allocator="shared_arena"``: on CUDA, ORT's own arena beside
     PyTorch's pool instead of PyTorch's allocator; on CPU the same as ort) or "ort_whole_backward"
-    (ort with ``backward_segments=1``: each backward partition one ORT run, fewer runs per step)
+    (ort with ``backward_segments=1``: each backward partition one ORT run, fewer runs per step;
+    the default on CUDA) or "ort_segmented" (``backward_segments=8``, the default on CPU)
     or "ort_torch_attention" (ort with ``cpu_torch_attention=True``: on CPU, PyTorch's flash
     attention inside the ORT session; on CUDA the same as ort).
     ``copy_model=False`` compiles ``model`` itself."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import hashlib
 import logging
 import math
 import re
@@ -308,8 +307,6 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptio
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptions, kind: str):
     graph_report = current_report().new_graph(kind)
     device = _device_type(example_inputs)
-    if device == "cuda":
-        _warn_if_a_copy(gm, kind)
     lower_stage.stacked_row_gradients(gm)
     lower_stage.random_draws_in_pytorch(gm, all_draws=options.torch_random and device == "cpu" and kind != "backward")
     lower_stage.sizes_from_inputs(gm)
@@ -321,7 +318,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOpti
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     graph_report.outputs = len(output_node.args[0]) if isinstance(output_node.args[0], (tuple, list)) else 1
     with graph_report.stage("partition"):
-        segments = options.backward_segments if kind == "backward" else 1
+        segments = _backward_segments(options, device) if kind == "backward" else 1
         kept = lower_stage.TORCH_ATTENTION if options.cuda_torch_attention else frozenset()
         parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report, known, segments,
                                           kept, device == "cpu" and _cpu_torch_attention(options))
@@ -330,9 +327,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOpti
     split = parts.module
     for name in parts.ort_submodules:
         sub = getattr(split, name)
-        runner = _compile_partition(sub, name, options, graph_report)
-        if runner is not None:
-            setattr(split, name, _RunnerModule(runner))
+        setattr(split, name, _compile_partition(sub, name, options, graph_report))
     split.graph.set_codegen(_ArgumentListCodeGen())
     split.recompile()
     log.info("compiled %s graph: %d node(s) on ORT, %d in PyTorch, %d partition(s)",
@@ -341,22 +336,10 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOpti
     return watch(_boxed(split))
 
 
-#: Digests of the CUDA graphs compiled in this process (``_warn_if_a_copy``).
-_CUDA_GRAPHS: set[str] = set()
-
-
-def _warn_if_a_copy(gm: torch.fx.GraphModule, kind: str) -> None:
-    """Warn when a CUDA graph the process already compiled comes again: on an H100 the second
-    and third compiled copies of one model in a process trained wrongly, for a reason not yet
-    found (docs/gpu.md, known defect). A warning, not an error: a recompile of the same graph
-    is the other way to get here."""
-    digest = hashlib.sha256(f"{kind}\n{gm.code}".encode()).hexdigest()
-    if digest in _CUDA_GRAPHS:
-        warnings.warn("ort_dynamo: this CUDA graph was compiled before in this process (a second compiled "
-                      "copy of a model?). On an H100 such copies trained wrongly, a defect not yet found: "
-                      "compile one copy per process on CUDA, or check training against eager "
-                      "(docs/gpu.md, 'Known defect').", stacklevel=2)
-    _CUDA_GRAPHS.add(digest)
+def _backward_segments(options: OrtOptions, device: str) -> int:
+    """How many ORT runs a backward partition is cut into: the option, or by device. On CUDA one
+    run: GPT-2's step is the host's there, and 8 runs held 2.2 GB more than one (H200)."""
+    return options.backward_segments or (1 if device == "cuda" else 8)
 
 
 class _ArgumentListCodeGen(torch.fx.graph.CodeGen):
@@ -391,7 +374,9 @@ class _RunnerModule(torch.nn.Module):
         return self.runner(*args)
 
 
-def _compile_partition(sub: torch.fx.GraphModule, name: str, options: OrtOptions, graph_report):
+def _compile_partition(sub: torch.fx.GraphModule, name: str, options: OrtOptions,
+                       graph_report) -> torch.nn.Module:
+    """What the split graph calls for partition ``name``: its ORT runner, or its code in PyTorch."""
     stem = f"{graph_report.name}_{name}"
     # Counted before export, which adds casts to ``sub``: what the report counted as on ORT.
     nodes = sum(1 for n in sub.graph.nodes if partition_stage.is_compute(n))
@@ -420,11 +405,11 @@ def _compile_partition(sub: torch.fx.GraphModule, name: str, options: OrtOptions
             raise ExportFailedError(f"partition {stem} could not be exported to ONNX: {reason}") from exc
         warnings.warn(f"ort_dynamo: {stem} runs in PyTorch: {reason}", stacklevel=2)
         graph_report.partition_to_pytorch(name, reason, nodes)
-        return None
+        return run_stage.PartitionInPyTorch(sub)
     if options.save_onnx:
         path = export_stage.save_debug_files(exported, sub, model_bytes, options, stem)
         graph_report.onnx_paths.append(path)
     # The bytes are what runs. The IR (tens of thousands of Python objects per graph) would
     # live as long as the compiled graph and lengthen every full garbage collection.
     exported.model = None
-    return run_stage.OrtRunner(exported, model_bytes, options, graph_report, sub, name, nodes)
+    return _RunnerModule(run_stage.OrtRunner(exported, model_bytes, options, graph_report, sub, name, nodes))

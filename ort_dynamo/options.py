@@ -135,9 +135,11 @@ class OrtOptions:
         "does; 0: keep every activation autograd saves (ORTModule's level 0, its default).",
         "ORTMODULE_MEMORY_OPT_LEVEL")
     backward_segments: int = _field(
-        8, "Split each backward partition into up to this many ORT runs, so each saved activation "
+        0, "Split each backward partition into up to this many ORT runs, so each saved activation "
         "is freed once its last user has run (as eager's autograd frees it) instead of when the "
-        "whole backward ends; 1 = one run.", "")
+        "whole backward ends; 1 = one run. 0 = by device: 8 on CPU, 1 on CUDA, where each run costs "
+        "host time the GPU waits for, and the runs' hand-overs held more memory than they freed "
+        "(docs/performance.md, GPU).", "")
     pointwise_kernels: bool = _field(
         True, "On CPU, fuse chains of elementwise ops into C kernels generated and compiled (with the "
         "machine's C compiler, once, cached on disk) as an ORT custom-op library; without a compiler "
@@ -199,8 +201,8 @@ class OrtOptions:
             raise OptionsError(f"cuda_allocator must be one of {_CUDA_ALLOCATORS}, got {self.cuda_allocator!r}")
         if self.intra_op_num_threads < 0:
             raise OptionsError(f"intra_op_num_threads must be >= 0, got {self.intra_op_num_threads}")
-        if self.backward_segments < 1:
-            raise OptionsError(f"backward_segments must be >= 1, got {self.backward_segments}")
+        if self.backward_segments < 0:
+            raise OptionsError(f"backward_segments must be >= 0 (0: by device), got {self.backward_segments}")
         if self.memory_opt_level not in (0, 1):
             raise OptionsError(f"memory_opt_level must be 0 or 1, got {self.memory_opt_level}")
         known = {"CPUExecutionProvider", "CUDAExecutionProvider"}

@@ -23,7 +23,7 @@ from .options import FallbackPolicy, OrtOptions
 from .partition import is_compute
 from .report import GraphReport
 
-__all__ = ["OrtRunner", "session_options", "providers_for", "torch_settings", "compute_stream",
+__all__ = ["OrtRunner", "PartitionInPyTorch", "session_options", "providers_for", "torch_settings", "compute_stream",
            "run_options", "ort_device", "onnxruntime_problem", "MIN_ONNXRUNTIME",
            "OrtRuntimeError"]
 
@@ -219,6 +219,7 @@ class OrtRunner:
         self.nodes = nodes if nodes is not None else sum(1 for n in torch_fn.graph.nodes if is_compute(n))
         self._sessions: dict[tuple, tuple] = {}  # by device and torch_settings
         self._failed: str | None = None
+        self._in_pytorch: PartitionInPyTorch | None = None  # made at the first fallback
         #: Every input a tensor ORT takes as it is (``_inputs``'s short way).
         self._plain_inputs = (all(kind == "tensor" for kind in exported.input_kinds)
                               and not any(order is not None for order in exported.input_permutations or ()))
@@ -290,9 +291,15 @@ class OrtRunner:
 
     # -- running ----------------------------------------------------------------------------------
 
+    def run_in_pytorch(self, *args):
+        """The partition's FX code on ``args``, as its fallback runs it."""
+        if self._in_pytorch is None:
+            self._in_pytorch = PartitionInPyTorch(self.torch_fn)
+        return self._in_pytorch(*args)
+
     def __call__(self, *args):
         if self._failed is not None:
-            return self.torch_fn(*args)
+            return self.run_in_pytorch(*args)
         try:
             return self._run(args)
         except OrtRuntimeError:
@@ -305,7 +312,7 @@ class OrtRunner:
             warnings.warn(f"ort_dynamo: ONNX Runtime failed on {self.report.name}/{self.name}; "
                           f"running it in PyTorch from now on ({self._failed[:200]})", stacklevel=2)
             self.report.partition_to_pytorch(self.name, "runtime failure: " + self._failed[:300], self.nodes)
-            return self.torch_fn(*args)
+            return self.run_in_pytorch(*args)
 
     def _inputs(self, args: Sequence) -> tuple[list, torch.device]:
         """The tensors ORT reads (contiguous, in the graph's layout, on one device), and that device."""
@@ -372,6 +379,53 @@ class OrtRunner:
             else:
                 out.append(slot.value)
         return tuple(out) if exported.returns_tuple else out[0]
+
+
+class PartitionInPyTorch(torch.nn.Module):
+    """A partition's FX code run in PyTorch (its export or its ORT run failed), its tensor inputs
+    first put in the memory layout they were traced with. The code's views are valid for that
+    layout only, and a kernel kept in PyTorch before the partition can return other strides than
+    its fake function said (PyTorch's fused CUDA attention: pytorch/pytorch#180445). ORT takes
+    any layout, so only this path needs it."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__()
+        self.gm = gm
+        self._orders: list | None = None  # per input: its traced dense layout, outermost dim first
+
+    def forward(self, *args):
+        if self._orders is None:
+            self._orders = [_dense_order(n.meta.get("val")) for n in self.gm.graph.nodes if n.op == "placeholder"]
+        return self.gm(*(_in_order(a, order) for a, order in zip(args, self._orders)))
+
+
+def _dense_order(val) -> list[int] | None:
+    """The dims of traced tensor ``val`` from outermost to innermost in memory, if it is dense;
+    None otherwise (or for a tensor of fewer than 2 dims, whose layout views never depend on)."""
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return None
+    sizes = [getattr(getattr(x, "node", None), "hint", x) for x in val.shape]
+    strides = [getattr(getattr(x, "node", None), "hint", x) for x in val.stride()]
+    if not all(isinstance(x, int) for x in sizes + strides):
+        return None  # no hint for a symbolic size: leave the input as it comes
+    order = sorted(range(len(sizes)), key=lambda d: (-strides[d], d))
+    return order if _is_dense(sizes, strides, order) else None
+
+
+def _is_dense(sizes, strides, order) -> bool:
+    step = 1
+    for d in reversed(order):
+        if sizes[d] != 1 and strides[d] != step:
+            return False
+        step *= sizes[d]
+    return True
+
+
+def _in_order(arg, order: list[int] | None):
+    if order is None or not isinstance(arg, torch.Tensor) or arg.dim() != len(order) \
+            or _is_dense(arg.shape, arg.stride(), order):
+        return arg
+    return torch.empty_permuted(arg.shape, order, dtype=arg.dtype, device=arg.device).copy_(arg)
 
 
 def _raise_if_out_of_memory(args: Sequence, exc: Exception) -> None:

@@ -79,9 +79,18 @@ def test_segmented_backward_gives_the_same_gradients():
         torch.testing.assert_close(got4, want, rtol=1e-3, atol=1e-4)
 
 
-def test_backward_segments_must_be_positive():
-    with pytest.raises(ort_dynamo.OptionsError, match="backward_segments must be >= 1"):
-        ort_dynamo.OrtOptions(backward_segments=0)
+def test_backward_segments_must_not_be_negative():
+    with pytest.raises(ort_dynamo.OptionsError, match=r"backward_segments must be >= 0 \(0: by device\), got -1"):
+        ort_dynamo.OrtOptions(backward_segments=-1)
+
+
+def test_by_default_a_cpu_backward_runs_in_up_to_eight_segments():
+    """``backward_segments=0`` (the default) is up to 8 runs on CPU; on CUDA one
+    (``tests/test_cuda.py::test_by_default_a_cuda_backward_is_one_ort_run``)."""
+    ort_dynamo.reset()
+    torch.compile(_deep_model(), backend="ort")(torch.randn(16, 32, requires_grad=True)).sum().backward()
+    backward = next(g for g in ort_dynamo.report().graphs if g.kind == "backward")
+    assert 4 <= backward.partitions <= 8, backward.partitions
 
 
 def test_output_views_alias_as_in_eager():

@@ -1,5 +1,6 @@
 """Ops without an ONNX lowering: reported fallback by default, a named error with DISABLE."""
 
+import contextlib
 import json
 import operator
 
@@ -234,6 +235,52 @@ def test_a_partition_failing_at_run_time_moves_exactly_its_nodes_to_pytorch(monk
         torch.testing.assert_close(compiled(x, n), expected)
     report = ort_dynamo.report()
     assert report.ort_nodes == 0 and report.fallback_nodes > 0
+
+
+@torch.library.custom_op("ort_dynamo_tests::heads_first", mutates_args=())
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[B, S, H, D] to [B, H, S, D] as a permuted copy, in [B, S, H, D] memory: what PyTorch's
+    fused CUDA attention kernels return, whose fake (meta) functions can predict other strides
+    (pytorch/pytorch#180445, #138340)."""
+    return x.clone().transpose(1, 2)
+
+
+@heads_first.register_fake
+def _(x):
+    return x.new_empty(x.shape[0], x.shape[2], x.shape[1], x.shape[3])  # contiguous: not what runs
+
+
+@pytest.mark.parametrize("failure", [None, "export", "run"])
+def test_a_partition_run_in_pytorch_gets_its_inputs_in_the_layout_they_were_traced_with(monkeypatch, failure):
+    """A partition that runs in PyTorch (its export or its ORT run failed) is the traced FX
+    code, whose ``view`` is valid for the traced strides. A kernel kept in PyTorch before it
+    may return other strides than its fake function said; ORT takes any layout (its inputs are
+    made contiguous), and the partition's PyTorch code gets its inputs copied to the traced one.
+    On an H200, GPT-2's partitions after PyTorch's attention failed here ("view size is not
+    compatible") when run in PyTorch."""
+    import ort_dynamo.export as export_stage
+    import ort_dynamo.run as run_stage
+
+    def fn(x):
+        y = heads_first(x * 2)
+        # Traced as a view (the fake output is contiguous); eager copies, as reshape must here.
+        return y.reshape(y.shape[0], y.shape[1], -1) + 1
+
+    x = torch.randn(2, 5, 3, 4)
+    expected = fn(x)
+    ort_dynamo.reset()
+    if failure == "export":
+        original = export_stage.export_graph  # the partition after heads_first is the one with a view
+        monkeypatch.setattr(export_stage, "export_graph",
+                            lambda gm, opset=18: 1 / 0 if "view" in gm.code else original(gm, opset))
+    elif failure == "run":
+        original_run = run_stage.OrtRunner._run
+        monkeypatch.setattr(run_stage.OrtRunner, "_run",
+                            lambda self, args: 1 / 0 if "view" in self.torch_fn.code else original_run(self, args))
+    with pytest.warns(UserWarning, match="ZeroDivisionError|division by zero") if failure else contextlib.nullcontext():
+        torch.testing.assert_close(torch.compile(fn, backend="ort")(x), expected)
+    if failure is None:  # ORT itself takes heads_first's real layout
+        assert ort_dynamo.report().fallback_nodes == 1, str(ort_dynamo.report())
 
 
 def test_fallback_policy_parsing():

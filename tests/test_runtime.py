@@ -620,26 +620,6 @@ def test_cuda_allocator_option_names_its_choices():
         ort_dynamo.OrtOptions(cuda_allocator="torch")
 
 
-def test_a_cuda_graph_compiled_again_in_the_process_warns_of_the_open_copies_defect(monkeypatch):
-    """docs/gpu.md "Known defect": second compiled copies of a model trained wrongly on an H100.
-    Until that is found, a CUDA graph that comes again says so (no GPU needed to check the
-    warning: the graph's device is what is asked)."""
-    from ort_dynamo import capture
-
-    monkeypatch.setattr(capture, "_CUDA_GRAPHS", set())
-    gm = torch.fx.symbolic_trace(lambda x: x.sin() * 2)
-    other = torch.fx.symbolic_trace(lambda x: x.cos() * 2)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        capture._warn_if_a_copy(gm, "forward")
-        capture._warn_if_a_copy(other, "forward")
-        capture._warn_if_a_copy(gm, "backward")
-    with pytest.warns(UserWarning, match="compiled before in this process"):
-        capture._warn_if_a_copy(gm, "forward")
-
-
 def test_pytorchs_allocator_is_registered_with_ort_as_the_gpus_external_allocator(monkeypatch):
     """What ``cuda_allocator="pytorch"`` hands ORT (no GPU here: torch's shim and ORT's
     registration are stand-ins): the adapter's two functions as the CUDA provider's

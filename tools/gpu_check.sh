@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks of docs/performance.md "GPU", as one call on the lent GPU machine, in the
 # order they matter: environment; the CUDA tests; training parity of a compiled copy alone in
-# its process and of a second copy beside another (second copies went wrong on 2026-11-26);
+# its process and of a second copy beside another (second copies went wrong on an H100 on
+# 2026-11-26, right on an H200 on 2026-11-27 with ORT on PyTorch's stream);
 # the GPU memory each ORT session holds beyond PyTorch's pool (and with cuBLAS's workspace
 # made 4 MiB); the training-step benchmark
-# (GPT-2 124M, bf16 autocast; ort with and without its generated CUDA kernels, and with one ORT
-# run per backward partition); peak memory (the same two ort variants: fewer backward runs are
-# fewer sessions); where ORT placed GPT-2's nodes and each backend's GPU kernel times; whether
+# (GPT-2 124M, bf16 autocast; ort with and without its generated CUDA kernels, and with the
+# backward in 8 runs, the CPU's default, against CUDA's one); peak memory (the same two); where ORT placed GPT-2's nodes and each backend's GPU kernel times; whether
 # the host runs ahead of the GPU; then the first step with a cold and a warm on-disk cache
 # (fresh processes), per-call overhead and ort with attention written out on ORT (not
 # PyTorch's fused kernels). About 14 minutes in all: a 560 s budget leaves out the last three.
@@ -69,12 +69,12 @@ step parity 200 python3 benchmarks/gpu_parity.py --steps 6 'alone={}' 'second_co
 step session-memory 60 python3 benchmarks/session_memory.py --sessions 16
 step session-memory-cublas-4mb 60 env CUBLAS_WORKSPACE_CONFIG=:4096:1 python3 benchmarks/session_memory.py --sessions 16
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
-  --backends eager,inductor,ort,ort_whole_backward,ort_unfused,aot_eager --steps 20 --warmup 3
+  --backends eager,inductor,ort,ort_segmented,ort_unfused,aot_eager --steps 20 --warmup 3
 step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
-  --backends eager,ort,ort_whole_backward --steps 5 --warmup 2 --memory --memory-cold-only
+  --backends eager,ort,ort_segmented --steps 5 --warmup 2 --memory --memory-cold-only
 step placement 200 python3 benchmarks/profile_step.py --device cuda --model gpt2-124m --steps 3
 step host-ahead 60 python3 benchmarks/host_ahead.py
-step first-step-cache 150 python3 benchmarks/train_step.py --device cuda --models gpt2-124m --backends eager,ort \
+step first-step-cache 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m --backends eager,ort \
   --steps 2 --warmup 1 --cache --first-step-rounds 1
 step call-overhead 45 python3 benchmarks/call_overhead.py --device cuda --calls 500
 step math-attention 120 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
