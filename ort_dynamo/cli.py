@@ -80,6 +80,18 @@ def _version(distribution: str) -> str | None:
         return None
 
 
+def _ort_wheel_folders() -> dict[str, str]:
+    """The installed onnxruntime wheels (CPU and GPU builds, one module name), each with the
+    folder it is installed in."""
+    folders = {}
+    for name in ("onnxruntime", "onnxruntime-gpu"):
+        try:
+            folders[name] = str(importlib.metadata.distribution(name).locate_file(""))
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return folders
+
+
 def _module_version(module: str) -> str:
     try:
         return getattr(importlib.import_module(module), "__version__", "unknown")
@@ -94,7 +106,7 @@ def _info(args: argparse.Namespace) -> int:
 
     import ort_dynamo
 
-    ort_wheels = [d for d in ("onnxruntime", "onnxruntime-gpu") if _version(d)]
+    ort_wheels = _ort_wheel_folders()
     rows = [
         ("ort_dynamo", ort_dynamo.__version__),
         ("python", f"{platform.python_version()} ({sys.executable})"),
@@ -132,7 +144,7 @@ def _info(args: argparse.Namespace) -> int:
     problem = torch_attention_problem()
     print("PyTorch's CPU attention inside ORT (cpu_torch_attention): " + (problem or "available"))
 
-    usable, lines = _cuda_verdict(torch, providers, ort_wheels)
+    usable, lines = _cuda_verdict(torch, providers, ort_wheels, os.path.dirname(os.path.dirname(onnxruntime.__file__)))
     print(f"CUDA GPU usable: {'yes' if usable else 'no'}")
     for line in lines:
         print(f"  - {line}")
@@ -149,7 +161,8 @@ def _backend_names() -> str:
         return f"could not inspect the Dynamo registry: {type(exc).__name__}: {exc}"
 
 
-def _cuda_verdict(torch, providers: list[str], ort_wheels: list[str]) -> tuple[bool, list[str]]:
+def _cuda_verdict(torch, providers: list[str], ort_wheels: dict[str, str],
+                  loaded_from: str = "") -> tuple[bool, list[str]]:
     """Whether a CUDA GPU can train with the backend; each line says what is found or missing."""
     lines = []
     torch_ok = torch.cuda.is_available()
@@ -166,9 +179,13 @@ def _cuda_verdict(torch, providers: list[str], ort_wheels: list[str]) -> tuple[b
         lines.append("onnxruntime has CUDAExecutionProvider")
     else:
         lines.append(f"onnxruntime has no CUDAExecutionProvider: {_INSTALL_GPU} (docs/gpu.md)")
-    if len(ort_wheels) > 1:
+    if len(set(ort_wheels.values())) == 1 and len(ort_wheels) > 1:
         lines.append("both onnxruntime and onnxruntime-gpu are installed and overwrite each other's "
                      f"`onnxruntime` module: {_INSTALL_GPU} --force-reinstall")
+    elif len(ort_wheels) > 1:  # e.g. one in the environment, one on PYTHONPATH: the first on the path wins
+        lines.append("onnxruntime and onnxruntime-gpu are installed in different folders "
+                     f"({', '.join(f'{name} in {folder}' for name, folder in ort_wheels.items())}); "
+                     f"the one loaded is {loaded_from or 'the first on sys.path'}")
     return torch_ok and ep_ok, lines
 
 

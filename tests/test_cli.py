@@ -43,6 +43,33 @@ def test_info_prints_versions_real_providers_and_gpu_verdict():
     assert attention_line.endswith(_torch_attention.problem() or ": available")
 
 
+def test_info_tells_two_onnxruntime_wheels_in_one_folder_from_two_in_different_folders():
+    """Both wheels in one environment overwrite each other's module (fix: reinstall one); one in
+    the environment and one on PYTHONPATH (as the GPU machine's staging has it) do not: the
+    first on the path is loaded, and info says which."""
+    from ort_dynamo.cli import _cuda_verdict
+
+    class NoGpu:
+        class cuda:
+            is_available = staticmethod(lambda: False)
+
+        class version:
+            cuda = None
+
+        __version__ = "2.13.0+cpu"
+
+    _, lines = _cuda_verdict(NoGpu, ["CPUExecutionProvider"],
+                             {"onnxruntime": "/env/site-packages", "onnxruntime-gpu": "/env/site-packages"})
+    assert any("overwrite each other's" in line and "--force-reinstall" in line for line in lines), lines
+    _, lines = _cuda_verdict(NoGpu, ["CUDAExecutionProvider", "CPUExecutionProvider"],
+                             {"onnxruntime": "/env/site-packages", "onnxruntime-gpu": "/tmp/ortsite"}, "/tmp/ortsite")
+    assert not any("overwrite" in line for line in lines), lines
+    assert any("onnxruntime-gpu in /tmp/ortsite" in line and "the one loaded is /tmp/ortsite" in line
+               for line in lines), lines
+    _, lines = _cuda_verdict(NoGpu, ["CPUExecutionProvider"], {"onnxruntime": "/env/site-packages"})
+    assert not any("installed in different folders" in line or "overwrite" in line for line in lines), lines
+
+
 def test_report_prints_what_a_run_saved(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     torch.compile(model, backend="ort")(torch.randn(3, 4)).sum().backward()
