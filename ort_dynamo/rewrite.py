@@ -62,6 +62,7 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
     _normalize_reduce_axes(model.graph)
     if exported.device == "cpu":
         _compute_bfloat16_in_float32(model.graph)
+        _float16_scatters_in_float32(model.graph)
         _sigmoid_from_exp(model.graph)
     _propagate_nan_through_min_max(model.graph)
     _sort_nan_as_largest(model.graph)
@@ -338,7 +339,7 @@ def _bfloat16_ok_on_cpu(node: ir.Node) -> bool:
 def _compute_bfloat16_in_float32(graph: ir.Graph) -> None:
     """ORT's CPU EP lacks bf16 kernels for most ops. Do as eager does on CPU: compute each op
     in fp32 and round its result to bf16, so values match eager's op by op."""
-    bf16, fp32 = ir.DataType.BFLOAT16, ir.DataType.FLOAT
+    bf16 = ir.DataType.BFLOAT16
     for node in graph:  # values inlined from torchlib functions carry no dtype: the ones that matter
         out = node.outputs[0] if node.outputs else None
         if out is None or out.dtype is not None or node.domain not in ("", "ai.onnx"):
@@ -354,26 +355,45 @@ def _compute_bfloat16_in_float32(graph: ir.Graph) -> None:
             for value in node.outputs:  # a lowering's Pad (Tensor.unfold): else its float32 result went on unrounded
                 value.dtype = node.inputs[0].dtype
     for node in list(graph):
-        if _bfloat16_ok_on_cpu(node) or node.domain not in ("", "ai.onnx"):
+        if not _bfloat16_ok_on_cpu(node) and node.domain in ("", "ai.onnx"):
+            _in_float32(graph, node, bf16)
+
+
+def _float16_scatters_in_float32(graph: ir.Graph) -> None:
+    """ORT's CPU scatters reduce float16 only for ScatterElements' max and min (probed on
+    onnxruntime 1.31: "MLFloat16 data type is not supported with ScatterElements opset 16 when
+    reduction is 'add'"): adaptive max pooling's and a gather's gradients in a float16 graph
+    failed at run time and their partition fell back to PyTorch. Those scatters reduce in
+    float32, rounded to float16 once (eager rounds after each add: the same where an index is
+    hit once, within a float16 step where it is hit more often)."""
+    for node in list(graph):
+        if node.op_type not in ("ScatterND", "ScatterElements") or node.domain not in ("", "ai.onnx"):
             continue
-        touches = [v for v in (*node.inputs, *node.outputs) if v is not None and v.dtype == bf16]
-        if not touches:
+        reduction = node.attributes.get_string("reduction", "none")
+        if reduction == "none" or (node.op_type == "ScatterElements" and reduction in ("max", "min")):
             continue
-        for index, value in enumerate(node.inputs):
-            if value is not None and value.dtype == bf16:
-                up = ir.node("Cast", [value], attributes={"to": fp32})
-                up.outputs[0].dtype, up.outputs[0].shape = fp32, value.shape
-                graph.insert_before(node, up)
-                node.replace_input_with(index, up.outputs[0])
-        for value in node.outputs:
-            if value.dtype != bf16:
-                continue
-            name = value.name
-            value.name = name + "_fp32"
-            down = ir.node("Cast", [None], attributes={"to": bf16})
-            rounded = down.outputs[0]
-            rounded.name, rounded.dtype, rounded.shape = name, bf16, value.shape
-            value.replace_all_uses_with(rounded, replace_graph_outputs=True)
-            down.replace_input_with(0, value)
-            value.dtype = fp32
-            graph.insert_after(node, down)
+        _in_float32(graph, node, ir.DataType.FLOAT16)
+
+
+def _in_float32(graph: ir.Graph, node: ir.Node, low: ir.DataType) -> None:
+    """``node`` computed in float32: its inputs of type ``low`` cast up, its outputs of that
+    type cast back (the outputs keep their names, the graph its outputs)."""
+    fp32 = ir.DataType.FLOAT
+    for index, value in enumerate(node.inputs):
+        if value is not None and value.dtype == low:
+            up = ir.node("Cast", [value], attributes={"to": fp32})
+            up.outputs[0].dtype, up.outputs[0].shape = fp32, value.shape
+            graph.insert_before(node, up)
+            node.replace_input_with(index, up.outputs[0])
+    for value in node.outputs:
+        if value.dtype != low:
+            continue
+        name = value.name
+        value.name = name + "_fp32"
+        down = ir.node("Cast", [None], attributes={"to": low})
+        rounded = down.outputs[0]
+        rounded.name, rounded.dtype, rounded.shape = name, low, value.shape
+        value.replace_all_uses_with(rounded, replace_graph_outputs=True)
+        down.replace_input_with(0, value)
+        value.dtype = fp32
+        graph.insert_after(node, down)

@@ -120,6 +120,38 @@ def test_a_bfloat16_gathers_gradient_runs_on_ort_though_its_scatter_add_has_no_b
     torch.testing.assert_close(got.float(), x.grad.float(), rtol=2 ** -6, atol=0)
 
 
+@pytest.mark.parametrize("layer", ["gather", "adaptive_max_pool", "embedding"])
+def test_float16_gradients_that_scatter_add_run_on_ort_though_its_cpu_scatters_do_not_add_float16(layer):
+    """ORT's CPU ScatterElements adds no float16, and ScatterND reduces none: in a float16
+    model a gather's and adaptive max pooling's gradients failed at run time and their
+    partition ran in PyTorch. Those scatters add in float32, rounded once. (An embedding's
+    gradient takes another path; it is here as the third common scatter-add.)"""
+    torch.manual_seed(0)
+    if layer == "gather":
+        x, index = torch.randn(16, 32, dtype=torch.float16, requires_grad=True), torch.randint(0, 32, (16, 24))
+
+        def fn(x):
+            return torch.gather(x * 2, 1, index).float().square().sum()
+    elif layer == "adaptive_max_pool":  # 17 to 5: overlapping windows, whose gradients add up
+        x = torch.randn(4, 3, 17, 17, dtype=torch.float16, requires_grad=True)
+
+        def fn(x):
+            return torch.nn.functional.adaptive_max_pool2d(x * 2, 5).float().square().sum()
+    else:
+        x, index = torch.randn(32, 8, dtype=torch.float16, requires_grad=True), torch.randint(0, 32, (4, 24))
+
+        def fn(x):
+            return torch.nn.functional.embedding(index, x * 2).float().square().sum()
+
+    ort_dynamo.reset()
+    torch.compile(fn, backend="ort")(x).backward()
+    got, x.grad = x.grad.clone(), None
+    fn(x).backward()
+    assert ort_dynamo.report().fallback_nodes == 0, str(ort_dynamo.report())
+    # eager rounds each addition to float16, ORT the float32 sum once
+    torch.testing.assert_close(got.float(), x.grad.float(), rtol=2 ** -9, atol=2 ** -14)
+
+
 class HalfNorms(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
