@@ -138,7 +138,7 @@ class OrtOptions:
         0, "Split each backward partition into up to this many ORT runs, so each saved activation "
         "is freed once its last user has run (as eager's autograd frees it) instead of when the "
         "whole backward ends; 1 = one run. 0 = by device: 8 on CPU, 1 on CUDA, where each run costs "
-        "host time the GPU waits for, and the runs' hand-overs held more memory than they freed "
+        "host time the GPU waits for, and GPT-2 held more memory in 8 runs than in one "
         "(docs/performance.md, GPU).", "")
     pointwise_kernels: bool = _field(
         True, "On CPU, fuse chains of elementwise ops into C kernels generated and compiled (with the "
