@@ -239,6 +239,18 @@ def _known(condition) -> bool:
     return statically_known_true(condition)
 
 
+def _holds(condition) -> bool:
+    """Whether a condition on sizes holds for the example being traced, with a guard where a
+    size is symbolic (a recompile if a later size decides otherwise). For conditions that only
+    tiny sizes fail, so that the common sizes share one graph on the faster path."""
+    if _known(condition):
+        return True
+    try:
+        return bool(condition)
+    except Exception:  # noqa: BLE001 - an unbacked size (no value to guard on): the general path
+        return False
+
+
 def _hint(size) -> int:
     """A size's value in the example being traced, read without a guard (an unbacked size,
     which has none: 0)."""
@@ -545,12 +557,28 @@ def _reflection_pad_backward(op, grad, x, padding):
         middle = out.narrow(dim, left, size)
         mirrored_left = out.narrow(dim, 0, left).flip(dim)
         mirrored_right = out.narrow(dim, left + size, right).flip(dim)
-        if _known(left + right <= size - 2):  # the borders' targets do not meet: touch only them
+        if _static(size) and left + right <= size - 2:  # the borders' targets do not meet: touch only them
             pieces = [middle.narrow(dim, 0, 1), middle.narrow(dim, 1, left) + mirrored_left,
                       middle.narrow(dim, 1 + left, size - 2 - left - right),
                       middle.narrow(dim, size - 1 - right, right) + mirrored_right,
                       middle.narrow(dim, size - 1, 1)]
             out = _cat_nonempty(pieces, dim)
+        elif not _static(size) and _holds(left + right + 4 <= size):
+            # The same pieces with the size symbolic, bounded from the end (negative bounds):
+            # constants, no shape arithmetic between the copies. The piece between the borders'
+            # targets at least 2 long: an empty one or one of 1 would be guarded on, a
+            # recompile at every size.
+            def part(start, stop=None):
+                return aten.slice.Tensor(out, dim, start, stop)
+
+            pieces = [part(left, left + 1)]
+            if left:
+                pieces.append(part(left + 1, 2 * left + 1) + part(0, left).flip(dim))
+            pieces.append(part(2 * left + 1, -2 * right - 1))
+            if right:
+                pieces.append(part(-2 * right - 1, -right - 1) + part(-right).flip(dim))
+            pieces.append(part(-right - 1, -right if right else None))
+            out = aten.cat(pieces, dim)
         else:
             out = (middle + _with_zeros(mirrored_left, dim, 1, size - 1 - left)
                    + _with_zeros(mirrored_right, dim, size - 1 - right, 1))
