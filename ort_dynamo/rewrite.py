@@ -372,15 +372,22 @@ def _float16_scatters_in_float32(graph: ir.Graph) -> None:
         reduction = node.attributes.get_string("reduction", "none")
         if reduction == "none" or (node.op_type == "ScatterElements" and reduction in ("max", "min")):
             continue
-        _in_float32(graph, node, ir.DataType.FLOAT16)
+        data = (node.inputs[0], node.inputs[2], node.outputs[0])
+        if any(v is not None and v.dtype == ir.DataType.FLOAT16 for v in data):
+            # Values inlined from torchlib's scatter_reduce carry no type: theirs is the data's.
+            for value in data:
+                if value is not None and value.dtype is None:
+                    value.dtype = ir.DataType.FLOAT16
+            _in_float32(graph, node, ir.DataType.FLOAT16, inputs=(0, 2))
 
 
-def _in_float32(graph: ir.Graph, node: ir.Node, low: ir.DataType) -> None:
-    """``node`` computed in float32: its inputs of type ``low`` cast up, its outputs of that
-    type cast back (the outputs keep their names, the graph its outputs)."""
+def _in_float32(graph: ir.Graph, node: ir.Node, low: ir.DataType, inputs=None) -> None:
+    """``node`` computed in float32: its inputs of type ``low`` (those at ``inputs``, or all)
+    cast up, its outputs of that type cast back (the outputs keep their names, the graph its
+    outputs)."""
     fp32 = ir.DataType.FLOAT
     for index, value in enumerate(node.inputs):
-        if value is not None and value.dtype == low:
+        if value is not None and value.dtype == low and (inputs is None or index in inputs):
             up = ir.node("Cast", [value], attributes={"to": fp32})
             up.outputs[0].dtype, up.outputs[0].shape = fp32, value.shape
             graph.insert_before(node, up)

@@ -120,11 +120,11 @@ def test_a_bfloat16_gathers_gradient_runs_on_ort_though_its_scatter_add_has_no_b
     torch.testing.assert_close(got.float(), x.grad.float(), rtol=2 ** -6, atol=0)
 
 
-@pytest.mark.parametrize("layer", ["gather", "adaptive_max_pool", "embedding"])
+@pytest.mark.parametrize("layer", ["gather", "adaptive_max_pool", "scatter_reduce", "embedding"])
 def test_float16_gradients_that_scatter_add_run_on_ort_though_its_cpu_scatters_do_not_add_float16(layer):
     """ORT's CPU ScatterElements adds no float16, and ScatterND reduces none: in a float16
-    model a gather's and adaptive max pooling's gradients failed at run time and their
-    partition ran in PyTorch. Those scatters add in float32, rounded once. (An embedding's
+    model a gather's and adaptive max pooling's gradients, and ``scatter_reduce``, failed at
+    run time and their partition ran in PyTorch. Those scatters add in float32, rounded once. (An embedding's
     gradient takes another path; it is here as the third common scatter-add.)"""
     torch.manual_seed(0)
     if layer == "gather":
@@ -137,6 +137,12 @@ def test_float16_gradients_that_scatter_add_run_on_ort_though_its_cpu_scatters_d
 
         def fn(x):
             return torch.nn.functional.adaptive_max_pool2d(x * 2, 5).float().square().sum()
+    elif layer == "scatter_reduce":  # torchlib's lowering: values inlined without a type
+        x, index = torch.randn(6, 8, dtype=torch.float16, requires_grad=True), torch.randint(0, 4, (6, 8))
+
+        def fn(x):
+            return (torch.ones(4, 8, dtype=x.dtype).scatter_reduce(0, index, x * 2, "sum", include_self=False)
+                    .float().square().sum())
     else:
         x, index = torch.randn(32, 8, dtype=torch.float16, requires_grad=True), torch.randint(0, 32, (4, 24))
 
