@@ -60,6 +60,7 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         if "Opset mismatch" not in str(exc):
             raise
     _normalize_reduce_axes(model.graph)
+    _indices_as_int64(model.graph)
     if exported.device == "cpu":
         _compute_bfloat16_in_float32(model.graph)
         _float16_scatters_in_float32(model.graph)
@@ -357,6 +358,26 @@ def _compute_bfloat16_in_float32(graph: ir.Graph) -> None:
     for node in list(graph):
         if not _bfloat16_ok_on_cpu(node) and node.domain in ("", "ai.onnx"):
             _in_float32(graph, node, bf16)
+
+
+#: Ops whose second input is an index tensor, which ONNX types int32 or int64 only.
+_INDEXED_OPS = frozenset({"Gather", "GatherElements", "GatherND", "ScatterElements", "ScatterND"})
+
+
+def _indices_as_int64(graph: ir.Graph) -> None:
+    """Indices of another integer type (torch's gather takes an empty uint8 index, and its
+    backward's scatter then failed ORT's type check, so it ran in PyTorch) cast to int64:
+    the values are the same."""
+    narrow = {ir.DataType.UINT8, ir.DataType.INT8, ir.DataType.INT16, ir.DataType.UINT16, ir.DataType.UINT32}
+    for node in list(graph):
+        if node.op_type not in _INDEXED_OPS or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        index = node.inputs[1]
+        if index is not None and index.dtype in narrow:
+            cast = ir.node("Cast", [index], attributes={"to": ir.DataType.INT64})
+            cast.outputs[0].dtype, cast.outputs[0].shape = ir.DataType.INT64, index.shape
+            graph.insert_before(node, cast)
+            node.replace_input_with(1, cast.outputs[0])
 
 
 def _float16_scatters_in_float32(graph: ir.Graph) -> None:

@@ -65,6 +65,14 @@ def test_sgn_squeeze_multiple_empty_permuted():
     assert torch.equal(outs[0], torch.full((3,), 4.0))
 
 
+def test_a_gather_of_an_empty_uint8_index_and_its_gradient_run_on_ort():
+    """torch's gather takes an empty uint8 index (OpInfo's last sample); ONNX indices are int32
+    or int64, so the backward's scatter failed ORT's type check and ran in PyTorch. Indices of
+    other integer types are cast to int64."""
+    x = torch.randn(5, requires_grad=True)
+    check(lambda t: torch.gather(t * 2, 0, torch.empty(0, dtype=torch.uint8)).sum() + t.square().sum(), x)
+
+
 @pytest.mark.parametrize("right", [False, True])
 def test_searchsorted_isin(right):
     # NaNs sort last; values hit ties, infinities and NaN; results are where eager's loop ends.
