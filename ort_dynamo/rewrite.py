@@ -63,7 +63,7 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
     _indices_as_int64(model.graph)
     if exported.device == "cpu":
         _compute_bfloat16_in_float32(model.graph)
-        _float16_scatters_in_float32(model.graph)
+        _float16_gaps_in_float32(model.graph)
         _sigmoid_from_exp(model.graph)
     _propagate_nan_through_min_max(model.graph)
     _sort_nan_as_largest(model.graph)
@@ -380,15 +380,25 @@ def _indices_as_int64(graph: ir.Graph) -> None:
             node.replace_input_with(1, cast.outputs[0])
 
 
-def _float16_scatters_in_float32(graph: ir.Graph) -> None:
-    """ORT's CPU scatters reduce float16 only for ScatterElements' max and min (probed on
-    onnxruntime 1.31: "MLFloat16 data type is not supported with ScatterElements opset 16 when
-    reduction is 'add'"): adaptive max pooling's and a gather's gradients in a float16 graph
-    failed at run time and their partition fell back to PyTorch. Those scatters reduce in
-    float32, rounded to float16 once (eager rounds after each add: the same where an index is
-    hit once, within a float16 step where it is hit more often)."""
+def _float16_gaps_in_float32(graph: ir.Graph) -> None:
+    """The float16 kernels ORT's CPU provider lacks (probed on onnxruntime 1.31), computed in
+    float32: in a float16 graph each failed at run time and its partition fell back to PyTorch.
+    - IsInf (torchlib's and our lowerings of log1p, expm1, atan2, logaddexp, logcumsumexp use it):
+      its input cast up, exactly.
+    - Scatters that reduce, but for ScatterElements' max and min ("MLFloat16 data type is not
+      supported with ScatterElements opset 16 when reduction is 'add'": adaptive max pooling's
+      and a gather's gradients, scatter_reduce, index_reduce): reduced in float32, rounded to
+      float16 once (eager rounds after each add: the same where an index is hit once, within a
+      float16 step where it is hit more often)."""
     for node in list(graph):
-        if node.op_type not in ("ScatterND", "ScatterElements") or node.domain not in ("", "ai.onnx"):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "IsInf":
+            if node.inputs[0].dtype is None and _dtype_through_arithmetic(node.inputs[0]) == ir.DataType.FLOAT16:
+                node.inputs[0].dtype = ir.DataType.FLOAT16  # inlined from a lowering, untyped
+            _in_float32(graph, node, ir.DataType.FLOAT16)
+            continue
+        if node.op_type not in ("ScatterND", "ScatterElements"):
             continue
         reduction = node.attributes.get_string("reduction", "none")
         if reduction == "none" or (node.op_type == "ScatterElements" and reduction in ("max", "min")):
@@ -400,6 +410,31 @@ def _float16_scatters_in_float32(graph: ir.Graph) -> None:
                 if value is not None and value.dtype is None:
                     value.dtype = ir.DataType.FLOAT16
             _in_float32(graph, node, ir.DataType.FLOAT16, inputs=(0, 2))
+
+
+#: Ops whose float result has the type of their float operands.
+_ARITHMETIC = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Abs", "Exp", "Log", "Sqrt", "Max", "Min", "Where",
+                         "Identity", "Reciprocal", "Pow", "Sin", "Cos", "Tanh", "Sigmoid", "Softplus",
+                         "ReduceMax", "ReduceMin", "ReduceSum", "ReduceMean", "CumSum"})
+#: Of those, the ones whose first input alone is their data (an exponent, axes, a condition follow).
+_FIRST_OPERAND_ONLY = frozenset({"Pow", "ReduceMax", "ReduceMin", "ReduceSum", "ReduceMean", "CumSum"})
+
+
+def _dtype_through_arithmetic(value: ir.Value, depth: int = 8) -> ir.DataType | None:
+    """The type of an untyped value, from the first typed operand up its chain of arithmetic
+    (values inlined from a lowering carry none)."""
+    if value.dtype is not None or depth == 0:
+        return value.dtype
+    producer = value.producer()
+    if producer is None or producer.op_type not in _ARITHMETIC or producer.domain not in ("", "ai.onnx"):
+        return None
+    operands = producer.inputs[1:] if producer.op_type == "Where" else producer.inputs[:1] \
+        if producer.op_type in _FIRST_OPERAND_ONLY else producer.inputs
+    for operand in operands:
+        found = operand is not None and _dtype_through_arithmetic(operand, depth - 1)
+        if found:
+            return found
+    return None
 
 
 def _in_float32(graph: ir.Graph, node: ir.Node, low: ir.DataType, inputs=None) -> None:

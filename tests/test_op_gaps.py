@@ -65,6 +65,17 @@ def test_sgn_squeeze_multiple_empty_permuted():
     assert torch.equal(outs[0], torch.full((3,), 4.0))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_hardtanh_and_relu6_pass_no_gradient_at_their_bounds(dtype):
+    """ATen's hardtanh_backward gives 0 at the bounds themselves (``x <= min or x >= max``);
+    torchlib's let the gradient through there, so ReLU6 at exactly 0 or 6 had a gradient eager
+    does not have, silently, and its float32 masks failed float16 and float64 graphs in ORT."""
+    x = torch.tensor([-7.0, -1.0, -0.5, 0.0, 0.5, 1.0, 3.0, 6.0, 9.0], dtype=dtype, requires_grad=True)
+    check(lambda t: F.hardtanh(t) * 3, x)
+    check(lambda t: F.relu6(t) * 3, x)
+    check(lambda t: F.hardtanh(t, -0.5, 3.0) * 3, x)
+
+
 def test_a_gather_of_an_empty_uint8_index_and_its_gradient_run_on_ort():
     """torch's gather takes an empty uint8 index (OpInfo's last sample); ONNX indices are int32
     or int64, so the backward's scatter failed ORT's type check and ran in PyTorch. Indices of

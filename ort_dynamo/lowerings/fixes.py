@@ -281,6 +281,16 @@ def aten_clamp_max_tensor(self, max):
     return op.Min(self, op.CastLike(max, self))
 
 
+def aten_hardtanh_backward(grad_output, self, min_val: float, max_val: float):
+    """hardtanh_backward: no gradient at or beyond either bound, as ATen's kernel
+    (``self <= min_val || self >= max_val``). torchlib let it through at the bounds themselves
+    (ReLU6's 0 and 6: a silently different gradient) and multiplied by float32 masks (a
+    float16 or float64 graph failed in ORT)."""
+    outside = op.Or(op.LessOrEqual(self, _scalar_like(min_val, self)),
+                    op.GreaterOrEqual(self, _scalar_like(max_val, self)))
+    return op.Where(outside, _scalar_like(0.0, grad_output), grad_output)
+
+
 def _floor_divide(self, other):
     """torch's floor division. Integers: exact int64 division (torchlib divided in float32,
     wrong beyond 2**24), rounded down; ORT reports a zero divisor as an error, as torch does.
@@ -494,6 +504,7 @@ LOWERINGS = {
     aten.new_full.default: aten_new_full,
     aten.fill.Scalar: aten_fill_scalar,
     aten.masked_fill.Scalar: aten_masked_fill_scalar,
+    aten.hardtanh_backward.default: aten_hardtanh_backward,
     aten.clamp.default: aten_clamp,
     aten.clamp_min.default: aten_clamp_min,
     aten.clamp_max.default: aten_clamp_max,
