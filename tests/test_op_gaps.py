@@ -65,6 +65,34 @@ def test_sgn_squeeze_multiple_empty_permuted():
     assert torch.equal(outs[0], torch.full((3,), 4.0))
 
 
+_ACTIVATIONS = {
+    "hardtanh": F.hardtanh, "relu6": F.relu6, "relu": F.relu, "threshold": lambda t: F.threshold(t, 1.0, -5.0),
+    "leaky_relu": F.leaky_relu, "hardsigmoid": F.hardsigmoid, "hardswish": F.hardswish, "elu": F.elu,
+    "celu": F.celu, "selu": F.selu, "softplus": lambda t: F.softplus(t, threshold=2.0), "hardshrink": F.hardshrink,
+    "softshrink": F.softshrink, "clamp": lambda t: t.clamp(-1, 1), "clamp_min": lambda t: t.clamp(min=0.0),
+    "rrelu_eval": lambda t: F.rrelu(t, training=False), "abs": torch.abs, "silu": F.silu, "gelu": F.gelu,
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "mish": F.mish,
+    "maximum": lambda t: torch.maximum(t, torch.zeros_like(t)), "prelu": lambda t: F.prelu(t, torch.tensor([0.25])),
+    "logsigmoid": F.logsigmoid, "softsign": F.softsign,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ACTIVATIONS))
+def test_activation_gradients_at_their_kinks_and_infinities_are_eagers(name):
+    """Each activation's gradient exactly at its kinks and thresholds, at the infinities and at
+    NaN, where eager picks a side (hardtanh's bounds had the wrong one: the test below)."""
+    points = [-6.0, -3.0, -2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0, 6.0, float("nan"), float("inf"), -float("inf")]
+    if name == "gelu":  # eager's float32 CPU GELU gives NaN at +inf; its float64 one and ORT give inf
+        points.remove(float("inf"))
+    points = torch.tensor(points, requires_grad=True)
+    fn = _ACTIVATIONS[name]
+    (got,), _ = run_on_ort(lambda t: fn(t).nansum(), points)
+    (got_grad,) = torch.autograd.grad(torch.compile(lambda t: fn(t).nansum(), backend="ort")(points), points)
+    (want_grad,) = torch.autograd.grad(fn(points).nansum(), points)
+    torch.testing.assert_close(got, fn(points).nansum(), equal_nan=True)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 def test_hardtanh_and_relu6_pass_no_gradient_at_their_bounds(dtype):
     """ATen's hardtanh_backward gives 0 at the bounds themselves (``x <= min or x >= max``);
