@@ -357,7 +357,51 @@ def _compute_bfloat16_in_float32(graph: ir.Graph) -> None:
                 value.dtype = node.inputs[0].dtype
     for node in list(graph):
         if not _bfloat16_ok_on_cpu(node) and node.domain in ("", "ai.onnx"):
+            if node.op_type in ("ScatterND", "ScatterElements"):
+                _type_scatter_data(node, bf16)
             _in_float32(graph, node, bf16)
+    _round_into_bfloat16_moves(graph)
+
+
+def _type_scatter_data(node: ir.Node, dtype: ir.DataType) -> None:
+    """A scatter's data, updates and result share one type: where one of them is ``dtype``,
+    the untyped others (inlined from torchlib's scatter_reduce) are typed so too."""
+    data = (node.inputs[0], node.inputs[2], node.outputs[0])
+    if any(v is not None and v.dtype == dtype for v in data):
+        for value in data:
+            if value is not None and value.dtype is None:
+                value.dtype = dtype
+
+
+#: Data-movement ops ORT runs in bfloat16, and which of their inputs are the data moved.
+_BF16_MOVES = {"Identity": (0,), "Reshape": (0,), "Transpose": (0,), "Squeeze": (0,), "Unsqueeze": (0,),
+               "Flatten": (0,), "Slice": (0,), "Split": (0,), "Gather": (0,), "GatherElements": (0,),
+               "GatherND": (0,), "ScatterND": (0, 2), "ScatterElements": (0, 2), "Concat": None}
+
+
+def _round_into_bfloat16_moves(graph: ir.Graph) -> None:
+    """A bfloat16 result moved by one of these ops, where the value moved is a lowering's last
+    arithmetic, computed in float32 and left untyped (torchlib's mean: ReduceMean, then a
+    Squeeze that makes the op's bfloat16 result; also mv, dot, var_mean, cross): rounded to
+    bfloat16 there, where eager rounds the op's result. ORT refused the model ("Type
+    (tensor(bfloat16)) of output arg (mean) ... does not match expected type (tensor(float))")."""
+    bf16 = ir.DataType.BFLOAT16
+    for node in list(graph):
+        if node.op_type not in _BF16_MOVES or node.domain not in ("", "ai.onnx") \
+                or not any(v.dtype == bf16 for v in node.outputs):
+            continue
+        positions = _BF16_MOVES[node.op_type] or range(len(node.inputs))
+        for index in positions:
+            value = node.inputs[index] if index < len(node.inputs) else None
+            if value is None or value.dtype not in (None, ir.DataType.FLOAT):
+                continue
+            producer = value.producer()
+            if value.dtype is None and (producer is None or _bfloat16_ok_on_cpu(producer)):
+                continue  # moved on from bfloat16 data, untyped: bfloat16 already
+            down = ir.node("Cast", [value], attributes={"to": bf16})
+            down.outputs[0].dtype, down.outputs[0].shape = bf16, value.shape
+            graph.insert_before(node, down)
+            node.replace_input_with(index, down.outputs[0])
 
 
 #: Ops whose second input is an index tensor, which ONNX types int32 or int64 only.
@@ -403,13 +447,8 @@ def _float16_gaps_in_float32(graph: ir.Graph) -> None:
         reduction = node.attributes.get_string("reduction", "none")
         if reduction == "none" or (node.op_type == "ScatterElements" and reduction in ("max", "min")):
             continue
-        data = (node.inputs[0], node.inputs[2], node.outputs[0])
-        if any(v is not None and v.dtype == ir.DataType.FLOAT16 for v in data):
-            # Values inlined from torchlib's scatter_reduce carry no type: theirs is the data's.
-            for value in data:
-                if value is not None and value.dtype is None:
-                    value.dtype = ir.DataType.FLOAT16
-            _in_float32(graph, node, ir.DataType.FLOAT16, inputs=(0, 2))
+        _type_scatter_data(node, ir.DataType.FLOAT16)
+        _in_float32(graph, node, ir.DataType.FLOAT16, inputs=(0, 2))
 
 
 #: Ops whose float result has the type of their float operands.

@@ -179,6 +179,34 @@ def test_float16_functions_whose_lowerings_test_for_infinities_run_on_ort(name, 
     torch.testing.assert_close(got_grad, want_grad, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("name, fn", [
+    ("mean", lambda t: t.mean()), ("mv", lambda t: torch.mv(t, t[0])), ("dot", lambda t: torch.dot(t[0], t[1])),
+    ("var_mean", lambda t: torch.var_mean(t, 1)[1] * torch.var_mean(t, 1)[0]),
+    ("cross", lambda t: torch.linalg.cross(t[:, :3], t[:, 1:4])),
+    ("scatter_reduce", lambda t: torch.ones(3, 5, dtype=t.dtype).scatter_reduce(
+        0, torch.tensor([[0, 1, 2, 0, 1]] * 5), t, "amax", include_self=False)),
+])
+def test_bfloat16_results_that_lowerings_compute_in_float32_are_rounded_where_eager_rounds(name, fn):
+    """torchlib's mean is a ReduceMean (computed in float32 here: ORT's CPU provider has no
+    bfloat16 kernel) then a Squeeze that makes the op's bfloat16 result; the value between
+    them was left float32, and ORT refused the model ("Type (tensor(bfloat16)) of output arg
+    (mean) ... does not match expected type (tensor(float))"): the partition ran in PyTorch.
+    Also mv, dot, var_mean, cross and scatter_reduce (whose inlined values carried no type).
+    Now rounded to bfloat16 where the lowering's result is made, as eager rounds."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 5, dtype=torch.bfloat16, requires_grad=True)
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="ort")(x)
+    (got_grad,) = torch.autograd.grad(got.float().sum(), x)
+    want = fn(x)
+    (want_grad,) = torch.autograd.grad(want.float().sum(), x)
+    assert ort_dynamo.report().fallback_nodes == 0, str(ort_dynamo.report())
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_grad, want_grad, rtol=2e-2, atol=2e-2)
+
+
 class HalfNorms(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
