@@ -1075,12 +1075,23 @@ def own_decompositions() -> dict:
         rows = x.reshape(*lead, c, h // r, r, w // r, r)
         return rows.permute(*range(k), k, k + 2, k + 4, k + 1, k + 3).reshape(*lead, c * r * r, h // r, w // r)
 
+    @register(aten.native_layer_norm.default)
+    def native_layer_norm(x, normalized_shape, weight, bias, eps):
+        # ORT's CPU LayerNormalization has no float64 kernel, and torchlib's asks for float32
+        # statistics (ORT refused the model; the partition ran in PyTorch): in float64, torch's
+        # decomposition, means and variances ORT computes in float64, as eager does.
+        if x.dtype != torch.float64 or x.device.type != "cpu":
+            return NotImplemented
+        return _torch_decompositions[aten.native_layer_norm.default](x, normalized_shape, weight, bias, eps)
+
     @register(aten.native_group_norm.default)
     def native_group_norm(x, weight, bias, n, channels, hxw, groups, eps):
         # torchlib: InstanceNormalization, then mean and rstd again in three more passes. Each
         # group is a row of a LayerNormalization, which also returns mean and rstd; the affine
         # is one pointwise kernel with what follows.
         # Symbolic sizes would put shape arithmetic between the two kernels: torchlib's then.
+        if x.device.type == "cpu" and x.dtype == torch.float64:  # no float64 InstanceNormalization on CPU
+            return _torch_decompositions[aten.native_group_norm.default](x, weight, bias, n, channels, hxw, groups, eps)
         if x.device.type != "cpu" or x.dtype != torch.float32 or not _static(*x.shape) or x.numel() == 0 \
                 or any(p is not None and p.dtype != torch.float32 for p in (weight, bias)):
             return NotImplemented

@@ -1,6 +1,7 @@
 """Ops without an ONNX lowering: reported fallback by default, a named error with DISABLE."""
 
 import contextlib
+import copy
 import json
 import operator
 
@@ -281,6 +282,34 @@ def test_a_partition_run_in_pytorch_gets_its_inputs_in_the_layout_they_were_trac
         torch.testing.assert_close(torch.compile(fn, backend="ort")(x), expected)
     if failure is None:  # ORT itself takes heads_first's real layout
         assert ort_dynamo.report().fallback_nodes == 1, str(ort_dynamo.report())
+
+
+@pytest.mark.parametrize("model", ["gelu_mlp", "cnn"])
+def test_float64_ops_ort_has_no_cpu_kernel_for_stay_in_pytorch_alone(model):
+    """ORT's CPU provider runs Erf, Conv, AveragePool and the inverse and hyperbolic trig ops in
+    float32 but not float64 ("Could not find an implementation for Erf(13)"). Found at run
+    time, a float64 model's whole partition moved to PyTorch (the MLP's 40 nodes); the
+    partitioner now leaves those ops alone there, named in the report, and the rest runs on
+    ORT in float64, with eager's gradients."""
+    torch.manual_seed(0)
+    if model == "gelu_mlp":
+        net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+        x, missing = torch.randn(4, 8), {"Erf"}
+    else:
+        net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AvgPool2d(2), nn.Flatten(), nn.Linear(36, 2))
+        x, missing = torch.randn(2, 3, 8, 8), {"Conv", "AveragePool"}
+    net, x = net.double(), x.double()
+    twin = copy.deepcopy(net)
+    ort_dynamo.reset()
+    torch.compile(twin, backend="ort")(x).square().sum().backward()
+    net(x).square().sum().backward()
+    for p, q in zip(net.parameters(), twin.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12)
+    report = ort_dynamo.report()
+    reasons = {f.reason for f in report.fallbacks}
+    assert reasons == {f"ORT's CPU provider has no float64 {op} kernel (float32 would lose eager's digits)"
+                       for op in missing}, reasons
+    assert report.ort_nodes > report.fallback_nodes, str(report)
 
 
 def test_fallback_policy_parsing():

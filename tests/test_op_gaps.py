@@ -104,6 +104,17 @@ def test_hardtanh_and_relu6_pass_no_gradient_at_their_bounds(dtype):
     check(lambda t: F.hardtanh(t, -0.5, 3.0) * 3, x)
 
 
+def test_float64_layer_and_group_norms_run_on_ort():
+    """ORT's CPU provider has no float64 LayerNormalization or InstanceNormalization, and
+    torchlib's layer norm asks for float32 statistics: a float64 model's norms failed at run
+    time and their partition ran in PyTorch. In float64 they are torch's decompositions now."""
+    x = torch.randn(3, 4, 8, dtype=torch.float64, requires_grad=True)
+    w, b = torch.rand(8, dtype=torch.float64) + 0.5, torch.randn(8, dtype=torch.float64)
+    check(lambda t: F.layer_norm(t, (8,), w, b).sin(), x, atol=1e-12)
+    check(lambda t: F.layer_norm(t, (4, 8)).sin(), x, atol=1e-12)
+    check(lambda t: F.group_norm(t, 2).sin(), x, atol=1e-12)
+
+
 def test_a_gather_of_an_empty_uint8_index_and_its_gradient_run_on_ort():
     """torch's gather takes an empty uint8 index (OpInfo's last sample); ONNX indices are int32
     or int64, so the backward's scatter failed ORT's type check and ran in PyTorch. Indices of
