@@ -167,16 +167,7 @@ def test_float16_functions_whose_lowerings_test_for_infinities_run_on_ort(name, 
     lowerings use it (some on values they compute, which carry no type once inlined): in a
     float16 graph they failed at run time and ran in PyTorch. IsInf now reads them in float32."""
     torch.manual_seed(0)
-    x = (torch.rand(8, 4) * 0.9).to(torch.float16).requires_grad_()
-    ort_dynamo.reset()
-    torch._dynamo.reset()
-    got = torch.compile(fn, backend="ort")(x)
-    (got_grad,) = torch.autograd.grad(got.float().sum(), x)
-    want = fn(x)
-    (want_grad,) = torch.autograd.grad(want.float().sum(), x)
-    assert ort_dynamo.report().fallback_nodes == 0, str(ort_dynamo.report())
-    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(got_grad, want_grad, rtol=2e-3, atol=2e-3)
+    _all_on_ort_like_eager(fn, (torch.rand(8, 4) * 0.9).to(torch.float16).requires_grad_(), tolerance=2e-3)
 
 
 @pytest.mark.parametrize("name, fn", [
@@ -194,7 +185,11 @@ def test_bfloat16_results_that_lowerings_compute_in_float32_are_rounded_where_ea
     Also mv, dot, var_mean, cross and scatter_reduce (whose inlined values carried no type).
     Now rounded to bfloat16 where the lowering's result is made, as eager rounds."""
     torch.manual_seed(0)
-    x = torch.randn(5, 5, dtype=torch.bfloat16, requires_grad=True)
+    _all_on_ort_like_eager(fn, torch.randn(5, 5, dtype=torch.bfloat16, requires_grad=True), tolerance=2e-2)
+
+
+def _all_on_ort_like_eager(fn, x, tolerance):
+    """``fn(x)`` and its gradient compiled: nothing in PyTorch, eager's dtype and values."""
     ort_dynamo.reset()
     torch._dynamo.reset()
     got = torch.compile(fn, backend="ort")(x)
@@ -202,9 +197,9 @@ def test_bfloat16_results_that_lowerings_compute_in_float32_are_rounded_where_ea
     want = fn(x)
     (want_grad,) = torch.autograd.grad(want.float().sum(), x)
     assert ort_dynamo.report().fallback_nodes == 0, str(ort_dynamo.report())
-    assert got.dtype == want.dtype == torch.bfloat16
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got_grad, want_grad, rtol=2e-2, atol=2e-2)
+    assert got.dtype == want.dtype == x.dtype
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(got_grad, want_grad, rtol=tolerance, atol=tolerance)
 
 
 class HalfNorms(torch.nn.Module):
