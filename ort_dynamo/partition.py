@@ -193,14 +193,12 @@ _ACCUMULATING_INDEX_PUT = {_aten.index_put.default, _aten._unsafe_index_put.defa
 #: ATen ops whose lowering's ONNX op ORT's CPU provider runs in float32 but not in float64
 #: (probed on onnxruntime 1.31 with OpInfo's float64 samples: "Could not find an implementation
 #: for Erf(13)"). Found at run time, the whole partition moved to PyTorch; refused here, only the op.
-_NO_FLOAT64_ON_CPU = {
-    **{getattr(_aten, name).default: onnx for name, onnx in (
-        ("erf", "Erf"), ("erfc", "Erf"), ("special_ndtr", "Erf"), ("sinh", "Sinh"), ("cosh", "Cosh"),
-        ("tan", "Tan"), ("asin", "Asin"), ("acos", "Acos"), ("atan", "Atan"), ("asinh", "Asinh"),
-        ("acosh", "Acosh"), ("atanh", "Atanh"), ("atan2", "Atan"), ("convolution", "Conv"),
-        ("avg_pool1d", "AveragePool"), ("avg_pool2d", "AveragePool"), ("avg_pool3d", "AveragePool"))
-       if hasattr(_aten, name)},
-}
+_NO_FLOAT64_ON_CPU = {getattr(_aten, name).default: onnx for name, onnx in (
+    ("erf", "Erf"), ("erfc", "Erf"), ("special_ndtr", "Erf"), ("sinh", "Sinh"), ("cosh", "Cosh"),
+    ("tan", "Tan"), ("asin", "Asin"), ("acos", "Acos"), ("atan", "Atan"), ("asinh", "Asinh"),
+    ("acosh", "Acosh"), ("atanh", "Atanh"), ("atan2", "Atan"), ("convolution", "Conv"),
+    ("avg_pool1d", "AveragePool"), ("avg_pool2d", "AveragePool"), ("avg_pool3d", "AveragePool"))
+    if hasattr(_aten, name)}
 
 
 def _no_float64_kernel_on_cpu(node: torch.fx.Node) -> str:
@@ -210,10 +208,9 @@ def _no_float64_kernel_on_cpu(node: torch.fx.Node) -> str:
         missing = "Erf"
     if missing is None:
         return ""
-    tensors = list(_tensor_args(node))
-    if any(t.dtype == torch.float64 and t.device.type == "cpu" for t in tensors):
-        return missing
-    return ""
+    on_cpu_in_float64 = any(t.dtype == torch.float64 and t.device.type == "cpu" for t in _tensor_args(node))
+    return missing if on_cpu_in_float64 else ""
+
 
 #: Arguments that ONNX takes as attributes (numbers fixed in the graph), by position.
 _ATTRIBUTE_ARGUMENTS = {_aten.convolution.default: {3: "stride", 4: "padding", 5: "dilation", 7: "output_padding",
