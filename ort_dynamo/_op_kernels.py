@@ -734,8 +734,11 @@ def _result_form(result: ir.Value) -> tuple[str, list[ir.Value], ir.Value | None
     if add is not None and add.inputs[0] is result and _rank(add.inputs[1]) == 1 \
             and add.inputs[1].dtype == ir.DataType.FLOAT and not add.outputs[0].is_graph_output():
         bias, sums = add.inputs[1], add.outputs[0]
-        columns, width = _static_dims(bias), _static_dims(result)
-        if columns and width and columns[0] != width[-1]:
+        # The kernel adds one value per output column: a bias of another or unknown length
+        # (baddbmm's broadcast [1]) stays an Add.
+        columns = bias.shape.dims[0] if bias.shape is not None else None
+        width = result.shape.dims[-1] if result.shape is not None and len(result.shape.dims) else None
+        if not isinstance(columns, int) or columns != width:
             return "f", [result], None
         readers = [use.node for use in sums.uses()]
     if not readers or not all(_op(n, "Cast") for n in readers):
