@@ -530,9 +530,25 @@ def _contiguous_order(val) -> list[int] | None:
         return None
     if not all(isinstance(d, int) for d in (*val.shape, *val.stride())):
         return None
-    order = sorted(range(val.dim()), key=lambda d: (-val.stride(d), d))
-    permuted = val.permute(order)
-    return order if permuted.is_contiguous() else None
+    return _dense_permutation(val.shape, val.stride())
+
+
+def _dense_permutation(sizes, strides) -> list[int] | None:
+    """The dims from outermost to innermost in memory, where the layout is dense (a
+    permutation of a contiguous tensor); None otherwise (expanded, sliced)."""
+    order = sorted(range(len(sizes)), key=lambda d: (-strides[d], d))
+    return order if _is_dense(sizes, strides, order) else None
+
+
+def _is_dense(sizes, strides, order) -> bool:
+    """Whether a layout is the contiguous one of the dims taken in ``order`` (outermost first;
+    a dim of size 1 may have any stride)."""
+    step = 1
+    for d in reversed(order):
+        if sizes[d] != 1 and strides[d] != step:
+            return False
+        step *= sizes[d]
+    return True
 
 
 def _inverse(order: list[int]) -> tuple[int, ...]:

@@ -373,10 +373,16 @@ def _type_scatter_data(node: ir.Node, dtype: ir.DataType) -> None:
                 value.dtype = dtype
 
 
-#: Data-movement ops ORT runs in bfloat16, and which of their inputs are the data moved.
-_BF16_MOVES = {"Identity": (0,), "Reshape": (0,), "Transpose": (0,), "Squeeze": (0,), "Unsqueeze": (0,),
-               "Flatten": (0,), "Slice": (0,), "Split": (0,), "Gather": (0,), "GatherElements": (0,),
-               "GatherND": (0,), "ScatterND": (0, 2), "ScatterElements": (0, 2), "Concat": None}
+#: Data-movement ops ORT runs in bfloat16 (a scatter without a reduction too).
+_BF16_MOVES = (_BF16_OK_ON_CPU & _TYPE_OF_FIRST_INPUT) | {"ScatterND", "ScatterElements"}
+
+
+def _moved_inputs(node: ir.Node) -> range | tuple[int, ...]:
+    """The positions of the inputs a data-movement op moves: all of a Concat's, a scatter's
+    data and updates, else the first."""
+    if node.op_type == "Concat":
+        return range(len(node.inputs))
+    return (0, 2) if node.op_type in ("ScatterND", "ScatterElements") else (0,)
 
 
 def _round_into_bfloat16_moves(graph: ir.Graph) -> None:
@@ -390,18 +396,14 @@ def _round_into_bfloat16_moves(graph: ir.Graph) -> None:
         if node.op_type not in _BF16_MOVES or node.domain not in ("", "ai.onnx") \
                 or not any(v.dtype == bf16 for v in node.outputs):
             continue
-        positions = _BF16_MOVES[node.op_type] or range(len(node.inputs))
-        for index in positions:
+        for index in _moved_inputs(node):
             value = node.inputs[index] if index < len(node.inputs) else None
             if value is None or value.dtype not in (None, ir.DataType.FLOAT):
                 continue
             producer = value.producer()
             if value.dtype is None and (producer is None or _bfloat16_ok_on_cpu(producer)):
                 continue  # moved on from bfloat16 data, untyped: bfloat16 already
-            down = ir.node("Cast", [value], attributes={"to": bf16})
-            down.outputs[0].dtype, down.outputs[0].shape = bf16, value.shape
-            graph.insert_before(node, down)
-            node.replace_input_with(index, down.outputs[0])
+            _cast_input(graph, node, index, bf16)
 
 
 #: Ops whose second input is an index tensor, which ONNX types int32 or int64 only.
@@ -416,12 +418,8 @@ def _indices_as_int64(graph: ir.Graph) -> None:
     for node in list(graph):
         if node.op_type not in _INDEXED_OPS or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
             continue
-        index = node.inputs[1]
-        if index is not None and index.dtype in narrow:
-            cast = ir.node("Cast", [index], attributes={"to": ir.DataType.INT64})
-            cast.outputs[0].dtype, cast.outputs[0].shape = ir.DataType.INT64, index.shape
-            graph.insert_before(node, cast)
-            node.replace_input_with(1, cast.outputs[0])
+        if node.inputs[1] is not None and node.inputs[1].dtype in narrow:
+            _cast_input(graph, node, 1, ir.DataType.INT64)
 
 
 def _float16_gaps_in_float32(graph: ir.Graph) -> None:
@@ -483,10 +481,7 @@ def _in_float32(graph: ir.Graph, node: ir.Node, low: ir.DataType, inputs=None) -
     fp32 = ir.DataType.FLOAT
     for index, value in enumerate(node.inputs):
         if value is not None and value.dtype == low and (inputs is None or index in inputs):
-            up = ir.node("Cast", [value], attributes={"to": fp32})
-            up.outputs[0].dtype, up.outputs[0].shape = fp32, value.shape
-            graph.insert_before(node, up)
-            node.replace_input_with(index, up.outputs[0])
+            _cast_input(graph, node, index, fp32)
     for value in node.outputs:
         if value.dtype != low:
             continue
@@ -499,3 +494,12 @@ def _in_float32(graph: ir.Graph, node: ir.Node, low: ir.DataType, inputs=None) -
         down.replace_input_with(0, value)
         value.dtype = fp32
         graph.insert_after(node, down)
+
+
+def _cast_input(graph: ir.Graph, node: ir.Node, index: int, dtype: ir.DataType) -> None:
+    """``node`` reads its input ``index`` cast to ``dtype`` by a Cast placed before it."""
+    value = node.inputs[index]
+    cast = ir.node("Cast", [value], attributes={"to": dtype})
+    cast.outputs[0].dtype, cast.outputs[0].shape = dtype, value.shape
+    graph.insert_before(node, cast)
+    node.replace_input_with(index, cast.outputs[0])

@@ -18,7 +18,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from . import _cuda_allocator, _kernels, _torch_attention
 from .errors import OrtRuntimeError
-from .export import ExportedGraph
+from .export import ExportedGraph, _dense_permutation, _is_dense
 from .options import FallbackPolicy, OrtOptions
 from .partition import is_compute
 from .report import GraphReport
@@ -408,17 +408,7 @@ def _dense_order(val) -> list[int] | None:
     strides = [getattr(getattr(x, "node", None), "hint", x) for x in val.stride()]
     if not all(isinstance(x, int) for x in sizes + strides):
         return None  # no hint for a symbolic size: leave the input as it comes
-    order = sorted(range(len(sizes)), key=lambda d: (-strides[d], d))
-    return order if _is_dense(sizes, strides, order) else None
-
-
-def _is_dense(sizes, strides, order) -> bool:
-    step = 1
-    for d in reversed(order):
-        if sizes[d] != 1 and strides[d] != step:
-            return False
-        step *= sizes[d]
-    return True
+    return _dense_permutation(sizes, strides)
 
 
 def _in_order(arg, order: list[int] | None):
