@@ -40,13 +40,14 @@ from __future__ import annotations
 import hashlib
 import math
 
+import numpy as np
 import onnx_ir as ir
 
-from ._fusions import _int64_constant, _op, _remove_if_dead, _scalar, _sole_user, _take_over, element_type
+from ._fusions import _initializer, _int64_constant, _op, _remove_if_dead, _scalar, _sole_user, _take_over, element_type
 
 __all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
-           "moves_heads", "scatter_adds_along_last_axis", "slow_transposes_as_kernels", "split_heads_as_kernels",
+           "moves_heads", "scatter_adds_along_last_axis", "slow_expands_as_products", "slow_transposes_as_kernels", "split_heads_as_kernels",
            "split_heads_kernel", "transpose_rows_kernel"]
 
 #: The domain of the custom-op library (csrc/pointwise_runtime.c): these ops' and ``_pointwise``'s.
@@ -81,6 +82,7 @@ TRANSPOSE_ROWS_BF16 = "\n".join([
 ]) + "\n"
 #: Fewer elements stay ORT's: its loop costs microseconds there.
 _MIN_TRANSPOSED = 16384
+_INT64_MAX = 2**63 - 1
 #: An innermost axis that stays innermost, ORT copies in blocks of its length: fine from here.
 _MIN_BLOCK = 16
 #: Output rows this short, ORT's transposes that move one axis write slowly.
@@ -419,6 +421,75 @@ def slow_transposes_as_kernels(graph: ir.Graph) -> list[str]:
         graph.remove(node, safe=True)
         units.append(unit)
     return list(dict.fromkeys(units))
+
+
+def slow_expands_as_products(graph: ir.Graph) -> int:
+    """Float32 Expands that broadcast the last axis -> a MatMul by a row of ones, then an
+    Expand of the other axes if any: ORT's Expand fills such a result a few elements at a time
+    (0.65 ms for 800K floats: a mean's gradient, adaptive pooling's), a product of inner size 1
+    takes a twentieth of that, and an Expand that copies whole rows is fast. The row covers
+    every trailing axis of size 1 in ``x`` (a pooled plane's 7 x 7 at once). Each element is
+    ``x * 1``: exactly ``x``, infinities and NaN included. Run after the pointwise groups, which
+    read a broadcast input in place. Returns how many were replaced."""
+    count = 0
+    for node in list(graph):
+        if not _op(node, "Expand") or len(node.inputs) != 2:
+            continue
+        x, shape = node.inputs
+        out = node.outputs[0]
+        if x is None or shape is None or x.shape is None or out.shape is None or not _is_float32(x) \
+                or len(out.shape) == 0 or (len(x.shape) and x.shape[-1] != 1) or out.shape[-1] == 1:
+            continue
+        sizes = _dims_for_choice(out)
+        if sizes is None or math.prod(sizes) < _MIN_TRANSPOSED:
+            continue
+        kept = len(x.shape)  # x's leading axes, before its trailing run of size-1 axes
+        while kept and x.shape[kept - 1] == 1:
+            kept -= 1
+        spread_dims = out.shape.dims[len(out.shape) - (len(x.shape) - kept if len(x.shape) else len(out.shape)):]
+        name = out.name
+
+        def add(op_type, inputs, **attributes):
+            new = ir.node(op_type, inputs, attributes=attributes)
+            graph.insert_before(node, new)
+            return new.outputs[0]
+
+        def constant(suffix, values):
+            return _int64_constant(graph, f"{name}_{suffix}", values)
+
+        trailing = None
+        if not all(isinstance(d, int) for d in spread_dims):  # their sizes from the shape at run time
+            trailing = add("Slice", [shape, constant("from", [-len(spread_dims)]), constant("to", [_INT64_MAX])])
+        column = x
+        if kept != len(x.shape) - 1 or not len(x.shape):
+            column = add("Reshape", [x, constant("column", [0] * kept + [1])])
+        if trailing is None:
+            ones = _initializer(graph, f"{name}_ones", np.ones((1, math.prod(spread_dims)), dtype=np.float32))
+        else:
+            length = add("ReduceProd", [trailing, constant("axis", [0])], keepdims=1)
+            ones = add("ConstantOfShape", [add("Concat", [constant("one", [1]), length], axis=0)],
+                       value=ir.tensor(np.ones(1, dtype=np.float32)))
+        spread = add("MatMul", [column, ones])
+        if len(spread_dims) > 1:  # the row back into its axes (0: keep that leading axis)
+            if trailing is None:
+                target = constant("spread", [0] * kept + list(spread_dims))
+            else:
+                target = add("Concat", [constant("kept", [0] * kept), trailing], axis=0) if kept else trailing
+            spread = add("Reshape", [spread, target])
+        if not _same_dims(x.shape.dims[:kept], out.shape.dims[:len(out.shape) - len(spread_dims)]):
+            spread = add("Expand", [spread, shape])
+        spread.dtype = ir.DataType.FLOAT
+        _take_over(out, spread)
+        graph.remove(node, safe=True)
+        count += 1
+    return count
+
+
+def _same_dims(a, b) -> bool:
+    """Whether two runs of dims are the same sizes at every run: equal ints or named symbols."""
+    return len(a) == len(b) and all(
+        (isinstance(p, int) and p == q) or (isinstance(p, ir.SymbolicDim) and p.value is not None and p == q)
+        for p, q in zip(a, b))
 
 
 #: The heads' order of attention ([batch, heads, sequence, depth] -> [batch, sequence, heads, depth]).
@@ -788,13 +859,23 @@ def _product_unit(name: str, definition: str, bias: bool) -> str:
 #: The shortest inner dimension our float32 product takes: at K=1024 it beat ORT's (A's rows in
 #: memory), at K=256 it did not (``benchmarks/gemm.py --ours``).
 F32_MIN_K = 512
+F32_MIN_M = 512
+
+
+def _few_rows(a: ir.Value, b: ir.Value) -> bool:
+    """Whether the product of ``a`` by ``b`` is known to have fewer than ``F32_MIN_M`` rows per
+    matrix (``a``'s leading axes are rows too where ``b`` is one matrix)."""
+    dims = list(a.shape.dims[:-1]) if _rank(b) == 2 else [a.shape[-2]]
+    return all(isinstance(d, int) for d in dims) and math.prod(dims) < F32_MIN_M
 
 
 def f32_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
     """Each float32 MatMul whose inner dimension is static and at least ``F32_MIN_K``, A's rows in
-    memory (not a Transpose's) -> ``F32MatMulN{N,T}``, a Transpose of B's last two axes folded
-    in. Where A is transposed (weight gradients) ORT's product was as fast. ``supported()``: as
-    for the bfloat16 products (the same header). Returns the kernels' C units."""
+    memory (not a Transpose's) and not known to be fewer than ``F32_MIN_M`` -> ``F32MatMulN{N,T}``,
+    a Transpose of B's last two axes folded in. Where A is transposed (weight gradients) ORT's
+    product was as fast; with 64 to 256 rows ORT's was 1.1-1.9x faster (a convolution's weight
+    gradient as columns, ``gemm.py``'s shapes at M=256). ``supported()``: as for the bfloat16
+    products (the same header). Returns the kernels' C units."""
     found = []
     for node in graph:
         if not (_op(node, "MatMul") and len(node.inputs) == 2
@@ -802,7 +883,8 @@ def f32_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
             continue
         a, b = node.inputs
         inner = a.shape[-1]
-        if not (isinstance(inner, int) and inner >= F32_MIN_K) or _without_transposes(a, _rank(a))[1]:
+        if not (isinstance(inner, int) and inner >= F32_MIN_K) or _without_transposes(a, _rank(a))[1] \
+                or _few_rows(a, b):
             continue
         found.append(node)
     if not found or not supported():

@@ -1514,6 +1514,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str
     kernels += _fuse_groups(graph, [g for g in groups if not small(g)], info, cuda=False)
     kernels += _op_kernels.merged_heads_as_kernels(graph)
     kernels += _op_kernels.slow_transposes_as_kernels(graph)
+    _op_kernels.slow_expands_as_products(graph)
     _unfold_rotate_half(graph)
     if kernels:
         model.opset_imports[DOMAIN] = 1

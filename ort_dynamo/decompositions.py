@@ -4,6 +4,7 @@ torchlib lowers. Used by ``lower.decomposition_table``; one function per op, eac
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import operator
 import struct
@@ -31,6 +32,8 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
         for d, (o, s) in enumerate(zip(grad_out.shape[2:], stride)):
             read = _every(read, 2 + d, (o - 1) * s + 1, s)
         return _patch_weight_grad(read, grad_out, weight_shape)
+    if groups == 1 and math.prod(kernel) < 32:
+        return _columns_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation)
     n = inp.shape[0]
     spatial = len(weight_shape) - 2
     cin_g = inp.shape[1] // groups
@@ -43,6 +46,54 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
     for dim, size in enumerate(weight_shape[2:]):
         grad = _first_rows(grad, dim + 2, size)
     return grad
+
+
+#: Bytes of input columns one product of ``_columns_weight_grad`` reads at most: more input
+#: channels are taken in turns, each its own product (a 64x64 latent of 64 channels: two).
+_COLUMN_BYTES = 32 << 20
+
+
+def _columns_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation):
+    """dL/dW of a one-group convolution as one matrix product: the gradient [cout, pixels]
+    times the input's columns [pixels, cin x taps], where a tap's column is the (padded) input
+    read at that tap's offset, every stride-th row. As a convolution of the input by the
+    gradient (``_conv_weight_grad``'s grouped form) its kernel is the whole output, which ORT
+    runs as an im2col and a product as wide as the taps: 16 ms of a 3x3 convolution's 25 ms step
+    at 8x64x32x32 (``benchmarks/layer_ops.py --profile conv3x3``). Both write the same columns;
+    from about 32 taps (a 7x7 stem) that product is wide enough and needs no Concat."""
+    spatial = len(weight_shape) - 2
+    kernel, outs = list(weight_shape[2:]), list(grad_out.shape[2:])
+    cin, cout = inp.shape[1], grad_out.shape[1]
+    x = inp
+    if any(padding):
+        x = aten.constant_pad_nd(x, [p for d in reversed(range(spatial)) for p in (padding[d], padding[d])], 0.0)
+    x = x.transpose(0, 1)  # [cin, n, ...]: each tap's rows, channel by channel
+    gy = grad_out.transpose(0, 1).reshape(cout, -1)
+    taps = math.prod(kernel)
+    pixels = math.prod(_hint(size) for size in (inp.shape[0], *outs))  # of this example: no guard
+    per_turn = max(1, _COLUMN_BYTES // max(1, taps * pixels * inp.element_size()))
+    parts = []
+    for first in range(0, cin, per_turn):
+        channels = x.narrow(0, first, min(per_turn, cin - first)) if per_turn < cin else x
+        columns = []
+        for offsets in itertools.product(*[range(k) for k in kernel]):
+            tap = channels
+            for d, (k, o, s, dl) in enumerate(zip(offsets, outs, stride, dilation)):
+                tap = _rows_from(tap, 2 + d, k * dl, o, s)
+            columns.append(tap)
+        columns = torch.stack(columns, 1).reshape(channels.shape[0] * taps, -1)  # [cin x taps, pixels]
+        parts.append(gy @ columns.t())
+    grad = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+    return grad.reshape(weight_shape)
+
+
+def _rows_from(x, dim: int, start: int, count, step: int):
+    """``count`` rows of ``x`` along ``dim`` from ``start``, every ``step``-th; a copy where the
+    sizes are symbolic, for the reason ``_first_rows`` gives."""
+    end = start + (count - 1) * step + 1
+    if not _static(x.shape[dim], count):
+        return aten.slice_copy.Tensor(x, dim, start, end, step)
+    return aten.slice.Tensor(x, dim, start, end, step)
 
 
 def _first_rows(x, dim: int, length):
@@ -1088,16 +1139,16 @@ def own_decompositions() -> dict:
     def native_group_norm(x, weight, bias, n, channels, hxw, groups, eps):
         # torchlib: InstanceNormalization, then mean and rstd again in three more passes. Each
         # group is a row of a LayerNormalization, which also returns mean and rstd; the affine
-        # is one pointwise kernel with what follows.
-        # Symbolic sizes would put shape arithmetic between the two kernels: torchlib's then.
+        # is one pointwise kernel with what follows. Sizes from the op's own arguments, not
+        # inferred (-1): under dynamic=True that inference cost 0.9 s of symbolic algebra.
         if x.device.type == "cpu" and x.dtype == torch.float64:  # no float64 InstanceNormalization on CPU
             return _torch_decompositions[aten.native_group_norm.default](x, weight, bias, n, channels, hxw, groups, eps)
-        if x.device.type != "cpu" or x.dtype != torch.float32 or not _static(*x.shape) or x.numel() == 0 \
+        if x.device.type != "cpu" or x.dtype != torch.float32 or (_static(*x.shape) and x.numel() == 0) \
                 or any(p is not None and p.dtype != torch.float32 for p in (weight, bias)):
             return NotImplemented
-        rows = x.reshape(n, groups, -1)
-        y, mean, rstd = aten.native_layer_norm(rows, [rows.shape[-1]], None, None, eps)
-        y = y.reshape(n, channels, -1)
+        rows = x.reshape(n, groups, channels // groups * hxw)
+        y, mean, rstd = aten.native_layer_norm(rows, [channels // groups * hxw], None, None, eps)
+        y = y.reshape(n, channels, hxw)
         if weight is not None:
             y = y * weight.reshape(channels, 1)
         if bias is not None:

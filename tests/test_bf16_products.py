@@ -334,15 +334,17 @@ def test_our_float32_product_is_the_float32_product_over_broadcast_batches(trans
 
 @bf16_kernels
 @pytest.mark.parametrize("a_shape, b_shape, transpose_a, transpose_b, ours", [
-    ((64, 600), (600, 40), False, False, "F32MatMulNN"),
-    ((2, 64, 600), (40, 600), False, True, "F32MatMulNT"),  # a Linear's weight, its Transpose folded in
-    ((600, 64), (600, 40), True, False, None),    # A transposed (a weight gradient): ORT's was as fast
-    ((64, 256), (256, 40), False, False, None),   # K=256: ORT's was faster
+    ((512, 600), (600, 40), False, False, "F32MatMulNN"),
+    ((2, 256, 600), (40, 600), False, True, "F32MatMulNT"),  # a Linear's weight, its Transpose folded in
+    ((600, 512), (600, 40), True, False, None),    # A transposed (a weight gradient): ORT's was as fast
+    ((512, 256), (256, 40), False, False, None),   # K=256: ORT's was faster
+    ((64, 600), (600, 40), False, False, None),    # 64 rows (a convolution's weight gradient): ORT's was faster
 ])
 def test_a_float32_product_with_a_long_inner_dimension_is_ours_where_it_measured_faster(
         a_shape, b_shape, transpose_a, transpose_b, ours):
-    """Float32 MatMuls with a static K of at least F32_MIN_K and A's rows in memory become
-    F32MatMul (``benchmarks/gemm.py --ours``); the others stay ORT's. Either way the float32
+    """Float32 MatMuls with a static K of at least F32_MIN_K, A's rows in memory and at least
+    F32_MIN_M of them (a leading axis counts where B is one matrix) become F32MatMul
+    (``benchmarks/gemm.py --ours``); the others stay ORT's. Either way the float32
     product, summed in float32."""
     torch.manual_seed(0)
     model = _autocast_product(a_shape, b_shape, transpose_a, transpose_b, operands_bf16=False, rounded=False)

@@ -2060,3 +2060,45 @@ def test_a_group_never_reads_a_path_that_leaves_through_an_earlier_group_and_com
     got = session.run(None, feeds)
     np.testing.assert_allclose(got[0], relu * (sigmoid @ feeds["w2"]), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[1], sigmoid + relu @ feeds["w"], rtol=1e-5, atol=1e-5)
+
+
+def _expands_of_the_last_axis(path) -> list:
+    """Expands in a saved model whose input's last axis is 1 and result's is not."""
+    model = ir.load(path)
+    return [n for n in model.graph if n.op_type == "Expand" and n.inputs[0].shape is not None
+            and n.outputs[0].shape is not None and len(n.inputs[0].shape) and n.inputs[0].shape[-1] == 1
+            and n.outputs[0].shape[-1] != 1]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("op", [
+    lambda x: x.mean((-1, -2), keepdim=True),  # ResNet's pooler: its gradient fills each plane
+    lambda x: F.adaptive_avg_pool2d(x, 4),     # windows of 4 x 4: each value spread over one
+    lambda x: x.sum() * 3 + x.mean(),          # a scalar's gradients over everything
+], ids=["plane_mean", "adaptive_avg", "scalar"])
+def test_an_expand_of_the_last_axis_is_a_product_by_ones_with_eagers_exact_values(tmp_path, op, dynamic):
+    """ORT's Expand fills a result whose last axis it broadcasts a few floats at a time (a
+    plane mean's gradient: 0.61 of the pooler's 1.5 ms step, layer_ops adaptive_avg_head). It is
+    now a MatMul by a row of ones, then an Expand of whole rows: every element ``g * 1``, so the
+    gradients are eager's exactly, infinities and NaN where eager has them too."""
+    x = torch.randn(4, 32, 16, 16, requires_grad=True)
+
+    def fn(t, w):
+        return (op(t) * w).sum()
+
+    w = torch.randn(op(x).shape)
+    if w.dim():
+        w.view(-1)[:3] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    eager = torch.autograd.grad(fn(x, w), x)[0]
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="ort", dynamic=dynamic or None,
+                             options={"save_onnx": True, "save_path": str(tmp_path)})
+    torch.autograd.grad(compiled(x, w), x)
+    ort_dynamo.wait_for_kernels()
+    got = torch.autograd.grad(compiled(x, w), x)[0]
+    torch.testing.assert_close(got, eager, rtol=0, atol=0, equal_nan=True)
+    backward = glob.glob(str(tmp_path / "*backward*.onnx"))
+    assert backward and not any(_expands_of_the_last_axis(p) for p in backward)
+    assert any(n.op_type == "MatMul" for p in backward for n in onnx.load(p).graph.node)
+    assert ort_dynamo.report().fallback_nodes == 0
