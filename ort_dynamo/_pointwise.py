@@ -719,6 +719,8 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
     # Rows of PW_BLOCK elements when every read is full or scalar; a row sum or a rotation
     # needs real rows.
     flat = all(k in ("full", "scalar") for k in kinds) and not (reductions or rotates or column_sums or out_perms)
+    # Otherwise, where each lane stands alone, short trailing axes may run as one row.
+    merges = not (flat or reductions or rotates or column_sums or perms or out_perms or stash)
 
     def function(suffix, setup, loads, stash):
         # The strided version only runs when run-time shapes defeat the static read pattern:
@@ -751,8 +753,8 @@ def _emit(group: _Group, info: _Graph, inputs: list[ir.Value], outputs: list[ir.
           if any(bf16_out) else []),
         f"PW_KERNEL({name}, {len(inputs)}, {name}_types, {name}_kinds, {len(outputs)}, {name}_out_kinds, "
         f"{len(group.shape)}, {1 if flat else 0}, {name}_fast, {name}_any, 0, "
-        f"{f'{name}_perms' if perms or out_perms else '0'}"
-        f"{f', {name}_out_types' if any(bf16_out) else (', 0' if stash else '')}{', 1' if stash else ''});",
+        f"{f'{name}_perms' if perms or out_perms else '0'}, {f'{name}_out_types' if any(bf16_out) else '0'}, "
+        f"{1 if stash else 0}, {1 if merges else 0});",
     ]) + "\n"
 
 

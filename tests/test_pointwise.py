@@ -153,6 +153,51 @@ def test_kernel_takes_its_strided_path_when_run_time_shapes_differ_from_the_stat
     np.testing.assert_allclose(session.run(None, {"x": x, "y": y})[0], x * y + x, rtol=1e-6)
 
 
+@pytest.mark.parametrize("x_shape, y_shape, fed", [
+    ([8, 144, 4, 4], [1, 144, 1, 1], None),            # a per-channel scale over 4 x 4 planes: rows of 16
+    ([8, 144, 4, 4], [8, 144, 1, 1], None),            # squeeze-and-excitation: per image and channel
+    ([8, 1, 4, 4], [1, 144, 1, 1], None),              # both broadcast, over different axes
+    ([8, 144, 4, 4], [1, 144, 1, 4], None),            # a row's last axis read, its plane not: no merge
+    ([8, 144, 4, 4], [1, 144, 1, 1], ([6, 144, 3, 5], [6, 144, 1, 5])),  # other shapes at run time
+])
+def test_short_rows_that_every_input_reads_alike_run_as_one_row_with_the_same_values(x_shape, y_shape, fed):
+    """A kernel iterates rows of the last axis, each with an offset per input from the strides:
+    over 4 x 4 planes (EfficientNet's last stages, ResNet's at 64 x 64 images) a row's setup
+    cost more than its lanes (a batch norm and SiLU over 8 x 144 x 4 x 4: 0.42 ms). The last axes
+    that every input reads alike now run as one row. Values as numpy's, also for run-time shapes
+    whose axes do not merge."""
+    session = _kernel_model(x_shape, y_shape)
+    rng = np.random.default_rng(0)
+    x_fed, y_fed = fed or (x_shape, y_shape)
+    x, y = rng.standard_normal(x_fed).astype(np.float32), rng.standard_normal(y_fed).astype(np.float32)
+    np.testing.assert_allclose(session.run(None, {"x": x, "y": y})[0], x * y + x, rtol=1e-6)
+
+
+def _merges_short_rows(build, shape) -> bool:
+    """The ``merges`` field of the one kernel ``build`` (as ``_kernel_model`` takes it) makes."""
+    x = ir.Value(name="x", shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
+    y = ir.Value(name="y", shape=ir.Shape([1, shape[1], 1, 1]), type=ir.TensorType(ir.DataType.FLOAT))
+    nodes = build(x, y)
+    graph = ir.Graph([x, y], [nodes[-1].outputs[0]], nodes=nodes, opset_imports={"": 18})
+    [kernel] = _pointwise.fuse_pointwise(ir.Model(graph, ir_version=10))
+    return kernel.rsplit("PW_KERNEL(", 1)[1].rstrip().rstrip(");").rsplit(",", 1)[1].strip() == "1"
+
+
+def test_only_kernels_whose_lanes_stand_alone_merge_short_rows():
+    def scaled(x, y):
+        mul = ir.node("Mul", [x, y])
+        return [mul, ir.node("Add", [mul.outputs[0], x])]
+
+    def row_sum(x, y):  # a sum over the last axis: its rows are the reduction's
+        axes = ir.Value(name="axes", const_value=ir.tensor(np.array([-1], dtype=np.int64)),
+                        shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.INT64))
+        mul = ir.node("Mul", [x, y])
+        return [mul, ir.node("ReduceSum", [mul.outputs[0], axes], attributes={"keepdims": 1})]
+
+    assert _merges_short_rows(scaled, [8, 144, 4, 4])
+    assert not _merges_short_rows(row_sum, [8, 144, 4, 4])
+
+
 def test_kernel_rejects_shapes_that_do_not_broadcast_with_a_clear_error():
     session = _kernel_model([128, 256], [128, 256])
     x, y = np.ones((2, 3), np.float32), np.ones((4, 3), np.float32)

@@ -139,6 +139,9 @@ typedef struct PwKernelDef {
   /* The fast function keeps an earlier phase's values in an output's row until the last phase
    * reads them back: an output sharing memory with an input runs the strided one instead. */
   int stashes;
+  /* Lanes are independent of rows (no row or column sums, rotation or transposes): trailing
+   * axes that every input reads alike may run as one row (csrc/pointwise_runtime.c). */
+  int merges;
 } PwKernelDef;
 
 static inline int64_t pw_row_length(const PwArgs* a, int64_t r) {
