@@ -96,6 +96,8 @@ CASES = {
                      (8, 256, 14, 14), "ResNet's third stage: 256 channels at 14x14"),
     "conv3x3_s2": (lambda x, w=torch.randn(128, 64, 3, 3, requires_grad=True): F.conv2d(x, w, stride=2, padding=1),
                    (8, 64, 32, 32), "a stride-2 3x3 downsampling"),
+    "grouped_conv": (lambda x, w=torch.randn(128, 4, 3, 3, requires_grad=True): F.conv2d(x, w, padding=1, groups=32),
+                     (8, 128, 32, 32), "ResNeXt's 3x3 convolution in 32 groups of 4 channels"),
     "stem_conv": (lambda x, w=torch.randn(64, 3, 7, 7, requires_grad=True): F.conv2d(x, w, stride=2, padding=3),
                   (8, 3, 112, 112), "ResNet's 7x7 stride-2 stem, weight gradient included"),
     # Recurrent layers: Dynamo captures them only with its allow_rnn switch (set in main);

@@ -26,6 +26,8 @@ CPU provider runs slowly (csrc/max_pool.h, csrc/pointwise_runtime.c):
   per (image, group): depthwise convolutions (ConvNeXt's, MobileNet's, SegFormer's), their
   input gradients (a grouped ConvTranspose) and their weight gradients (the batch-1 grouped
   Conv ``decompositions._conv_weight_grad`` writes): ``TorchGroupConv_*`` (csrc/group_conv.h).
+- Expands that broadcast the last axis (a mean's gradient), which ORT fills a few floats at a
+  time: a MatMul by a row of ones, then an Expand of whole rows (ORT ops, no kernel).
 - CPU autocast's matrix products: a MatMul of two bfloat16 values (Casts to float32, through
   views) whose result is rounded to bfloat16, which eager computes with oneDNN's AVX512-BF16
   kernels and ORT with float32 GEMMs only: ``Bf16MatMul*`` (csrc/bf16_gemm.h), where the
@@ -47,8 +49,8 @@ from ._fusions import _initializer, _int64_constant, _op, _remove_if_dead, _scal
 
 __all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
-           "moves_heads", "scatter_adds_along_last_axis", "slow_expands_as_products", "slow_transposes_as_kernels", "split_heads_as_kernels",
-           "split_heads_kernel", "transpose_rows_kernel"]
+           "moves_heads", "scatter_adds_along_last_axis", "slow_expands_as_products", "slow_transposes_as_kernels",
+           "split_heads_as_kernels", "split_heads_kernel", "transpose_rows_kernel"]
 
 #: The domain of the custom-op library (csrc/pointwise_runtime.c): these ops' and ``_pointwise``'s.
 DOMAIN = "ort_dynamo.pointwise"

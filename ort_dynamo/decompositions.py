@@ -1140,7 +1140,7 @@ def own_decompositions() -> dict:
         # torchlib: InstanceNormalization, then mean and rstd again in three more passes. Each
         # group is a row of a LayerNormalization, which also returns mean and rstd; the affine
         # is one pointwise kernel with what follows. Sizes from the op's own arguments, not
-        # inferred (-1): under dynamic=True that inference cost 0.9 s of symbolic algebra.
+        # inferred (-1), which under dynamic=True cost a third more symbolic algebra.
         if x.device.type == "cpu" and x.dtype == torch.float64:  # no float64 InstanceNormalization on CPU
             return _torch_decompositions[aten.native_group_norm.default](x, weight, bias, n, channels, hxw, groups, eps)
         if x.device.type != "cpu" or x.dtype != torch.float32 or (_static(*x.shape) and x.numel() == 0) \

@@ -876,8 +876,7 @@ def test_group_norm_of_dynamic_sizes_is_a_layer_norm_too(tmp_path):
     """Under dynamic=True (a U-Net at any image size) group norm was torchlib's
     InstanceNormalization and three more passes (1.6 times eager's step with a static layer's
     channels); it is the LayerNormalization of the static case, its row length from the op's
-    own sizes (inferred, the reshapes cost 0.9 s of symbolic algebra per norm). Eager's
-    gradients at two image sizes, nothing exported for the second."""
+    own sizes. Eager's gradients at two image sizes, nothing exported for the second."""
     import copy
     import glob
 
