@@ -96,6 +96,12 @@ CASES = {
                      (8, 256, 14, 14), "ResNet's third stage: 256 channels at 14x14"),
     "conv3x3_s2": (lambda x, w=torch.randn(128, 64, 3, 3, requires_grad=True): F.conv2d(x, w, stride=2, padding=1),
                    (8, 64, 32, 32), "a stride-2 3x3 downsampling"),
+    "conv_transpose_4x4": (lambda x, w=torch.randn(128, 64, 4, 4, requires_grad=True): F.conv_transpose2d(
+        x, w, stride=2, padding=1), (8, 128, 16, 16), "DCGAN's generator: a 4x4 stride-2 up-convolution"),
+    "conv_4x4_s2": (lambda x, w=torch.randn(128, 64, 4, 4, requires_grad=True): F.conv2d(x, w, stride=2, padding=1),
+                    (8, 64, 32, 32), "DCGAN's discriminator: a 4x4 stride-2 convolution"),
+    "conv1d_k3": (lambda x, w=torch.randn(256, 256, 3, requires_grad=True): F.conv1d(x, w, padding=1),
+                  (8, 256, 256), "audio and sequence models' 1-D convolution"),
     "grouped_conv": (lambda x, w=torch.randn(128, 4, 3, 3, requires_grad=True): F.conv2d(x, w, padding=1, groups=32),
                      (8, 128, 32, 32), "ResNeXt's 3x3 convolution in 32 groups of 4 channels"),
     "stem_conv": (lambda x, w=torch.randn(64, 3, 7, 7, requires_grad=True): F.conv2d(x, w, stride=2, padding=3),
