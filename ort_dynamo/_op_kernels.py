@@ -461,7 +461,9 @@ def slow_expands_as_products(graph: ir.Graph) -> int:
 
         trailing = None
         if not all(isinstance(d, int) for d in spread_dims):  # their sizes from the shape at run time
-            trailing = add("Slice", [shape, constant("from", [-len(spread_dims)]), constant("to", [_INT64_MAX])])
+            # (after 1s: a shape shorter than the axes spread leaves x's 1s there, as broadcasting does)
+            padded = add("Concat", [constant("ones", [1] * len(spread_dims)), shape], axis=0)
+            trailing = add("Slice", [padded, constant("from", [-len(spread_dims)]), constant("to", [_INT64_MAX])])
         column = x
         if kept != len(x.shape) - 1 or not len(x.shape):
             column = add("Reshape", [x, constant("column", [0] * kept + [1])])
