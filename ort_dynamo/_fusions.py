@@ -22,6 +22,19 @@ _MS = "com.microsoft"
 
 # -- small matching helpers -----------------------------------------------------------------------
 
+def _named_dims(dims) -> tuple | None:
+    """Sizes as static ints and named symbols (their names); None if any is unknown."""
+    out = []
+    for d in dims:
+        if isinstance(d, int):
+            out.append(d)
+        elif isinstance(d, ir.SymbolicDim) and d.value is not None:
+            out.append(str(d.value))
+        else:
+            return None
+    return tuple(out)
+
+
 def _constant_tensor(value: ir.Value | None):
     """The tensor of an initializer or of a Constant node's ``value``, else None."""
     if value is None or value.const_value is not None:

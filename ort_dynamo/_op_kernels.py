@@ -45,7 +45,8 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from ._fusions import _initializer, _int64_constant, _op, _remove_if_dead, _scalar, _sole_user, _take_over, element_type
+from ._fusions import (_initializer, _int64_constant, _named_dims, _op, _remove_if_dead, _scalar, _sole_user,
+                       _take_over, element_type)
 
 __all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
@@ -448,7 +449,8 @@ def slow_expands_as_products(graph: ir.Graph) -> int:
         kept = len(x.shape)  # x's leading axes, before its trailing run of size-1 axes
         while kept and x.shape[kept - 1] == 1:
             kept -= 1
-        spread_dims = out.shape.dims[len(out.shape) - (len(x.shape) - kept if len(x.shape) else len(out.shape)):]
+        spread_axes = len(x.shape) - kept if len(x.shape) else len(out.shape)  # a scalar's: all
+        spread_dims = out.shape.dims[len(out.shape) - spread_axes:]
         name = out.name
 
         def add(op_type, inputs, **attributes):
@@ -465,7 +467,7 @@ def slow_expands_as_products(graph: ir.Graph) -> int:
             padded = add("Concat", [constant("ones", [1] * len(spread_dims)), shape], axis=0)
             trailing = add("Slice", [padded, constant("from", [-len(spread_dims)]), constant("to", [_INT64_MAX])])
         column = x
-        if kept != len(x.shape) - 1 or not len(x.shape):
+        if kept != len(x.shape) - 1:  # (a scalar too: kept 0)
             column = add("Reshape", [x, constant("column", [0] * kept + [1])])
         if trailing is None:
             ones = _initializer(graph, f"{name}_ones", np.ones((1, math.prod(spread_dims)), dtype=np.float32))
@@ -491,9 +493,8 @@ def slow_expands_as_products(graph: ir.Graph) -> int:
 
 def _same_dims(a, b) -> bool:
     """Whether two runs of dims are the same sizes at every run: equal ints or named symbols."""
-    return len(a) == len(b) and all(
-        (isinstance(p, int) and p == q) or (isinstance(p, ir.SymbolicDim) and p.value is not None and p == q)
-        for p, q in zip(a, b))
+    known = _named_dims(a)
+    return known is not None and known == _named_dims(b)
 
 
 #: The heads' order of attention ([batch, heads, sequence, depth] -> [batch, sequence, heads, depth]).

@@ -30,7 +30,8 @@ import numpy as np
 import onnx_ir as ir
 
 from ._fusions import (_MS, _TANH_GELU_BETA, _TANH_GELU_KAPPA, _constant_tensor, _initializer, _int64_constant,
-                       _ints, _is, _op, _other, _perm_keeping_last_axis, _remove_if_dead, _scalar, _sole_user)
+                       _ints, _is, _named_dims, _op, _other, _perm_keeping_last_axis, _remove_if_dead, _scalar,
+                       _sole_user)
 from ._fusions import softmax_written_out as _softmax_written_out
 from ._fusions import _take_over as _take_over_value
 from . import _op_kernels
@@ -121,17 +122,7 @@ def _worth_a_kernel_alone(node: ir.Node, transposes: bool) -> bool:
 
 def _dims(shape) -> tuple | None:
     """Static ints and named symbols; None if any dim is unknown."""
-    if shape is None:
-        return None
-    out = []
-    for d in shape.dims:
-        if isinstance(d, int):
-            out.append(d)
-        elif isinstance(d, ir.SymbolicDim) and d.value is not None:
-            out.append(str(d.value))
-        else:
-            return None
-    return tuple(out)
+    return None if shape is None else _named_dims(shape.dims)
 
 
 def _broadcast(shapes: list[tuple]) -> tuple | None:

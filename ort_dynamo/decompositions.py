@@ -30,7 +30,7 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
         # a 1x1 convolution's. As a correlation it would compute stride² taps for its one.
         read = inp
         for d, (o, s) in enumerate(zip(grad_out.shape[2:], stride)):
-            read = _every(read, 2 + d, (o - 1) * s + 1, s)
+            read = _rows_from(read, 2 + d, 0, o, s)
         return _patch_weight_grad(read, grad_out, weight_shape)
     if groups == 1 and math.prod(kernel) < 32 and inp.device.type == "cpu":  # measured on CPU only
         return _columns_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation)
@@ -104,14 +104,6 @@ def _first_rows(x, dim: int, length):
     if not _static(x.shape[dim], length):
         return aten.slice_copy.Tensor(x, dim, 0, length)
     return x if x.shape[dim] == length else x.narrow(dim, 0, length)
-
-
-def _every(x, dim: int, end, step: int):
-    """Every ``step``-th row of ``x`` along ``dim`` before ``end``; a copy where the sizes are
-    symbolic, for the reason ``_first_rows`` gives."""
-    if not _static(x.shape[dim], end):
-        return aten.slice_copy.Tensor(x, dim, 0, end, step)
-    return aten.slice.Tensor(x, dim, 0, end, step)
 
 
 def _spread_back(grad, weight, stride, dilation, groups, rows_after):
