@@ -63,6 +63,8 @@ CASES = {
     "group_norm": (lambda x: F.group_norm(x, 32), (8, 64, 64, 64), "diffusion U-Nets' normalization"),
     "group_norm_affine": (lambda x, w=torch.rand(64) + 0.5, b=torch.randn(64): F.group_norm(x, 32, w, b),
                           (8, 64, 64, 64), "the same with nn.GroupNorm's weight and bias"),
+    "group_norm_layer": (lambda x, m=torch.nn.GroupNorm(32, 64): m(x), (8, 64, 64, 64),
+                         "an nn.GroupNorm layer: its weight fixes the channels under --dynamic, as in models"),
     "batch_norm": (lambda x, w=torch.rand(64, requires_grad=True), b=torch.randn(64, requires_grad=True):
                    F.batch_norm(x, None, None, w, b, training=True), (8, 64, 56, 56), "ResNet's BatchNorm2d, training"),
     "conv_transpose": (lambda x, w=torch.randn(64, 32, 2, 2, requires_grad=True): F.conv_transpose2d(x, w, stride=2),
