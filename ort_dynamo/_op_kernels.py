@@ -48,7 +48,8 @@ import onnx_ir as ir
 from ._fusions import (_initializer, _int64_constant, _named_dims, _op, _remove_if_dead, _scalar, _sole_user,
                        _take_over, element_type)
 
-__all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels",
+__all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "conv_weight_grads_as_kernels",
+           "f32_matmul_kernel", "f32_matmuls_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
            "moves_heads", "scatter_adds_along_last_axis", "slow_expands_as_products", "slow_transposes_as_kernels",
            "split_heads_as_kernels", "split_heads_kernel", "transpose_rows_kernel"]
@@ -292,6 +293,81 @@ def group_convs_as_kernels(graph: ir.Graph) -> list[str]:
         _take_over(node.outputs[0], conv.outputs[0])
         conv.outputs[0].dtype = ir.DataType.FLOAT
         graph.remove(node, safe=True)
+    return list(kernels.values())
+
+
+def _swaps_first_two(node: ir.Node | None) -> bool:
+    """Whether ``node`` is a Transpose that swaps its first two axes and keeps the rest."""
+    if not _op(node, "Transpose") or "perm" not in node.attributes:
+        return False
+    perm = [int(p) for p in node.attributes["perm"].value]
+    return perm[:2] == [1, 0] and perm[2:] == list(range(2, len(perm)))
+
+
+def _weight_gradient(node: ir.Node) -> tuple | None:
+    """(input, output gradient, which of them the Conv reads as they are (bit 0: the input, bit
+    1: the gradient), the value the kernel replaces, whether that is the Transpose after, spatial
+    axes, strides, dilations, pads before, pads after) of a one-group float32 Conv with 1 to 3
+    spatial axes: the form ``decompositions._conv_weight_grad`` writes a weight gradient in,
+    Conv(Transpose(x), Transpose(gy)), each Transpose swapping the first two axes; else None. The kernel reads x and gy through those Transposes (where the
+    graph gets x's already swapped, a saved activation, it reads that). Where only such a
+    Transpose reads the Conv, the kernel writes that layout (where the Conv's result is a graph
+    output, PyTorch swaps the axes: a view)."""
+    if not _op(node, "Conv") or len(node.inputs) != 2 or node.attributes.get_int("group", 1) != 1 \
+            or node.attributes.get_string("auto_pad", "NOTSET") != "NOTSET" \
+            or not all(_is_float32(v) for v in node.inputs):
+        return None
+    x, gy = node.inputs
+    layouts = 0
+    for bit, value in enumerate(node.inputs):
+        if _swaps_first_two(value.producer()):
+            x, gy = (value.producer().inputs[0], gy) if bit == 0 else (x, value.producer().inputs[0])
+        else:
+            layouts |= 1 << bit
+    if layouts & 2:  # the gradient comes swapped: not a weight gradient this rewrite knows
+        return None
+    reader = _sole_user(node.outputs[0])
+    swapped = _swaps_first_two(reader)
+    replaced = reader.outputs[0] if swapped else node.outputs[0]
+    rank = _rank(x)
+    if rank is None or not 3 <= rank <= 5 or _rank(gy) != rank:
+        return None
+    spatial = rank - 2
+    strides = list(node.attributes.get_ints("strides", [1] * spatial))
+    dilations = list(node.attributes.get_ints("dilations", [1] * spatial))
+    pads = list(node.attributes.get_ints("pads", [0] * 2 * spatial))
+    window = node.attributes.get_ints("kernel_shape", None)
+    if len(strides) != spatial or len(dilations) != spatial or len(pads) != 2 * spatial \
+            or min(strides + dilations) < 1 or min(pads) < 0 \
+            or (window is not None and list(window) != [d if isinstance(d, int) else w
+                                                        for d, w in zip(gy.shape.dims[2:], window)]):
+        return None
+    return x, gy, layouts, replaced, swapped, spatial, strides, dilations, pads[:spatial], pads[spatial:]
+
+
+def conv_weight_grads_as_kernels(graph: ir.Graph, supported) -> list[str]:
+    """Each convolution's weight gradient ``_weight_gradient`` describes -> one
+    ``TorchConvWeightGrad_*`` node of the input and the output gradient (csrc/conv_weight_grad.h:
+    one float32 product whose columns it reads from the input), its result the Transpose's.
+    ``supported()``: as for the float32 products (the same blocking). Returns the C units."""
+    found = [(node, match) for node in graph if (match := _weight_gradient(node)) is not None]
+    if not found or not supported():
+        return []
+    kernels = {}
+    for node, (x, gy, layouts, replaced, swapped, spatial, strides, dilations, before, after) in found:
+        axes = [values + [1] * (3 - spatial) for values in (strides, dilations)] \
+            + [values + [0] * (3 - spatial) for values in (before, after)]
+        numbers = [spatial, layouts, int(swapped), *(n for values in axes for n in values)]
+        source = "\n".join(['#include "conv_weight_grad.h"',
+                            f"PW_CONV_WEIGHT_GRAD(@, {', '.join(str(int(n)) for n in numbers)});",
+                            "PW_KERNEL(@, 2, @_types, @_none, 1, @_none, 0, 0, 0, 0, @_compute, 0, 0);"]) + "\n"
+        name = "TorchConvWeightGrad_" + hashlib.sha256(source.encode()).hexdigest()[:16]
+        kernels[name] = source.replace("@", name)
+        grad = ir.node(name, [x, gy], domain=DOMAIN)
+        graph.insert_before(node, grad)
+        _take_over(replaced, grad.outputs[0])
+        grad.outputs[0].dtype = ir.DataType.FLOAT
+        _remove_if_dead(graph, [replaced.producer(), node, *(v.producer() for v in node.inputs if v.producer())])
     return list(kernels.values())
 
 

@@ -77,7 +77,8 @@ class OrtBackend:
                 decompositions=lower_stage.decomposition_table(
                     self.options.opset, self.options.cache_dir,
                     device == "cpu" and rewrite_stage.pointwise_kernels_apply(options, device), cpu_torch_attention,
-                    options.torch_random and device == "cpu"),
+                    options.torch_random and device == "cpu",
+                    own_products=rewrite_stage.own_products_apply(options, device)),
                 **kwargs,
             )(gm, example_inputs)
 

@@ -14,14 +14,16 @@ from torch._decomp import decomposition_table as _torch_decompositions
 
 aten = torch.ops.aten
 
-__all__ = ["own_decompositions", "pointwise_decompositions"]
+__all__ = ["own_decompositions", "pointwise_decompositions", "product_decompositions"]
 
 
 # ---- decompositions torch lacks -------------------------------------------------------------
 
 
-def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, groups):
-    """dL/dW of a (non-transposed) convolution, as one grouped convolution."""
+def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, groups, own_product=False):
+    """dL/dW of a (non-transposed) convolution, as one grouped convolution. ``own_product``
+    (CPU, kernels with products of their own): a one-group one stays that Conv, which
+    csrc/conv_weight_grad.h computes as one product reading its columns from the input."""
     kernel = list(weight_shape[2:])
     if groups == 1 and list(stride) == kernel and not any(padding) and all(d == 1 for d in dilation):
         return _patch_weight_grad(inp, grad_out, weight_shape)
@@ -32,10 +34,16 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
         for d, (o, s) in enumerate(zip(grad_out.shape[2:], stride)):
             read = _rows_from(read, 2 + d, 0, o, s)
         return _patch_weight_grad(read, grad_out, weight_shape)
-    if groups == 1 and math.prod(kernel) < 32 and inp.device.type == "cpu":  # measured on CPU only
+    if groups == 1 and math.prod(kernel) < 32 and inp.device.type == "cpu" and not own_product:  # measured on CPU only
         return _columns_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation)
-    n = inp.shape[0]
     spatial = len(weight_shape) - 2
+    if groups == 1:  # the pattern _op_kernels.conv_weight_grads_as_kernels takes
+        grad = aten.convolution(inp.transpose(0, 1), grad_out.transpose(0, 1), None, dilation, padding, stride,
+                                False, [0] * spatial, 1).transpose(0, 1)
+        for dim, size in enumerate(kernel):
+            grad = _first_rows(grad, dim + 2, size)
+        return grad
+    n = inp.shape[0]
     cin_g = inp.shape[1] // groups
     # Input channels become the batch, batch x groups the channels.
     x = inp.transpose(0, 1).reshape(groups, cin_g, n, *inp.shape[2:]).transpose(0, 1)
@@ -60,7 +68,9 @@ def _columns_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation)
     gradient (``_conv_weight_grad``'s grouped form) its kernel is the whole output, which ORT
     runs as an im2col and a product as wide as the taps: 16 ms of a 3x3 convolution's 25 ms step
     at 8x64x32x32 (``benchmarks/layer_ops.py --profile conv3x3``). Both write the same columns;
-    from about 32 taps (a 7x7 stem) that product is wide enough and needs no Concat."""
+    from about 32 taps (a 7x7 stem) that product is wide enough and needs no Concat. Where the
+    kernels have products of their own, csrc/conv_weight_grad.h computes this product without
+    storing the columns (``own_product``)."""
     spatial = len(weight_shape) - 2
     kernel, outs = list(weight_shape[2:]), list(grad_out.shape[2:])
     cin, cout = inp.shape[1], grad_out.shape[1]
@@ -1039,6 +1049,58 @@ def _fake_quantized(x, scale, inv_scale, zero_point, quant_min: int, quant_max: 
 
 
 @functools.lru_cache(None)
+def _convolution_backward(own_product: bool):
+    """aten.convolution_backward. ``own_product``: a one-group convolution's weight gradient
+    stays one Conv for csrc/conv_weight_grad.h (``_conv_weight_grad``)."""
+
+    def convolution_backward(grad_out, inp, weight, bias_sizes, stride, padding, dilation,
+                             transposed, output_padding, groups, output_mask):
+        spatial = weight.dim() - 2
+        # ATen lets one value stand for every spatial dim (``padding="valid"`` gives [0]).
+        stride, padding, dilation, output_padding = (
+            _per_spatial_dim(values, spatial) for values in (stride, padding, dilation, output_padding))
+        grad_input = grad_weight = grad_bias = None
+        if output_mask[0]:
+            if transposed:
+                grad_input = aten.convolution(grad_out, weight, None, stride, padding, dilation,
+                                              False, [0] * spatial, groups)
+                # output_padding rows of the forward get no window: crop to the input size.
+                for dim in range(spatial):
+                    grad_input = grad_input.narrow(dim + 2, 0, inp.shape[dim + 2])
+            elif groups == 1 and all(k == 1 for k in weight.shape[2:]) and all(s == 1 for s in stride) \
+                    and not any(padding):
+                # A 1x1 convolution's: the 1x1 convolution by the transposed weight (a GEMM per
+                # image for ORT, where its ConvTranspose adds a col2im pass).
+                grad_input = aten.convolution(grad_out, weight.transpose(0, 1), None, [1] * spatial, [0] * spatial,
+                                              [1] * spatial, False, [0] * spatial, 1)
+            else:
+                # output_padding makes the transposed conv land exactly on the input size.
+                extra = []
+                for i in range(spatial):
+                    full = ((grad_out.shape[i + 2] - 1) * stride[i] - 2 * padding[i]
+                            + dilation[i] * (weight.shape[i + 2] - 1) + 1)
+                    extra.append(inp.shape[i + 2] - full)
+                if all(isinstance(e, int) for e in extra):
+                    grad_input = aten.convolution(grad_out, weight, None, stride, padding, dilation,
+                                                  True, extra, groups)
+                else:  # a symbolic size (dynamic=True): spread over the padded input, then cut
+                    grad_input = _spread_back(grad_out, weight, stride, dilation, groups, extra)
+                    for dim in range(spatial):
+                        grad_input = grad_input.narrow(dim + 2, padding[dim], inp.shape[dim + 2])
+        if output_mask[1]:
+            if transposed:
+                grad_weight = _conv_weight_grad(grad_out, inp, weight.shape, stride, padding,
+                                                dilation, groups, own_product)
+            else:
+                grad_weight = _conv_weight_grad(inp, grad_out, weight.shape, stride, padding,
+                                                dilation, groups, own_product)
+        if output_mask[2]:
+            grad_bias = grad_out.sum([0] + list(range(2, grad_out.dim())))
+        return grad_input, grad_weight, grad_bias
+
+    return convolution_backward
+
+
 def own_decompositions() -> dict:
     table = {}
 
@@ -1147,51 +1209,7 @@ def own_decompositions() -> dict:
             y = y + bias.reshape(channels, 1)
         return y.reshape(x.shape), mean.reshape(n, groups), rstd.reshape(n, groups)
 
-    @register(aten.convolution_backward.default)
-    def convolution_backward(grad_out, inp, weight, bias_sizes, stride, padding, dilation,
-                             transposed, output_padding, groups, output_mask):
-        spatial = weight.dim() - 2
-        # ATen lets one value stand for every spatial dim (``padding="valid"`` gives [0]).
-        stride, padding, dilation, output_padding = (
-            _per_spatial_dim(values, spatial) for values in (stride, padding, dilation, output_padding))
-        grad_input = grad_weight = grad_bias = None
-        if output_mask[0]:
-            if transposed:
-                grad_input = aten.convolution(grad_out, weight, None, stride, padding, dilation,
-                                              False, [0] * spatial, groups)
-                # output_padding rows of the forward get no window: crop to the input size.
-                for dim in range(spatial):
-                    grad_input = grad_input.narrow(dim + 2, 0, inp.shape[dim + 2])
-            elif groups == 1 and all(k == 1 for k in weight.shape[2:]) and all(s == 1 for s in stride) \
-                    and not any(padding):
-                # A 1x1 convolution's: the 1x1 convolution by the transposed weight (a GEMM per
-                # image for ORT, where its ConvTranspose adds a col2im pass).
-                grad_input = aten.convolution(grad_out, weight.transpose(0, 1), None, [1] * spatial, [0] * spatial,
-                                              [1] * spatial, False, [0] * spatial, 1)
-            else:
-                # output_padding makes the transposed conv land exactly on the input size.
-                extra = []
-                for i in range(spatial):
-                    full = ((grad_out.shape[i + 2] - 1) * stride[i] - 2 * padding[i]
-                            + dilation[i] * (weight.shape[i + 2] - 1) + 1)
-                    extra.append(inp.shape[i + 2] - full)
-                if all(isinstance(e, int) for e in extra):
-                    grad_input = aten.convolution(grad_out, weight, None, stride, padding, dilation,
-                                                  True, extra, groups)
-                else:  # a symbolic size (dynamic=True): spread over the padded input, then cut
-                    grad_input = _spread_back(grad_out, weight, stride, dilation, groups, extra)
-                    for dim in range(spatial):
-                        grad_input = grad_input.narrow(dim + 2, padding[dim], inp.shape[dim + 2])
-        if output_mask[1]:
-            if transposed:
-                grad_weight = _conv_weight_grad(grad_out, inp, weight.shape, stride, padding,
-                                                dilation, groups)
-            else:
-                grad_weight = _conv_weight_grad(inp, grad_out, weight.shape, stride, padding,
-                                                dilation, groups)
-        if output_mask[2]:
-            grad_bias = grad_out.sum([0] + list(range(2, grad_out.dim())))
-        return grad_input, grad_weight, grad_bias
+    register(aten.convolution_backward.default)(_convolution_backward(own_product=False))
 
     @register(aten._weight_norm_interface_backward.default)
     def weight_norm_interface_backward(grad_w, v, g, norms, dim):
@@ -2113,6 +2131,13 @@ def _every_step(sizes, dim, start, end, step):
     if stride < 2 or size % stride or not 0 <= first < stride or len(range(first, stop, stride)) != size // stride:
         return None
     return dim, first
+
+
+@functools.lru_cache(None)
+def product_decompositions() -> dict:
+    """Replacements for ``own_decompositions`` entries where the CPU kernels include products of
+    their own (csrc/bf16_gemm.h's float32 blocking: ``_kernels.bfloat16_products``)."""
+    return {aten.convolution_backward.default: _convolution_backward(own_product=True)}
 
 
 @functools.lru_cache(None)

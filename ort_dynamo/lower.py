@@ -29,7 +29,8 @@ from torch._export.utils import _is_preservable_cia_op
 from torch.export.decomp_utils import PRESERVED_ATEN_CIA_OPS
 
 from .decompositions import (_hint, _known, attention_backward, attention_forward, attention_inputs, attention_operands,
-                             masked_scores, own_decompositions, pointwise_decompositions, zero_rows)
+                             masked_scores, own_decompositions, pointwise_decompositions, product_decompositions,
+                             zero_rows)
 
 __all__ = ["lower_graph", "decomposition_table", "whole_upsampling", "trainable_rnns", "stacked_row_gradients",
            "random_draws_in_pytorch", "sizes_from_inputs", "squeezes_as_traced", "IN_PYTORCH"]
@@ -554,7 +555,8 @@ def _composite_kernels() -> set:
 
 @functools.lru_cache(None)
 def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = False,
-                        cpu_torch_attention: bool = False, pytorch_draws: bool = False) -> dict:
+                        cpu_torch_attention: bool = False, pytorch_draws: bool = False,
+                        own_products: bool = False) -> dict:
     """Decompositions for AOTAutograd: only ops that torchlib cannot lower (correctly).
 
     torch's registered decompositions, functional ops only (in-place/out variants are gone
@@ -566,7 +568,9 @@ def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = 
     ``cpu_torch_attention``: flash attention for CPU stays whole where ORT runs it
     (``flash_for_cpu_applies``). ``pytorch_draws``: random draws will run in PyTorch
     (``random_draws_in_pytorch``), so those torch writes with other draws (``exponential`` from
-    a uniform, ...) stay whole, and PyTorch's kernel draws eager's values."""
+    a uniform, ...) stay whole, and PyTorch's kernel draws eager's values. ``own_products``: the
+    CPU kernels include products of their own, which take a few ops whole (a convolution's
+    weight gradient)."""
     lowered = _onnx_lowered_ops(opset, cache_dir) - TORCHLIB_WRONG
     composite = _composite_kernels()
     table = {op: fn for op, fn in _torch_decompositions.items()
@@ -580,6 +584,8 @@ def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = 
     table.update(own_decompositions())
     if pointwise:
         table.update(pointwise_decompositions())
+    if own_products:
+        table.update(product_decompositions())
     if cpu_torch_attention:
         table.update(_flash_for_cpu_kept(table))
     if pytorch_draws:

@@ -12,7 +12,7 @@ from . import _fusions, _kernels, _pointwise
 from .export import ExportedGraph, OutputSlot
 from .options import OrtOptions
 
-__all__ = ["rewrite", "pointwise_kernels_apply"]
+__all__ = ["rewrite", "own_products_apply", "pointwise_kernels_apply"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -47,6 +47,13 @@ def pointwise_kernels_apply(options: OrtOptions, device: str) -> bool:
     if not (options.pointwise_kernels and options.enable_compute_optimizer and not options.deterministic_compute):
         return False
     return _kernels.available() if device == "cpu" else device == "cuda" and _kernels.cuda_available()
+
+
+def own_products_apply(options: OrtOptions, device: str) -> bool:
+    """Whether a graph on ``device`` gets ort_dynamo's own products (csrc/bf16_gemm.h: CPU
+    kernels, a compiler targeting AVX512-BF16): asked before tracing too, where it keeps a
+    convolution's weight gradient one Conv for csrc/conv_weight_grad.h."""
+    return device == "cpu" and pointwise_kernels_apply(options, device) and _kernels.bfloat16_products()
 
 
 def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:

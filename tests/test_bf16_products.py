@@ -7,6 +7,8 @@ MatMul becomes a ``Bf16MatMul`` kernel, which multiplies with the instruction ea
 kernels use and sums in float32. Built from the same code, float32 products with a long inner
 dimension become ``F32MatMul`` kernels (the end of this file).
 """
+import copy
+
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
@@ -377,3 +379,90 @@ def test_a_bias_of_another_length_than_the_products_columns_stays_an_add():
         got = torch.compile(torch.baddbmm, backend="ort")(bias, a, b)
         assert ort_dynamo.report().fallback_nodes == 0, str(ort_dynamo.report())
         torch.testing.assert_close(got, torch.baddbmm(bias, a, b), rtol=2e-2, atol=2e-2)
+
+
+def _weight_gradient_in_float64(conv, x):
+    """The layer's weight gradient for the loss ``conv(x).square().sum()``, in float64, and the
+    magnitude of its terms (each |x| |dy| summed, as the same convolution of |x| by |dy|)."""
+    layer = copy.deepcopy(conv).double()
+    out = layer(x.detach().double())
+    (out.square().sum()).backward()
+    grad_out = 2 * out.detach()
+    _, magnitude, _ = torch.ops.aten.convolution_backward(
+        grad_out.abs(), x.detach().double().abs(), layer.weight.detach(), None, layer.stride, layer.padding,
+        layer.dilation, isinstance(conv, torch.nn.modules.conv._ConvTransposeNd), layer.output_padding, 1,
+        [False, True, False])
+    return layer.weight.grad, magnitude
+
+
+@bf16_kernels
+@pytest.mark.parametrize("conv, shape", [
+    (torch.nn.Conv2d(6, 40, 3, padding=1), (2, 6, 24, 25)),       # K over one chunk; two panels of 32
+    (torch.nn.Conv2d(5, 7, 4, stride=2, padding=1), (3, 5, 16, 17)),  # DCGAN's: stride, even window
+    (torch.nn.Conv2d(4, 6, (3, 2), stride=(2, 1), padding=(2, 1), dilation=(2, 1)), (2, 4, 9, 10)),
+    (torch.nn.Conv2d(3, 8, 7, stride=2, padding=3), (2, 3, 21, 20)),  # a stem: more taps than the window
+    (torch.nn.Conv1d(6, 5, 3, stride=3, padding=2), (2, 6, 50)),
+    (torch.nn.Conv3d(3, 4, 3, padding=1), (2, 3, 5, 6, 7)),
+    (torch.nn.ConvTranspose2d(6, 4, 3, stride=2, padding=1, output_padding=1), (2, 6, 9, 10)),
+])
+def test_a_convolutions_weight_gradient_is_one_product_reading_its_columns_from_the_input(tmp_path, conv, shape):
+    """With products of ort_dynamo's own, a one-group convolution's weight gradient is one
+    ``TorchConvWeightGrad`` kernel: the output gradient times the input's columns, which it
+    reads from the input as it packs them, where the columns stacked by Slices and a Concat
+    took half the step (layer_ops conv3x3_64: 1.57 -> 1.17 times eager). 1-, 2- and 3-D,
+    padding, stride, dilation, a transposed convolution's (input and gradient trade places);
+    within float32's rounding of the exact sum, before the kernels (ORT's Conv) and after."""
+    import glob
+
+    import onnx
+
+    import ort_dynamo
+
+    torch.manual_seed(0)
+    x = torch.randn(*shape)
+    exact, magnitude = _weight_gradient_in_float64(conv, x)
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: conv(t).square().sum(), backend="ort",
+                             options={"save_onnx": True, "save_path": str(tmp_path)})
+    terms = x[0, 0].numel() * x.shape[0]
+    for step in range(2):
+        conv.weight.grad = None
+        compiled(x).backward()
+        error = (conv.weight.grad.double() - exact).abs()
+        assert torch.all(error <= (terms + 2) * np.finfo(np.float32).eps * magnitude), (step, error.max())
+        ort_dynamo.wait_for_kernels()
+    assert ort_dynamo.report().fallback_nodes == 0, str(ort_dynamo.report())
+    backward = [n.op_type for n in onnx.load(glob.glob(str(tmp_path / "*backward*.onnx"))[0]).graph.node]
+    assert sum(op.startswith("TorchConvWeightGrad_") for op in backward) == 1 and "Conv" not in backward, backward
+
+
+@bf16_kernels
+def test_a_convolutions_weight_gradient_kernel_takes_new_sizes_without_a_new_export(tmp_path):
+    """Under ``dynamic=True`` the kernel reads every size at run time: other images and another
+    batch reuse it, with the float64 gradient's values within float32's rounding, and K past
+    several of its chunks of 1024 (2 x 40 x 41 positions). Here the forward saves the input with
+    its first two axes swapped, as the Conv reads it: the kernel reads that layout."""
+    import glob
+
+    import onnx
+
+    import ort_dynamo
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(5, 9, 3, padding=1)
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: conv(t).square().sum(), backend="ort", dynamic=True,
+                             options={"save_onnx": True, "save_path": str(tmp_path)})
+    for shape in [(2, 5, 12, 13), (2, 5, 12, 13), (2, 5, 40, 41), (3, 5, 17, 9)]:
+        x = torch.randn(*shape)
+        exact, magnitude = _weight_gradient_in_float64(conv, x)
+        conv.weight.grad = None
+        compiled(x).backward()
+        error = (conv.weight.grad.double() - exact).abs()
+        assert torch.all(error <= (x[0, 0].numel() * x.shape[0] + 2) * np.finfo(np.float32).eps * magnitude), shape
+        ort_dynamo.wait_for_kernels()
+    assert ort_dynamo.report().exports == 2, str(ort_dynamo.report())  # one forward, one backward
+    backward = [n.op_type for n in onnx.load(glob.glob(str(tmp_path / "*backward*.onnx"))[0]).graph.node]
+    assert sum(op.startswith("TorchConvWeightGrad_") for op in backward) == 1 and "Conv" not in backward, backward

@@ -1,0 +1,236 @@
+/* conv_weight_grad.h -- a convolution's weight gradient as one float32 product whose input
+ * columns are read straight from the input, never stored (ONNX Runtime custom op, CPU).
+ *
+ * decompositions.py writes dL/dW of a one-group convolution as ONNX's Conv of the input by the
+ * output gradient, both with their first two axes swapped, and the result's swapped back. ORT
+ * runs that Conv as an im2col and a product only as wide as the taps (16 of a 3x3 layer's 25 ms
+ * at 8x64x32x32); the input's columns stacked by Slices and a Concat, then one product, took
+ * half its time to stack them (benchmarks/layer_ops.py --profile conv3x3_64). Here it is
+ *
+ *     C[(c, t), co] = sum over (n, o) of x[n, c, t A + o B - P] gy[n, co, o]
+ *
+ * (per spatial axis: tap t, output position o, the Conv's strides A and dilations B, pads P
+ * before; outside the input, zeros): M = input channels x taps, K = images x output positions,
+ * N = output channels, with bf16_gemm.h's float32 blocking and register tile. Each task packs
+ * its rows of A from the input as it would pack a stored A, so the columns exist only in its
+ * packed panels; B (the output gradient) is packed once. The result leaves as the Conv's, [c,
+ * co, t], or as the Transpose after it would have left it, [co, c, t]. Each element is summed
+ * over K in the same order whatever the threads.
+ *
+ * Part of ort_dynamo; MIT licensed.
+ */
+#ifndef ORT_DYNAMO_CONV_WEIGHT_GRAD_H
+#define ORT_DYNAMO_CONV_WEIGHT_GRAD_H
+#include "bf16_gemm.h"
+#include "group_conv.h" /* pw_conv_range */
+
+typedef struct PwWeightGrad {
+  const float *x, *gy;
+  float *c, *packed;          /* C: [M, N] scratch; B's panels: [N panel][K block][KC][NR] */
+  int64_t images, cin, cout;  /* N, Cin, Cout of the convolution */
+  int64_t x_image, x_channel, gy_image, gy_channel; /* elements between images, channels */
+  int64_t in[3], out[3], taps[3];  /* per spatial axis (1-D and 2-D as 3-D, leading axes of 1) */
+  int64_t step_t[3], step_o[3], pad[3];
+  int64_t T, O, M, K, kblocks, npanels, mblocks, panel_rows;
+  int* out_of_memory;
+} PwWeightGrad;
+
+/* Row m = (c, t) of A from K index k0, `count` values, into `at`: the input read at each output
+ * position for this tap, zeros where that falls outside the input. */
+static void pw_weight_grad_row(const PwWeightGrad* g, int64_t m, int64_t k0, int64_t count, float* restrict at) {
+  const int64_t c = m / g->T, t = m % g->T;
+  const int64_t t0 = t / (g->taps[1] * g->taps[2]), t1 = t / g->taps[2] % g->taps[1], t2 = t % g->taps[2];
+  const int64_t width = g->out[2];
+  const int64_t s2 = g->step_o[2], first2 = t2 * g->step_t[2] - g->pad[2];
+  /* the output positions o2 whose input column first2 + o2 s2 lies inside [0, in[2]) */
+  int64_t lo, hi;
+  pw_conv_range(g->in[2], s2, first2, width, &lo, &hi);
+  for (int64_t line = k0 / width, o2 = k0 % width; count > 0; ++line, o2 = 0) { /* line: (n, o0, o1) */
+    const int64_t take = pw_min64(width - o2, count);
+    const int64_t n = line / (g->out[0] * g->out[1]), o0 = line / g->out[1] % g->out[0], o1 = line % g->out[1];
+    const int64_t p0 = t0 * g->step_t[0] + o0 * g->step_o[0] - g->pad[0];
+    const int64_t p1 = t1 * g->step_t[1] + o1 * g->step_o[1] - g->pad[1];
+    const int64_t a = o2 > lo ? o2 : lo, b = o2 + take < hi ? o2 + take : hi; /* [a, b): inside */
+    if (p0 < 0 || p0 >= g->in[0] || p1 < 0 || p1 >= g->in[1] || b <= a) {
+      memset(at, 0, (size_t)take * sizeof(float));
+    } else {
+      const float* src = g->x + n * g->x_image + c * g->x_channel + (p0 * g->in[1] + p1) * g->in[2] + first2;
+      memset(at, 0, (size_t)(a - o2) * sizeof(float));
+      if (s2 == 1)
+        memcpy(at + a - o2, src + a, (size_t)(b - a) * sizeof(float));
+      else
+        for (int64_t o = a; o < b; ++o) at[o - o2] = src[o * s2];
+      memset(at + b - o2, 0, (size_t)(o2 + take - b) * sizeof(float));
+    }
+    at += take;
+    count -= take;
+  }
+}
+
+/* Task t packs one K block of one N panel of B: B[k, co] = gy[n, co, o] for k = (n, o). */
+static void pw_weight_grad_pack_b(void* user, size_t t) {
+  const PwWeightGrad* g = (const PwWeightGrad*)user;
+  const int64_t kb = (int64_t)t % g->kblocks, j = (int64_t)t / g->kblocks;
+  const int64_t k0 = kb * PW_GEMM_KC, kc = pw_min64(g->K - k0, PW_GEMM_KC);
+  const int64_t co0 = j * PW_GEMM_NR, nr = pw_min64(g->cout - co0, PW_GEMM_NR);
+  float* restrict dst = g->packed + ((j * g->kblocks) + kb) * g->panel_rows * PW_GEMM_NR;
+  for (int64_t k = 0; k < kc; ++k) {
+    const int64_t n = (k0 + k) / g->O, o = (k0 + k) % g->O;
+    const float* src = g->gy + n * g->gy_image + co0 * g->gy_channel + o;
+    int64_t col = 0;
+    for (; col < nr; ++col) dst[k * PW_GEMM_NR + col] = src[col * g->gy_channel];
+    for (; col < PW_GEMM_NR; ++col) dst[k * PW_GEMM_NR + col] = 0.0f;
+  }
+}
+
+/* K blocks a task packs and multiplies at a time: its rows of A (48 x 1024 floats) and the
+ * chunk's B panels stay in L2, where the whole of K (16K at 4x64x64x64) streamed from L3
+ * (111 against 150 GF/s). Each chunk's sums are added to C. */
+enum { PW_WG_CHUNK = 4 };
+
+/* Task t: MC rows of C over every N panel, K a chunk at a time, their A packed from the input. */
+static void pw_weight_grad_task(void* user, size_t t) {
+  const PwWeightGrad* g = (const PwWeightGrad*)user;
+  const int64_t m0 = (int64_t)t * PW_GEMM_MC, mc = pw_min64(g->M - m0, PW_GEMM_MC);
+  const int64_t tiles = (mc + PW_GEMM_MR - 1) / PW_GEMM_MR;
+  const int64_t a_block = PW_GEMM_MR * PW_GEMM_KC, a_tile = PW_WG_CHUNK * a_block;
+  const int64_t b_block = g->panel_rows * PW_GEMM_NR;
+  float* pa = (float*)aligned_alloc(64, (size_t)(tiles * a_tile + PW_WG_CHUNK * PW_GEMM_KC) * sizeof(float));
+  if (!pa) {
+    __atomic_store_n(g->out_of_memory, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  float* row = pa + tiles * a_tile; /* one row of A over the chunk */
+  float sums[PW_GEMM_MR * PW_GEMM_NR];
+  for (int64_t kb0 = 0; kb0 < g->kblocks; kb0 += PW_WG_CHUNK) {
+    const int64_t blocks = pw_min64(g->kblocks - kb0, PW_WG_CHUNK), k0 = kb0 * PW_GEMM_KC;
+    const int64_t span = pw_min64(g->K - k0, blocks * PW_GEMM_KC), last = span - (blocks - 1) * PW_GEMM_KC;
+    for (int64_t i = 0; i < tiles; ++i)
+      for (int64_t r = 0; r < PW_GEMM_MR; ++r) {
+        const int64_t m = m0 + i * PW_GEMM_MR + r;
+        if (m < m0 + mc)
+          pw_weight_grad_row(g, m, k0, span, row);
+        else
+          memset(row, 0, (size_t)span * sizeof(float));
+        for (int64_t kb = 0; kb < blocks; ++kb)
+          memcpy(pa + i * a_tile + kb * a_block + r * PW_GEMM_KC, row + kb * PW_GEMM_KC,
+                 (size_t)pw_min64(span - kb * PW_GEMM_KC, PW_GEMM_KC) * sizeof(float));
+      }
+    for (int64_t j = 0; j < g->npanels; ++j) {
+      const float* panel = g->packed + (j * g->kblocks + kb0) * b_block;
+      const int64_t nr = pw_min64(g->cout - j * PW_GEMM_NR, PW_GEMM_NR);
+      for (int64_t i = 0; i < tiles; ++i) {
+        const int64_t mr = pw_min64(mc - i * PW_GEMM_MR, PW_GEMM_MR);
+        float* c = g->c + (m0 + i * PW_GEMM_MR) * g->cout + j * PW_GEMM_NR;
+        pw_gemm_tile_rows_f32(pa + i * a_tile, a_block, panel, b_block, blocks, g->panel_rows, last, NULL,
+                              kb0 ? sums : c, kb0 ? PW_GEMM_NR : g->cout, mr, nr);
+        if (kb0)
+          for (int64_t r = 0; r < mr; ++r)
+            for (int64_t col = 0; col < nr; ++col) c[r * g->cout + col] += sums[r * PW_GEMM_NR + col];
+      }
+    }
+  }
+  free(pa);
+}
+
+/* Inputs x [N, Cin, spatial...] and gy [N, Cout, output spatial...], each with its first two
+ * axes swapped where `layouts` says (bit 0: x's, bit 1: gy's; as the Conv reads them); the
+ * Conv's attributes per spatial axis (strides A, dilations B, pads before P and after E); output
+ * [Cin, Cout, taps...], or ([Cout, Cin, taps...]) `swapped`. */
+static inline OrtStatus* pw_conv_weight_grad(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def,
+                                             int spatial, int layouts, int swapped, const int64_t* steps_t,
+                                             const int64_t* steps_o, const int64_t* before, const int64_t* after) {
+  const PwKernel kernel = {api, def};
+  const OrtValue *x, *y;
+  int64_t xd[PW_MAX_RANK], yd[PW_MAX_RANK], od[PW_MAX_RANK];
+  size_t xr = 0, yr = 0;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 0, &x));
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 1, &y));
+  PW_TRY(pw_shape(api, x, xd, &xr));
+  PW_TRY(pw_shape(api, y, yd, &yr));
+  const int x_swapped = layouts & 1, gy_swapped = (layouts >> 1) & 1;
+  if ((int)xr != spatial + 2 || (int)yr != spatial + 2 || xd[x_swapped] != yd[gy_swapped])
+    return pw_error(&kernel, "the input and the output gradient must have the convolution's axes and images");
+  PwWeightGrad g = {0};
+  g.images = xd[x_swapped];
+  g.cin = xd[1 - x_swapped];
+  g.cout = yd[1 - gy_swapped];
+  g.T = g.O = 1;
+  for (int d = 0; d < 3; ++d) {
+    const int a = d - (3 - spatial); /* the spatial axis of this one, < 0: a leading axis of 1 */
+    g.in[d] = a < 0 ? 1 : xd[2 + a];
+    g.out[d] = a < 0 ? 1 : yd[2 + a];
+    g.step_t[d] = a < 0 ? 1 : steps_t[a];
+    g.step_o[d] = a < 0 ? 1 : steps_o[a];
+    g.pad[d] = a < 0 ? 0 : before[a];
+    const int64_t span = g.step_o[d] * (g.out[d] - 1) + 1, padded = g.in[d] + g.pad[d] + (a < 0 ? 0 : after[a]);
+    g.taps[d] = g.out[d] >= 1 && padded >= span ? (padded - span) / g.step_t[d] + 1 : 0;
+    if (g.taps[d] < 1) return pw_error(&kernel, "the output gradient is larger than the input allows");
+    g.T *= g.taps[d];
+    g.O *= g.out[d];
+    if (a >= 0) od[2 + a] = g.taps[d];
+  }
+  const int64_t plane = g.in[0] * g.in[1] * g.in[2];
+  g.x_image = x_swapped ? plane : g.cin * plane;
+  g.x_channel = x_swapped ? g.images * plane : plane;
+  g.gy_image = gy_swapped ? g.O : g.cout * g.O;
+  g.gy_channel = gy_swapped ? g.images * g.O : g.O;
+  od[0] = swapped ? g.cout : g.cin;
+  od[1] = swapped ? g.cin : g.cout;
+  OrtValue* output;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, od, (size_t)spatial + 2, &output));
+  void* data;
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(output, &data));
+  float* out = (float*)data;
+  g.M = g.cin * g.T;
+  g.K = g.images * g.O;
+  if (g.M == 0 || g.cout == 0) return NULL;
+  if (g.K == 0) {
+    memset(out, 0, (size_t)(g.M * g.cout) * sizeof(float));
+    return NULL;
+  }
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)x, &data));
+  g.x = (const float*)data;
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)y, &data));
+  g.gy = (const float*)data;
+  g.kblocks = (g.K + PW_GEMM_KC - 1) / PW_GEMM_KC;
+  g.panel_rows = pw_min64(PW_GEMM_KC, g.K);
+  g.npanels = (g.cout + PW_GEMM_NR - 1) / PW_GEMM_NR;
+  g.mblocks = (g.M + PW_GEMM_MC - 1) / PW_GEMM_MC;
+  g.packed = (float*)aligned_alloc(64, (size_t)(g.npanels * g.kblocks * g.panel_rows * PW_GEMM_NR) * sizeof(float));
+  g.c = (float*)malloc((size_t)(g.M * g.cout) * sizeof(float));
+  if (!g.packed || !g.c) {
+    free(g.packed);
+    free(g.c);
+    return pw_error(&kernel, "out of memory for the packed output gradient");
+  }
+  int out_of_memory = 0;
+  g.out_of_memory = &out_of_memory;
+  OrtStatus* status = pw_run_tasks(api, ctx, pw_weight_grad_pack_b, g.npanels * g.kblocks, &g);
+  if (!status) status = pw_run_tasks(api, ctx, pw_weight_grad_task, g.mblocks, &g);
+  if (!status && !out_of_memory)
+    for (int64_t m = 0; m < g.M; ++m) { /* [c, t] rows of C -> [co, c, t] or [c, co, t] */
+      const int64_t c = m / g.T, t = m % g.T;
+      for (int64_t co = 0; co < g.cout; ++co)
+        out[swapped ? co * g.M + m : (c * g.cout + co) * g.T + t] = g.c[m * g.cout + co];
+    }
+  free(g.packed);
+  free(g.c);
+  if (!status && out_of_memory) return pw_error(&kernel, "out of memory for the packed input columns");
+  return status;
+}
+
+/* One weight gradient: SPATIAL axes (1 to 3); LAYOUTS: which inputs have their first two axes
+ * swapped (bit 0: x, bit 1: gy); SWAPPED: the output's first two axes swapped; per
+ * axis (three given, the first SPATIAL used) the Conv's strides (steps between taps), dilations
+ * (between output positions), pads before and after. Defines name_compute and the type lists;
+ * the unit's PW_KERNEL line names the op. */
+#define PW_CONV_WEIGHT_GRAD(name, SPATIAL, LAYOUTS, SWAPPED, A0, A1, A2, B0, B1, B2, P0, P1, P2, E0, E1, E2) \
+  static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
+    static const int64_t steps_t[] = {A0, A1, A2}, steps_o[] = {B0, B1, B2};                                \
+    static const int64_t before[] = {P0, P1, P2}, after[] = {E0, E1, E2};                                   \
+    return pw_conv_weight_grad(api, ctx, def, SPATIAL, LAYOUTS, SWAPPED, steps_t, steps_o, before, after);          \
+  }                                                                                                         \
+  static const int name##_types[] = {PW_FLOAT, PW_FLOAT};                                                   \
+  static const int name##_none[] = {0, 0}
+#endif /* ORT_DYNAMO_CONV_WEIGHT_GRAD_H */
