@@ -309,10 +309,11 @@ def _weight_gradient(node: ir.Node) -> tuple | None:
     1: the gradient), the value the kernel replaces, whether that is the Transpose after, spatial
     axes, strides, dilations, pads before, pads after) of a one-group float32 Conv with 1 to 3
     spatial axes: the form ``decompositions._conv_weight_grad`` writes a weight gradient in,
-    Conv(Transpose(x), Transpose(gy)), each Transpose swapping the first two axes; else None. The kernel reads x and gy through those Transposes (where the
-    graph gets x's already swapped, a saved activation, it reads that). Where only such a
-    Transpose reads the Conv, the kernel writes that layout (where the Conv's result is a graph
-    output, PyTorch swaps the axes: a view)."""
+    Conv(Transpose(x), Transpose(gy)), each Transpose swapping the first two axes; else None.
+    The kernel reads x and gy through those Transposes (where the graph gets x already swapped,
+    a saved activation, it reads that). Where only such a Transpose reads the Conv, the kernel
+    writes that layout (where the Conv's result is a graph output, PyTorch swaps the axes: a
+    view)."""
     if not _op(node, "Conv") or len(node.inputs) != 2 or node.attributes.get_int("group", 1) != 1 \
             or node.attributes.get_string("auto_pad", "NOTSET") != "NOTSET" \
             or not all(_is_float32(v) for v in node.inputs):
@@ -324,7 +325,10 @@ def _weight_gradient(node: ir.Node) -> tuple | None:
             x, gy = (value.producer().inputs[0], gy) if bit == 0 else (x, value.producer().inputs[0])
         else:
             layouts |= 1 << bit
-    if layouts & 2:  # the gradient comes swapped: not a weight gradient this rewrite knows
+    # The input swapped already is a saved activation, a graph input; and then the gradient must
+    # be computed here. A 1x1 convolution's input gradient, Conv(gy, Transpose(weight)), is not
+    # this product (K would be its few channels: slower than ORT's Conv).
+    if layouts & 2 or (layouts & 1 and not (node.inputs[0].is_graph_input() and gy.producer() is not None)):
         return None
     reader = _sole_user(node.outputs[0])
     swapped = _swaps_first_two(reader)

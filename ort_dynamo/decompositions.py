@@ -34,6 +34,9 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
         for d, (o, s) in enumerate(zip(grad_out.shape[2:], stride)):
             read = _rows_from(read, 2 + d, 0, o, s)
         return _patch_weight_grad(read, grad_out, weight_shape)
+    # The kernel packs the columns a row of output positions at a time: rows shorter than 8
+    # cost more to pack than to multiply (ResNet's 4x4 and 2x2 maps: 0.36 ms against 0.1).
+    own_product = own_product and _hint(grad_out.shape[-1]) >= 8
     if groups == 1 and math.prod(kernel) < 32 and inp.device.type == "cpu" and not own_product:  # measured on CPU only
         return _columns_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation)
     spatial = len(weight_shape) - 2
