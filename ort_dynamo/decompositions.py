@@ -1104,6 +1104,7 @@ def _convolution_backward(own_product: bool):
     return convolution_backward
 
 
+@functools.lru_cache(None)
 def own_decompositions() -> dict:
     table = {}
 
