@@ -97,23 +97,35 @@ _READS_TRANSPOSED = {"MatMul", "Gemm", "FusedMatMul"}
 _HEAD_TYPES = (ir.DataType.FLOAT, ir.DataType.BFLOAT16)
 
 
-def _pooling(node: ir.Node) -> tuple | None:
-    """(spatial, kernel, strides, pads before, pads after, dilations, ceil) of a MaxPool the
-    kernel computes, else None."""
-    attributes = node.attributes
-    if attributes.get_int("storage_order", 0) != 0 or attributes.get_string("auto_pad", "NOTSET") != "NOTSET":
-        return None
-    kernel = list(attributes.get_ints("kernel_shape", []))
-    spatial = len(kernel)
-    if not 1 <= spatial <= 3:
+def _window_geometry(attributes, spatial: int) -> tuple | None:
+    """(strides, pads before, pads after, dilations) of a Conv's, ConvTranspose's or pooling's
+    attributes over ``spatial`` axes, ONNX's defaults where absent; None where ``auto_pad`` is
+    set, a list has another length, a stride or dilation is below 1 or a pad below 0."""
+    if attributes.get_string("auto_pad", "NOTSET") != "NOTSET":
         return None
     strides = list(attributes.get_ints("strides", [1] * spatial))
     pads = list(attributes.get_ints("pads", [0] * 2 * spatial))
     dilations = list(attributes.get_ints("dilations", [1] * spatial))
     if len(strides) != spatial or len(pads) != 2 * spatial or len(dilations) != spatial \
-            or min(kernel + strides + dilations) < 1 or min(pads) < 0:
+            or min(strides + dilations) < 1 or min(pads) < 0:
         return None
-    return spatial, kernel, strides, pads[:spatial], pads[spatial:], dilations, attributes.get_int("ceil_mode", 0)
+    return strides, pads[:spatial], pads[spatial:], dilations
+
+
+def _pooling(node: ir.Node) -> tuple | None:
+    """(spatial, kernel, strides, pads before, pads after, dilations, ceil) of a MaxPool the
+    kernel computes, else None."""
+    attributes = node.attributes
+    if attributes.get_int("storage_order", 0) != 0:
+        return None
+    kernel = list(attributes.get_ints("kernel_shape", []))
+    spatial = len(kernel)
+    if not 1 <= spatial <= 3 or min(kernel) < 1:
+        return None
+    geometry = _window_geometry(attributes, spatial)
+    if geometry is None:
+        return None
+    return spatial, kernel, *geometry, attributes.get_int("ceil_mode", 0)
 
 
 _VIEWS = frozenset({"Unsqueeze", "Reshape", "Identity"})
@@ -231,7 +243,7 @@ def _group_convolution(node: ir.Node) -> tuple | None:
     group = attributes.get_int("group", 1)
     if dims is None or wdims is None or len(dims) != 4 or len(wdims) != 4 or group < 2 or 0 in dims \
             or not _is_float32(x) or not _is_float32(w) or (bias is not None and not _is_float32(bias)) \
-            or attributes.get_string("auto_pad", "NOTSET") != "NOTSET" or "output_shape" in attributes:
+            or "output_shape" in attributes:
         return None
     if wdims[0] != group or (transposed and dims[1] != group):
         return None
@@ -240,20 +252,18 @@ def _group_convolution(node: ir.Node) -> tuple | None:
     kernel = wdims[2:]
     if -1 not in kernel and list(attributes.get_ints("kernel_shape", kernel)) != kernel:
         return None
-    strides = list(attributes.get_ints("strides", [1, 1]))
-    pads = list(attributes.get_ints("pads", [0, 0, 0, 0]))
-    dilations = list(attributes.get_ints("dilations", [1, 1]))
+    geometry = _window_geometry(attributes, 2)
     extra = list(attributes.get_ints("output_padding", [0, 0])) if transposed else [0, 0]
-    if len(strides) != 2 or len(pads) != 4 or len(dilations) != 2 or len(extra) != 2 \
-            or min(strides + dilations + [k for k in kernel if k != -1]) < 1 or min(pads + extra) < 0:
+    if geometry is None or len(extra) != 2 or min([k for k in kernel if k != -1] + [1]) < 1 or min(extra) < 0:
         return None
-    after = [e - p for e, p in zip(extra, pads[2:])] if transposed else pads[2:]
+    strides, before, pads_after, dilations = geometry
+    after = [e - p for e, p in zip(extra, pads_after)] if transposed else pads_after
     sizes = [_convolution_size(n, k, s, p, a, d, transposed) if -1 not in (n, k) else -1
-             for n, k, s, p, a, d in zip(dims[2:], kernel, strides, pads[:2], after, dilations)]
+             for n, k, s, p, a, d in zip(dims[2:], kernel, strides, before, after, dilations)]
     if 0 in sizes:
         return None
     planes = [*sizes, *dims[2:]] if transposed else [*dims[2:], *sizes]
-    return int(transposed), int(bias is not None), kernel, strides, pads[:2], after, dilations, planes
+    return int(transposed), int(bias is not None), kernel, strides, before, after, dilations, planes
 
 
 def _convolution_size(n: int, k: int, s: int, before: int, after: int, d: int, transposed: bool) -> int:
@@ -305,30 +315,28 @@ def _swaps_first_two(node: ir.Node | None) -> bool:
 
 
 def _weight_gradient(node: ir.Node) -> tuple | None:
-    """(input, output gradient, which of them the Conv reads as they are (bit 0: the input, bit
-    1: the gradient), the value the kernel replaces, whether that is the Transpose after, spatial
-    axes, strides, dilations, pads before, pads after) of a one-group float32 Conv with 1 to 3
-    spatial axes: the form ``decompositions._conv_weight_grad`` writes a weight gradient in,
-    Conv(Transpose(x), Transpose(gy)), each Transpose swapping the first two axes; else None.
-    The kernel reads x and gy through those Transposes (where the graph gets x already swapped,
-    a saved activation, it reads that). Where only such a Transpose reads the Conv, the kernel
-    writes that layout (where the Conv's result is a graph output, PyTorch swaps the axes: a
-    view)."""
+    """(input, output gradient, whether the Conv reads the input as it is (its first two axes
+    swapped already), the value the kernel replaces, whether that is the Transpose after,
+    spatial axes, strides, dilations, pads before, pads after) of a one-group float32 Conv with
+    1 to 3 spatial axes: the form ``decompositions._conv_weight_grad`` writes a weight gradient
+    in, Conv(Transpose(x), Transpose(gy)), each Transpose swapping the first two axes; else
+    None. The kernel reads x and gy through those Transposes (where the graph gets x already
+    swapped, a saved activation, it reads that). Where only such a Transpose reads the Conv, the
+    kernel writes that layout (where the Conv's result is a graph output, PyTorch swaps the
+    axes: a view)."""
     if not _op(node, "Conv") or len(node.inputs) != 2 or node.attributes.get_int("group", 1) != 1 \
-            or node.attributes.get_string("auto_pad", "NOTSET") != "NOTSET" \
             or not all(_is_float32(v) for v in node.inputs):
         return None
-    x, gy = node.inputs
-    layouts = 0
-    for bit, value in enumerate(node.inputs):
-        if _swaps_first_two(value.producer()):
-            x, gy = (value.producer().inputs[0], gy) if bit == 0 else (x, value.producer().inputs[0])
-        else:
-            layouts |= 1 << bit
+    x_swap, gy_swap = (v.producer() for v in node.inputs)
+    if not _swaps_first_two(gy_swap):
+        return None
+    gy = gy_swap.inputs[0]
     # The input swapped already is a saved activation, a graph input; and then the gradient must
     # be computed here. A 1x1 convolution's input gradient, Conv(gy, Transpose(weight)), is not
     # this product (K would be its few channels: slower than ORT's Conv).
-    if layouts & 2 or (layouts & 1 and not (node.inputs[0].is_graph_input() and gy.producer() is not None)):
+    x_swapped = not _swaps_first_two(x_swap)
+    x = node.inputs[0] if x_swapped else x_swap.inputs[0]
+    if x_swapped and not (x.is_graph_input() and gy.producer() is not None):
         return None
     reader = _sole_user(node.outputs[0])
     swapped = _swaps_first_two(reader)
@@ -337,16 +345,13 @@ def _weight_gradient(node: ir.Node) -> tuple | None:
     if rank is None or not 3 <= rank <= 5 or _rank(gy) != rank:
         return None
     spatial = rank - 2
-    strides = list(node.attributes.get_ints("strides", [1] * spatial))
-    dilations = list(node.attributes.get_ints("dilations", [1] * spatial))
-    pads = list(node.attributes.get_ints("pads", [0] * 2 * spatial))
+    geometry = _window_geometry(node.attributes, spatial)
     window = node.attributes.get_ints("kernel_shape", None)
-    if len(strides) != spatial or len(dilations) != spatial or len(pads) != 2 * spatial \
-            or min(strides + dilations) < 1 or min(pads) < 0 \
-            or (window is not None and list(window) != [d if isinstance(d, int) else w
-                                                        for d, w in zip(gy.shape.dims[2:], window)]):
+    if geometry is None or (window is not None and list(window) != [d if isinstance(d, int) else w
+                                                                    for d, w in zip(gy.shape.dims[2:], window)]):
         return None
-    return x, gy, layouts, replaced, swapped, spatial, strides, dilations, pads[:spatial], pads[spatial:]
+    strides, before, after, dilations = geometry
+    return x, gy, x_swapped, replaced, swapped, spatial, strides, dilations, before, after
 
 
 def conv_weight_grads_as_kernels(graph: ir.Graph, supported) -> list[str]:
@@ -358,10 +363,10 @@ def conv_weight_grads_as_kernels(graph: ir.Graph, supported) -> list[str]:
     if not found or not supported():
         return []
     kernels = {}
-    for node, (x, gy, layouts, replaced, swapped, spatial, strides, dilations, before, after) in found:
+    for node, (x, gy, x_swapped, replaced, swapped, spatial, strides, dilations, before, after) in found:
         axes = [values + [1] * (3 - spatial) for values in (strides, dilations)] \
             + [values + [0] * (3 - spatial) for values in (before, after)]
-        numbers = [spatial, layouts, int(swapped), *(n for values in axes for n in values)]
+        numbers = [spatial, int(x_swapped), int(swapped), *(n for values in axes for n in values)]
         source = "\n".join(['#include "conv_weight_grad.h"',
                             f"PW_CONV_WEIGHT_GRAD(@, {', '.join(str(int(n)) for n in numbers)});",
                             "PW_KERNEL(@, 2, @_types, @_none, 1, @_none, 0, 0, 0, 0, @_compute, 0, 0);"]) + "\n"

@@ -28,7 +28,7 @@ typedef struct PwWeightGrad {
   const float *x, *gy;
   float *c, *packed;          /* C: [M, N] scratch; B's panels: [N panel][K block][KC][NR] */
   int64_t images, cin, cout;  /* N, Cin, Cout of the convolution */
-  int64_t x_image, x_channel, gy_image, gy_channel; /* elements between images, channels */
+  int64_t x_image, x_channel; /* elements between the input's images, its channels */
   int64_t in[3], out[3], taps[3];  /* per spatial axis (1-D and 2-D as 3-D, leading axes of 1) */
   int64_t step_t[3], step_o[3], pad[3];
   int64_t T, O, M, K, kblocks, npanels, mblocks, panel_rows;
@@ -76,9 +76,9 @@ static void pw_weight_grad_pack_b(void* user, size_t t) {
   float* restrict dst = g->packed + ((j * g->kblocks) + kb) * g->panel_rows * PW_GEMM_NR;
   for (int64_t k = 0; k < kc; ++k) {
     const int64_t n = (k0 + k) / g->O, o = (k0 + k) % g->O;
-    const float* src = g->gy + n * g->gy_image + co0 * g->gy_channel + o;
+    const float* src = g->gy + (n * g->cout + co0) * g->O + o;
     int64_t col = 0;
-    for (; col < nr; ++col) dst[k * PW_GEMM_NR + col] = src[col * g->gy_channel];
+    for (; col < nr; ++col) dst[k * PW_GEMM_NR + col] = src[col * g->O];
     for (; col < PW_GEMM_NR; ++col) dst[k * PW_GEMM_NR + col] = 0.0f;
   }
 }
@@ -133,12 +133,11 @@ static void pw_weight_grad_task(void* user, size_t t) {
   free(pa);
 }
 
-/* Inputs x [N, Cin, spatial...] and gy [N, Cout, output spatial...], each with its first two
- * axes swapped where `layouts` says (bit 0: x's, bit 1: gy's; as the Conv reads them); the
- * Conv's attributes per spatial axis (strides A, dilations B, pads before P and after E); output
- * [Cin, Cout, taps...], or ([Cout, Cin, taps...]) `swapped`. */
+/* Inputs x [N, Cin, spatial...] (`x_swapped`: [Cin, N, spatial...], as the Conv reads it) and gy
+ * [N, Cout, output spatial...]; the Conv's attributes per spatial axis (strides A, dilations B,
+ * pads before P and after E); output [Cin, Cout, taps...], or ([Cout, Cin, taps...]) `swapped`. */
 static inline OrtStatus* pw_conv_weight_grad(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def,
-                                             int spatial, int layouts, int swapped, const int64_t* steps_t,
+                                             int spatial, int x_swapped, int swapped, const int64_t* steps_t,
                                              const int64_t* steps_o, const int64_t* before, const int64_t* after) {
   const PwKernel kernel = {api, def};
   const OrtValue *x, *y;
@@ -148,13 +147,12 @@ static inline OrtStatus* pw_conv_weight_grad(const OrtApiTable* api, OrtKernelCo
   PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 1, &y));
   PW_TRY(pw_shape(api, x, xd, &xr));
   PW_TRY(pw_shape(api, y, yd, &yr));
-  const int x_swapped = layouts & 1, gy_swapped = (layouts >> 1) & 1;
-  if ((int)xr != spatial + 2 || (int)yr != spatial + 2 || xd[x_swapped] != yd[gy_swapped])
+  if ((int)xr != spatial + 2 || (int)yr != spatial + 2 || xd[x_swapped] != yd[0])
     return pw_error(&kernel, "the input and the output gradient must have the convolution's axes and images");
   PwWeightGrad g = {0};
   g.images = xd[x_swapped];
   g.cin = xd[1 - x_swapped];
-  g.cout = yd[1 - gy_swapped];
+  g.cout = yd[1];
   g.T = g.O = 1;
   for (int d = 0; d < 3; ++d) {
     const int a = d - (3 - spatial); /* the spatial axis of this one, < 0: a leading axis of 1 */
@@ -173,8 +171,6 @@ static inline OrtStatus* pw_conv_weight_grad(const OrtApiTable* api, OrtKernelCo
   const int64_t plane = g.in[0] * g.in[1] * g.in[2];
   g.x_image = x_swapped ? plane : g.cin * plane;
   g.x_channel = x_swapped ? g.images * plane : plane;
-  g.gy_image = gy_swapped ? g.O : g.cout * g.O;
-  g.gy_channel = gy_swapped ? g.images * g.O : g.O;
   od[0] = swapped ? g.cout : g.cin;
   od[1] = swapped ? g.cin : g.cout;
   OrtValue* output;
@@ -220,16 +216,16 @@ static inline OrtStatus* pw_conv_weight_grad(const OrtApiTable* api, OrtKernelCo
   return status;
 }
 
-/* One weight gradient: SPATIAL axes (1 to 3); LAYOUTS: which inputs have their first two axes
- * swapped (bit 0: x, bit 1: gy); SWAPPED: the output's first two axes swapped; per
- * axis (three given, the first SPATIAL used) the Conv's strides (steps between taps), dilations
- * (between output positions), pads before and after. Defines name_compute and the type lists;
- * the unit's PW_KERNEL line names the op. */
-#define PW_CONV_WEIGHT_GRAD(name, SPATIAL, LAYOUTS, SWAPPED, A0, A1, A2, B0, B1, B2, P0, P1, P2, E0, E1, E2) \
+/* One weight gradient: SPATIAL axes (1 to 3); X_SWAPPED: the input arrives with its first two
+ * axes swapped; SWAPPED: the output's first two axes swapped; per axis (three given, the first
+ * SPATIAL used) the Conv's strides (steps between taps), dilations (between output positions),
+ * pads before and after. Defines name_compute and the type lists; the unit's PW_KERNEL line
+ * names the op. */
+#define PW_CONV_WEIGHT_GRAD(name, SPATIAL, X_SWAPPED, SWAPPED, A0, A1, A2, B0, B1, B2, P0, P1, P2, E0, E1, E2) \
   static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
     static const int64_t steps_t[] = {A0, A1, A2}, steps_o[] = {B0, B1, B2};                                \
     static const int64_t before[] = {P0, P1, P2}, after[] = {E0, E1, E2};                                   \
-    return pw_conv_weight_grad(api, ctx, def, SPATIAL, LAYOUTS, SWAPPED, steps_t, steps_o, before, after);          \
+    return pw_conv_weight_grad(api, ctx, def, SPATIAL, X_SWAPPED, SWAPPED, steps_t, steps_o, before, after); \
   }                                                                                                         \
   static const int name##_types[] = {PW_FLOAT, PW_FLOAT};                                                   \
   static const int name##_none[] = {0, 0}
