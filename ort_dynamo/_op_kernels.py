@@ -380,6 +380,68 @@ def conv_weight_grads_as_kernels(graph: ir.Graph, supported) -> list[str]:
     return list(kernels.values())
 
 
+def _convolution(node: ir.Node) -> tuple | None:
+    """(spatial axes, transposed, bias, strides, dilations, pads before, pads after) of a
+    one-group float32 Conv with 1 to 3 spatial axes, or of a stride-1 ConvTranspose as the Conv
+    by its flipped, swapped weight that it is (a stride-1 convolution's input gradient: its
+    pads d (k - 1) less the ConvTranspose's, which must not exceed that), else None. Not a
+    weight gradient's form, the weight the output gradient through a Transpose (conv_weight_grad.h's,
+    or ORT's where that kernel declined it)."""
+    if not (_op(node, "Conv") or _op(node, "ConvTranspose")) or not 2 <= len(node.inputs) <= 3 \
+            or node.attributes.get_int("group", 1) != 1 or not all(_is_float32(v) for v in node.inputs) \
+            or _swaps_first_two(node.inputs[1].producer()) or "output_shape" in node.attributes:
+        return None
+    rank = _rank(node.inputs[0])
+    if rank is None or not 3 <= rank <= 5 or _rank(node.inputs[1]) != rank:
+        return None
+    spatial = rank - 2
+    geometry = _window_geometry(node.attributes, spatial)
+    kernel = list(node.inputs[1].shape.dims[2:])
+    window = node.attributes.get_ints("kernel_shape", None)
+    if geometry is None or (window is not None and list(window) != [d if isinstance(d, int) else w
+                                                                    for d, w in zip(kernel, window)]):
+        return None
+    strides, before, after, dilations = geometry
+    transposed = node.op_type == "ConvTranspose"
+    if transposed:
+        extra = list(node.attributes.get_ints("output_padding", [0] * spatial))
+        if any(s != 1 for s in strides) or len(extra) != spatial or min(extra, default=0) < 0 \
+                or not all(isinstance(k, int) for k in kernel):
+            return None
+        spans = [d * (k - 1) for d, k in zip(dilations, kernel)]
+        before = [span - p for span, p in zip(spans, before)]
+        after = [span - p + e for span, p, e in zip(spans, after, extra)]
+        if min(before + after) < 0:
+            return None
+    return spatial, transposed, len(node.inputs) == 3, strides, dilations, before, after
+
+
+def convs_as_kernels(graph: ir.Graph, supported) -> list[str]:
+    """Each convolution ``_convolution`` describes (a Conv, or a stride-1 ConvTranspose) -> one
+    ``TorchConv_*`` node of the same inputs (csrc/conv.h: one float32 product whose columns it
+    reads from the input).
+    ``supported()``: as for the float32 products (the same blocking). Returns the C units."""
+    found = [(node, match) for node in graph if (match := _convolution(node)) is not None]
+    if not found or not supported():
+        return []
+    kernels = {}
+    for node, (spatial, transposed, bias, strides, dilations, before, after) in found:
+        axes = [values + [1] * (3 - spatial) for values in (strides, dilations)] \
+            + [values + [0] * (3 - spatial) for values in (before, after)]
+        numbers = [spatial, int(transposed), int(bias), *(n for values in axes for n in values)]
+        source = "\n".join(['#include "conv.h"',
+                            f"PW_CONV(@, {', '.join(str(int(n)) for n in numbers)});",
+                            f"PW_KERNEL(@, {2 + bias}, @_types, @_none, 1, @_none, 0, 0, 0, 0, @_compute, 0, 0);"]) + "\n"
+        name = "TorchConv_" + hashlib.sha256(source.encode()).hexdigest()[:16]
+        kernels[name] = source.replace("@", name)
+        conv = ir.node(name, list(node.inputs), domain=DOMAIN)
+        graph.insert_before(node, conv)
+        _take_over(node.outputs[0], conv.outputs[0])
+        conv.outputs[0].dtype = ir.DataType.FLOAT
+        graph.remove(node, safe=True)
+    return list(kernels.values())
+
+
 def scatter_adds_along_last_axis(graph: ir.Graph, constant_zeros, replace_node) -> int:
     """``ScatterElements(zeros, index, updates, axis=-1, reduction=add)``, float32, with
     ``index`` and ``updates`` shaped as the zeros but along the last axis (max pooling's

@@ -1487,6 +1487,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str
     kernels = _op_kernels.bf16_matmuls_as_kernels(graph, bfloat16_products)
     kernels += _op_kernels.f32_matmuls_as_kernels(graph, bfloat16_products)
     kernels += _op_kernels.conv_weight_grads_as_kernels(graph, bfloat16_products)
+    kernels += _op_kernels.convs_as_kernels(graph, bfloat16_products)
     into_zeros = _scatter_add_rows(graph, _Graph())
     kernels += [_SCATTER_ADD_ROWS] if not all(into_zeros) else []
     kernels += [_SCATTER_ADD_ROWS_TO_ZEROS] if any(into_zeros) else []
