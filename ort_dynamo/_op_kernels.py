@@ -331,12 +331,14 @@ def _weight_gradient(node: ir.Node) -> tuple | None:
     if not _swaps_first_two(gy_swap):
         return None
     gy = gy_swap.inputs[0]
-    # The input swapped already is a saved activation, a graph input; and then the gradient must
-    # be computed here. A 1x1 convolution's input gradient, Conv(gy, Transpose(weight)), is not
-    # this product (K would be its few channels: slower than ORT's Conv).
+    # The input swapped already is a saved activation, a graph input. A 1x1 convolution's input
+    # gradient, Conv(gy, Transpose(weight)), has that form too, and is not this product (K would
+    # be its few channels: slower than ORT's Conv): its "gradient", the weight, is a graph input
+    # with a 1x1 window, where a weight gradient's window is the layer's output.
     x_swapped = not _swaps_first_two(x_swap)
     x = node.inputs[0] if x_swapped else x_swap.inputs[0]
-    if x_swapped and not (x.is_graph_input() and gy.producer() is not None):
+    if x_swapped and not (x.is_graph_input() and (gy.producer() is not None or gy.shape is None
+                                                  or any(d != 1 for d in gy.shape.dims[2:]))):
         return None
     reader = _sole_user(node.outputs[0])
     swapped = _swaps_first_two(reader)
@@ -380,13 +382,20 @@ def conv_weight_grads_as_kernels(graph: ir.Graph, supported) -> list[str]:
     return list(kernels.values())
 
 
+#: Input channels below which ORT's Conv stays (a stem's 3: the kernel's per-tap work is shared
+#: by too few rows, 4.6 ms against 4.1 at ResNet's; benchmarks/convolution.py).
+_MIN_CONV_CHANNELS = 8
+
+
 def _convolution(node: ir.Node) -> tuple | None:
     """(spatial axes, transposed, bias, strides, dilations, pads before, pads after) of a
     one-group float32 Conv with 1 to 3 spatial axes, or of a stride-1 ConvTranspose as the Conv
     by its flipped, swapped weight that it is (a stride-1 convolution's input gradient: its
     pads d (k - 1) less the ConvTranspose's, which must not exceed that), else None. Not a
     weight gradient's form, the weight the output gradient through a Transpose (conv_weight_grad.h's,
-    or ORT's where that kernel declined it)."""
+    or ORT's where that kernel declined it); not a 1x1 window (one product per image for ORT,
+    1.6x faster than this kernel at MobileNet's 64 -> 192 channels), nor fewer than
+    ``_MIN_CONV_CHANNELS`` input channels."""
     if not (_op(node, "Conv") or _op(node, "ConvTranspose")) or not 2 <= len(node.inputs) <= 3 \
             or node.attributes.get_int("group", 1) != 1 or not all(_is_float32(v) for v in node.inputs) \
             or _swaps_first_two(node.inputs[1].producer()) or "output_shape" in node.attributes:
@@ -402,6 +411,9 @@ def _convolution(node: ir.Node) -> tuple | None:
                                                                     for d, w in zip(kernel, window)]):
         return None
     strides, before, after, dilations = geometry
+    channels = node.inputs[0].shape.dims[1]
+    if all(k == 1 for k in kernel) or (isinstance(channels, int) and channels < _MIN_CONV_CHANNELS):
+        return None
     transposed = node.op_type == "ConvTranspose"
     if transposed:
         extra = list(node.attributes.get_ints("output_padding", [0] * spatial))

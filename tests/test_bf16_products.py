@@ -8,6 +8,7 @@ kernels use and sums in float32. Built from the same code, float32 products with
 dimension become ``F32MatMul`` kernels (the end of this file).
 """
 import copy
+import os
 
 import numpy as np
 import onnx_ir as ir
@@ -487,3 +488,125 @@ def test_a_convolutions_weight_gradient_kernel_takes_new_sizes_without_a_new_exp
     assert ort_dynamo.report().exports == 2, str(ort_dynamo.report())  # one forward, one backward
     backward = [n.op_type for n in onnx.load(glob.glob(str(tmp_path / "*backward*.onnx"))[0]).graph.node]
     assert sum(op.startswith("TorchConvWeightGrad_") for op in backward) == 1 and "Conv" not in backward, backward
+
+
+def _passes_in_float64(conv, x):
+    """The layer's output and input gradient for the loss ``conv(x).square().sum()`` in float64,
+    and their terms' magnitudes (the same convolutions of |x|, |w| and |dy|)."""
+    layer = copy.deepcopy(conv).double()
+    xd = x.detach().double().requires_grad_()
+    out = layer(xd)
+    out.square().sum().backward()
+    magnitudes = copy.deepcopy(layer)
+    with torch.no_grad():
+        magnitudes.weight.abs_()
+        if magnitudes.bias is not None:
+            magnitudes.bias.abs_()
+    out_magnitude = magnitudes(xd.detach().abs())
+    grad_out = (2 * out.detach()).abs()
+    probe = xd.detach().abs().requires_grad_()
+    grad_magnitude = torch.autograd.grad(magnitudes(probe), probe, grad_out)[0]
+    return out.detach(), out_magnitude, xd.grad, grad_magnitude
+
+
+@bf16_kernels
+@pytest.mark.parametrize("conv, shape, kernels", [
+    (torch.nn.Conv2d(16, 40, 3, padding=1), (2, 16, 24, 25), 2),        # M past one tile; the input gradient too
+    (torch.nn.Conv2d(9, 20, 3, stride=2, padding=1), (3, 9, 15, 17), 1),   # stride 2: even columns picked out
+    (torch.nn.Conv2d(8, 6, 4, stride=2, padding=1, bias=False), (2, 8, 16, 16), 1),  # DCGAN's
+    (torch.nn.Conv2d(8, 5, (3, 2), stride=(1, 3), padding=(2, 1), dilation=(2, 1)), (2, 8, 9, 14), 1),  # gather
+    (torch.nn.Conv2d(12, 9, 3, padding=2, dilation=2), (2, 12, 5, 3), 2),   # rows shorter than a half
+    (torch.nn.Conv1d(10, 12, 3, padding=1), (3, 10, 50), 2),
+    (torch.nn.Conv3d(8, 10, 3, padding=1), (2, 8, 4, 5, 9), 2),
+    (torch.nn.ConvTranspose2d(9, 8, 3, padding=1), (2, 9, 11, 10), 2),     # a stride-1 ConvTranspose, and its gradient
+    (torch.nn.Conv2d(16, 6, 3, padding=1), (2, 16, 10, 10), 1),   # 6 output channels: the input gradient's 6 stay ORT's
+])
+def test_a_convolution_and_its_input_gradient_are_products_reading_their_columns_from_the_input(
+        tmp_path, conv, shape, kernels):
+    """With products of ort_dynamo's own, a one-group convolution (and a stride-1 ConvTranspose,
+    which is a convolution by the flipped, swapped weight: a stride-1 layer's input gradient) is
+    one ``TorchConv`` kernel that packs its columns from the input, where ORT's Conv stores them
+    and its ConvTranspose adds a col2im pass (layer_ops conv3x3_64: 1.2 -> 1.03-1.10 times
+    eager's step). Output and input gradient within float32's rounding of the exact sums, before
+    the kernels (ORT's ops) and after; ``kernels``: how many of the two passes it takes (a
+    stride-2 layer's input gradient stays ORT's ConvTranspose, and so does a pass with fewer
+    than 8 input channels)."""
+    import glob
+
+    import onnx
+
+    import ort_dynamo
+
+    torch.manual_seed(0)
+    x = torch.randn(*shape, requires_grad=True)
+    out, out_magnitude, grad, grad_magnitude = _passes_in_float64(conv, x)
+    taps = conv.weight[0].numel()
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: conv(t), backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})
+    eps = np.finfo(np.float32).eps
+    for step in range(2):
+        x.grad = None
+        got = compiled(x)
+        got.square().sum().backward()
+        assert torch.all((got.double() - out).abs() <= (taps + 2) * eps * out_magnitude), step
+        terms = taps * conv.weight.shape[0 if isinstance(conv, torch.nn.modules.conv._ConvTransposeNd) else 1]
+        assert torch.all((x.grad.double() - grad).abs() <= (terms + 4) * 4 * eps * grad_magnitude), step
+        ort_dynamo.wait_for_kernels()
+    assert ort_dynamo.report().fallback_nodes == 0, str(ort_dynamo.report())
+    ops = [n.op_type for path in glob.glob(str(tmp_path / "*.onnx")) for n in onnx.load(path).graph.node]
+    assert sum(op.startswith("TorchConv_") for op in ops) == kernels, ops
+    assert "Conv" not in ops, ops
+
+
+@bf16_kernels
+def test_one_by_one_and_three_channel_convolutions_stay_orts(tmp_path):
+    """A 1x1 window is one product per image for ORT's Conv (1.6x faster than the kernel at
+    MobileNet's 64 -> 192 channels), and a stem's 3 input channels share the kernel's per-tap
+    work among too few rows: both stay ORT's Conv."""
+    import glob
+
+    import onnx
+
+    import ort_dynamo
+
+    for conv, shape in [(torch.nn.Conv2d(16, 24, 1), (2, 16, 9, 9)), (torch.nn.Conv2d(3, 16, 7, 2, 3), (2, 3, 32, 32))]:
+        ort_dynamo.reset()
+        torch._dynamo.reset()
+        for path in glob.glob(str(tmp_path / "*.onnx")):
+            os.remove(path)
+        torch.compile(conv, backend="ort", options={"save_onnx": True, "save_path": str(tmp_path)})(
+            torch.randn(*shape)).sum().backward()
+        ort_dynamo.wait_for_kernels()
+        forward = [n.op_type for n in onnx.load(glob.glob(str(tmp_path / "*forward*.onnx"))[0]).graph.node]
+        assert "Conv" in forward and not any(op.startswith("TorchConv_") for op in forward), forward
+
+
+@bf16_kernels
+def test_a_convolution_kernel_takes_new_sizes_without_a_new_export(tmp_path):
+    """Under ``dynamic=True`` the kernel reads every size at run time: other images and another
+    batch reuse the one export per direction, the output and gradients as eager's."""
+    import glob
+
+    import onnx
+
+    import ort_dynamo
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(8, 12, 3, padding=1)
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(conv, backend="ort", dynamic=True, options={"save_onnx": True, "save_path": str(tmp_path)})
+    for shape in [(2, 8, 12, 13), (2, 8, 12, 13), (2, 8, 40, 41), (3, 8, 17, 9)]:
+        x = torch.randn(*shape, requires_grad=True)
+        got = compiled(x)
+        got.square().sum().backward()
+        want_x = x.detach().clone().requires_grad_()
+        want = conv(want_x)
+        want.square().sum().backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad, want_x.grad, rtol=1e-4, atol=1e-4)
+        ort_dynamo.wait_for_kernels()
+    assert ort_dynamo.report().exports == 2, str(ort_dynamo.report())  # one forward, one backward
+    ops = [n.op_type for path in glob.glob(str(tmp_path / "*.onnx")) for n in onnx.load(path).graph.node]
+    assert sum(op.startswith("TorchConv_") for op in ops) == 2 and "Conv" not in ops, ops
