@@ -189,8 +189,10 @@ def _build(kernels: list[str], setup: str, table: str, folder: str, path: str) -
             os.replace(os.path.join(work, source[:-2] + ".o"), obj)  # atomic: whole object or none
         with open(os.path.join(work, "table.c"), "w") as fh:
             fh.write(table)
-        _run([compiler, *flags, "-shared", "-I", _CSRC, "-o", "kernels.so", *dict.fromkeys(objects), *libs,
-              "table.c"], work)
+        # -z defs: a symbol no object defines fails here, not as a library ORT cannot load
+        # (``-w`` keeps quiet about a call to an undeclared function).
+        _run([compiler, *flags, "-shared", "-Wl,-z,defs", "-I", _CSRC, "-o", "kernels.so", *dict.fromkeys(objects),
+              *libs, "table.c"], work)
         os.replace(os.path.join(work, "kernels.so"), path)
     log.debug("linked %d pointwise kernel(s) into %s", len(kernels), path)
     return path
