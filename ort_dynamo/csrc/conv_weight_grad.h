@@ -11,9 +11,10 @@
  *
  * (per spatial axis: tap t, output position o, the Conv's strides A and dilations B, pads P
  * before; outside the input, zeros): M = input channels x taps, K = images x output positions,
- * N = output channels, with bf16_gemm.h's float32 blocking and register tile. Each task packs
- * its rows of A from the input as it would pack a stored A, so the columns exist only in its
- * packed panels; B (the output gradient) is packed once. The result leaves as the Conv's, [c,
+ * N = output channels, with bf16_gemm.h's float32 register tile. Each task packs its rows of A
+ * from the input, a chunk of K at a time, each row one contiguous run (bf16_gemm.h's KC blocks
+ * cut output rows apart, and packing took 4x as long), so the columns exist only in its packed
+ * rows; B (the output gradient) is packed once, by 16 x 16 transposes. The result leaves as the Conv's, [c,
  * co, t], or as the Transpose after it would have left it, [co, c, t]. Each element is summed
  * over K in the same order whatever the threads.
  *
@@ -35,13 +36,13 @@ typedef struct PwWeightGrad {
   int* out_of_memory;
 } PwWeightGrad;
 
-/* Values n of row m = (c, t) of A from K index k0 (a multiple of KC) into its packed blocks,
- * value j at dst + (j / KC) a_block + j % KC: the input read at each output position for this
- * tap, zeros where that falls outside the input. Output rows are walked in order, not divided
- * out per row; each 16 values are one load and store (for a stride of 2, conv.h's two loads
- * and a permute: 12% off conv3x3_s2's kernel against element by element). */
+/* Values n of row m = (c, t) of A from K index k0 into dst (contiguous; up to 15 floats past
+ * the n may be written): the input read at each output position for this tap, zeros where that
+ * falls outside the input. Output rows are walked in order, not divided out per row; each 16
+ * values are one load and store (for a stride of 2, conv.h's two loads and a permute: 12% off
+ * conv3x3_s2's kernel against element by element), a masked load only at a row's edges. */
 static void pw_weight_grad_row(const PwWeightGrad* g, int64_t m, int64_t k0, int64_t n, float* restrict dst,
-                              int64_t a_block, __m512i steps) {
+                              __m512i steps) {
   const int64_t c = m / g->T, t = m % g->T;
   const int64_t t0 = t / (g->taps[1] * g->taps[2]), t1 = t / g->taps[2] % g->taps[1], t2 = t % g->taps[2];
   const int64_t width = g->out[2], s2 = g->step_o[2], first2 = t2 * g->step_t[2] - g->pad[2];
@@ -52,29 +53,24 @@ static void pw_weight_grad_row(const PwWeightGrad* g, int64_t m, int64_t k0, int
   for (int64_t j = 0; j < n;) {
     const int64_t p0 = t0 * g->step_t[0] + o0 * g->step_o[0] - g->pad[0];
     const int64_t p1 = t1 * g->step_t[1] + o1 * g->step_o[1] - g->pad[1];
-    const int inside = p0 >= 0 && p0 < g->in[0] && p1 >= 0 && p1 < g->in[1];
     const float* src = g->x + image * g->x_image + c * g->x_channel + (p0 * g->in[1] + p1) * g->in[2] + first2;
-    for (const int64_t end = j + pw_min64(width - o2, n - j); j < end;) { /* this line, a block at a time */
-      const int64_t piece = pw_min64(end - j, PW_GEMM_KC - j % PW_GEMM_KC);
-      float* out = dst + j / PW_GEMM_KC * a_block + j % PW_GEMM_KC;
-      for (int64_t q = 0; q < piece; q += 16) {
-        const int64_t lanes = pw_min64(piece - q, 16), at = o2 + q;
+    const int64_t take = pw_min64(width - o2, n - j); /* this line's values; the next line overwrites past them */
+    float* out = dst + j - o2;                         /* position o2 of the line at out + o2 */
+    if (p0 < 0 || p0 >= g->in[0] || p1 < 0 || p1 >= g->in[1]) {
+      for (int64_t q = o2; q < o2 + take; q += 16) _mm512_storeu_ps(out + q, _mm512_setzero_ps());
+    } else {
+      for (int64_t q = o2; q < o2 + take; q += 16) {
         __m512 v;
-        if (inside && at >= lo && at + 16 <= hi && s2 == 1) /* all inside */
-          v = _mm512_loadu_ps(src + at);
+        if (q >= lo && q + 16 <= hi && s2 == 1)
+          v = _mm512_loadu_ps(src + q);
         else {
-          const __mmask16 m16 = inside ? pw_conv_lanes(pw_min64(lo > at ? lo - at : 0, 16), pw_min64(hi - at, lanes)) : 0;
-          v = m16 ? pw_strided_load(_mm512_setzero_ps(), m16, src + at * s2, s2, steps) : _mm512_setzero_ps();
+          const __mmask16 m16 = pw_conv_lanes(pw_min64(lo > q ? lo - q : 0, 16), pw_min64(hi - q, 16));
+          v = m16 ? pw_strided_load(_mm512_setzero_ps(), m16, src + q * s2, s2, steps) : _mm512_setzero_ps();
         }
-        /* past the piece lie the next line's values, stored after these; past the block, another row's */
-        if (j % PW_GEMM_KC + q + 16 <= PW_GEMM_KC)
-          _mm512_storeu_ps(out + q, v);
-        else
-          _mm512_mask_storeu_ps(out + q, pw_conv_lanes(0, lanes), v);
+        _mm512_storeu_ps(out + q, v);
       }
-      o2 += piece;
-      j += piece;
     }
+    j += take;
     o2 = 0;
     if (++o1 == g->out[1]) {
       o1 = 0;
@@ -140,46 +136,47 @@ static void pw_weight_grad_pack_b(void* user, size_t t) {
   }
 }
 
-/* K blocks a task packs and multiplies at a time: its rows of A (48 x 1024 floats) and the
- * chunk's B panels stay in L2, where the whole of K (16K at 4x64x64x64) streamed from L3
- * (111 against 150 GF/s). Each chunk's sums are added to C. */
-enum { PW_WG_CHUNK = 4 };
+/* K a task packs and multiplies at a time: its rows of A (48 x 1024 floats) and the chunk's B
+ * panels stay in L2, where the whole of K (16K at 4x64x64x64) streamed from L3 (111 against 150
+ * GF/s). Each chunk's sums are added to C. A row of A is one run of the chunk (packed a line of
+ * output positions at a time, not a KC block), the rows 16 floats more apart than the chunk so
+ * that the tile's 12 rows do not share one L1 set. */
+enum { PW_WG_CHUNK = 4 * PW_GEMM_KC, PW_WG_ROW = PW_WG_CHUNK + 16 };
+PW_GEMM_TILE_F32(pw_weight_grad_tile, pa[r * PW_WG_ROW + k])
 
 /* Task t: MC rows of C over every N panel, K a chunk at a time, their A packed from the input. */
 static void pw_weight_grad_task(void* user, size_t t) {
   const PwWeightGrad* g = (const PwWeightGrad*)user;
   const int64_t m0 = (int64_t)t * PW_GEMM_MC, mc = pw_min64(g->M - m0, PW_GEMM_MC);
-  const int64_t tiles = (mc + PW_GEMM_MR - 1) / PW_GEMM_MR;
-  const int64_t a_block = PW_GEMM_MR * PW_GEMM_KC, a_tile = PW_WG_CHUNK * a_block;
-  const int64_t b_block = g->panel_rows * PW_GEMM_NR;
-  float* pa = (float*)aligned_alloc(64, (size_t)(tiles * a_tile) * sizeof(float));
+  const int64_t tiles = (mc + PW_GEMM_MR - 1) / PW_GEMM_MR, a_tile = PW_GEMM_MR * PW_WG_ROW;
+  float* pa = (float*)aligned_alloc(64, (size_t)(tiles * a_tile + 16) * sizeof(float)); /* 16: a row's overrun */
   if (!pa) {
     __atomic_store_n(g->out_of_memory, 1, __ATOMIC_RELAXED);
     return;
   }
   float sums[PW_GEMM_MR * PW_GEMM_NR];
   const __m512i steps = pw_lane_steps(g->step_o[2]);
-  for (int64_t kb0 = 0; kb0 < g->kblocks; kb0 += PW_WG_CHUNK) {
-    const int64_t blocks = pw_min64(g->kblocks - kb0, PW_WG_CHUNK), k0 = kb0 * PW_GEMM_KC;
-    const int64_t span = pw_min64(g->K - k0, blocks * PW_GEMM_KC), last = span - (blocks - 1) * PW_GEMM_KC;
+  for (int64_t k0 = 0; k0 < g->K; k0 += PW_WG_CHUNK) {
+    const int64_t span = pw_min64(g->K - k0, PW_WG_CHUNK);
     for (int64_t i = 0; i < tiles; ++i)
       for (int64_t r = 0; r < PW_GEMM_MR; ++r) {
         const int64_t m = m0 + i * PW_GEMM_MR + r;
-        float* dst = pa + i * a_tile + r * PW_GEMM_KC;
+        float* dst = pa + i * a_tile + r * PW_WG_ROW;
         if (m < m0 + mc)
-          pw_weight_grad_row(g, m, k0, span, dst, a_block, steps);
+          pw_weight_grad_row(g, m, k0, span, dst, steps);
         else
-          for (int64_t kb = 0; kb < blocks; ++kb) memset(dst + kb * a_block, 0, PW_GEMM_KC * sizeof(float));
+          memset(dst, 0, (size_t)span * sizeof(float));
       }
     for (int64_t j = 0; j < g->npanels; ++j) {
-      const float* panel = g->packed + (j * g->kblocks + kb0) * b_block;
+      const float* panel = g->packed + (j * g->kblocks + k0 / PW_GEMM_KC) * g->panel_rows * PW_GEMM_NR;
       const int64_t nr = pw_min64(g->cout - j * PW_GEMM_NR, PW_GEMM_NR);
       for (int64_t i = 0; i < tiles; ++i) {
         const int64_t mr = pw_min64(mc - i * PW_GEMM_MR, PW_GEMM_MR);
         float* c = g->c + (m0 + i * PW_GEMM_MR) * g->cout + j * PW_GEMM_NR;
-        pw_gemm_tile_rows_f32(pa + i * a_tile, a_block, panel, b_block, blocks, g->panel_rows, last, NULL,
-                              kb0 ? sums : c, kb0 ? PW_GEMM_NR : g->cout, mr, nr);
-        if (kb0)
+        /* the chunk's B blocks lie one after another: one block of `span` rows */
+        pw_weight_grad_tile(pa + i * a_tile, 0, panel, 0, 1, span, span, NULL, k0 ? sums : c,
+                            k0 ? PW_GEMM_NR : g->cout, mr, nr);
+        if (k0)
           for (int64_t r = 0; r < mr; ++r)
             for (int64_t col = 0; col < nr; ++col) c[r * g->cout + col] += sums[r * PW_GEMM_NR + col];
       }
