@@ -45,7 +45,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from ._fusions import (_initializer, _int64_constant, _named_dims, _op, _remove_if_dead, _scalar, _sole_user,
+from ._fusions import (_constant_tensor, _initializer, _int64_constant, _named_dims, _op, _remove_if_dead, _scalar, _sole_user,
                        _take_over, element_type)
 
 __all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "conv_weight_grads_as_kernels",
@@ -347,13 +347,39 @@ def _weight_gradient(node: ir.Node) -> tuple | None:
     if rank is None or not 3 <= rank <= 5 or _rank(gy) != rank:
         return None
     spatial = rank - 2
+    kept = [0] * spatial  # the taps computed per axis, 0: all
+    while (cut := _first_rows_cut(_sole_user(replaced), rank)) is not None:
+        kept = [k if c == 0 else c if k == 0 else min(k, c) for k, c in zip(kept, cut)]
+        replaced = _sole_user(replaced).outputs[0]
     geometry = _window_geometry(node.attributes, spatial)
     window = node.attributes.get_ints("kernel_shape", None)
     if geometry is None or (window is not None and list(window) != [d if isinstance(d, int) else w
                                                                     for d, w in zip(gy.shape.dims[2:], window)]):
         return None
     strides, before, after, dilations = geometry
-    return x, gy, x_swapped, replaced, swapped, spatial, strides, dilations, before, after
+    return x, gy, x_swapped, replaced, swapped, spatial, strides, dilations, before, after, kept
+
+
+def _first_rows_cut(node: ir.Node | None, rank: int) -> list[int] | None:
+    """Per spatial axis of a ``rank``-axis tensor, the rows a Slice keeps (0: all) where
+    ``node`` is a Slice that keeps the first rows of spatial axes only (the taps past a weight
+    gradient's window: ``decompositions._conv_weight_grad``), else None."""
+    if not _op(node, "Slice") or len(node.inputs) < 4:
+        return None
+    tensors = [_constant_tensor(v) for v in node.inputs[1:]]
+    if any(t is None for t in tensors):
+        return None
+    starts, ends, axes, *steps = (t.numpy().reshape(-1).tolist() for t in tensors)
+    if len(starts) != len(ends) or len(axes) != len(ends) or any(s != 0 for s in starts) \
+            or any(s != 1 for s in (steps[0] if steps else [])):
+        return None
+    cut = [0] * (rank - 2)
+    for axis, end in zip(axes, ends):
+        axis = axis + rank if axis < 0 else axis
+        if not 2 <= axis < rank or end < 1:
+            return None
+        cut[axis - 2] = end
+    return cut
 
 
 def conv_weight_grads_as_kernels(graph: ir.Graph, supported) -> list[str]:
@@ -365,9 +391,9 @@ def conv_weight_grads_as_kernels(graph: ir.Graph, supported) -> list[str]:
     if not found or not supported():
         return []
     kernels = {}
-    for node, (x, gy, x_swapped, replaced, swapped, spatial, strides, dilations, before, after) in found:
+    for node, (x, gy, x_swapped, replaced, swapped, spatial, strides, dilations, before, after, kept) in found:
         axes = [values + [1] * (3 - spatial) for values in (strides, dilations)] \
-            + [values + [0] * (3 - spatial) for values in (before, after)]
+            + [values + [0] * (3 - spatial) for values in (before, after, kept)]
         numbers = [spatial, int(x_swapped), int(swapped), *(n for values in axes for n in values)]
         source = "\n".join(['#include "conv_weight_grad.h"',
                             f"PW_CONV_WEIGHT_GRAD(@, {', '.join(str(int(n)) for n in numbers)});",
@@ -378,7 +404,11 @@ def conv_weight_grads_as_kernels(graph: ir.Graph, supported) -> list[str]:
         graph.insert_before(node, grad)
         _take_over(replaced, grad.outputs[0])
         grad.outputs[0].dtype = ir.DataType.FLOAT
-        _remove_if_dead(graph, [replaced.producer(), node, *(v.producer() for v in node.inputs if v.producer())])
+        dead, value = [], replaced
+        while value is not node.outputs[0]:  # the Slices and the Transpose, last first
+            dead.append(value.producer())
+            value = value.producer().inputs[0]
+        _remove_if_dead(graph, [*dead, node, *(v.producer() for v in node.inputs if v.producer())])
     return list(kernels.values())
 
 

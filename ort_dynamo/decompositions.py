@@ -44,7 +44,13 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
         grad = aten.convolution(inp.transpose(0, 1), grad_out.transpose(0, 1), None, dilation, padding, stride,
                                 False, [0] * spatial, 1).transpose(0, 1)
         for dim, size in enumerate(kernel):
-            grad = _first_rows(grad, dim + 2, size)
+            # Taps past the window (a stride-2 layer over an even size has 4 x 4 for its 3 x 3)
+            # are cut by a copy the kernel takes in (it then computes only the window's), not by
+            # a view PyTorch takes outside the graph.
+            if own_product and not (_static(grad.shape[dim + 2]) and grad.shape[dim + 2] == size):
+                grad = aten.slice_copy.Tensor(grad, dim + 2, 0, size)
+            else:
+                grad = _first_rows(grad, dim + 2, size)
         return grad
     n = inp.shape[0]
     cin_g = inp.shape[1] // groups

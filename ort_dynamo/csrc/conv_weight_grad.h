@@ -187,10 +187,13 @@ static void pw_weight_grad_task(void* user, size_t t) {
 
 /* Inputs x [N, Cin, spatial...] (`x_swapped`: [Cin, N, spatial...], as the Conv reads it) and gy
  * [N, Cout, output spatial...]; the Conv's attributes per spatial axis (strides A, dilations B,
- * pads before P and after E); output [Cin, Cout, taps...], or ([Cout, Cin, taps...]) `swapped`. */
+ * pads before P and after E) and the taps kept (W, the layer's window; 0: all the Conv's, which
+ * a stride-2 layer over an even size has one more of); output [Cin, Cout, taps...], or ([Cout,
+ * Cin, taps...]) `swapped`. */
 static inline OrtStatus* pw_conv_weight_grad(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def,
                                              int spatial, int x_swapped, int swapped, const int64_t* steps_t,
-                                             const int64_t* steps_o, const int64_t* before, const int64_t* after) {
+                                             const int64_t* steps_o, const int64_t* before, const int64_t* after,
+                                             const int64_t* window) {
   const PwKernel kernel = {api, def};
   const OrtValue *x, *y;
   int64_t xd[PW_MAX_RANK], yd[PW_MAX_RANK], od[PW_MAX_RANK];
@@ -216,6 +219,7 @@ static inline OrtStatus* pw_conv_weight_grad(const OrtApiTable* api, OrtKernelCo
     const int64_t span = g.step_o[d] * (g.out[d] - 1) + 1, padded = g.in[d] + g.pad[d] + (a < 0 ? 0 : after[a]);
     g.taps[d] = g.out[d] >= 1 && padded >= span ? (padded - span) / g.step_t[d] + 1 : 0;
     if (g.taps[d] < 1) return pw_error(&kernel, "the output gradient is larger than the input allows");
+    if (a >= 0 && window[a] > 0 && window[a] < g.taps[d]) g.taps[d] = window[a];
     g.T *= g.taps[d];
     g.O *= g.out[d];
     if (a >= 0) od[2 + a] = g.taps[d];
@@ -271,14 +275,16 @@ static inline OrtStatus* pw_conv_weight_grad(const OrtApiTable* api, OrtKernelCo
 /* One weight gradient: SPATIAL axes (1 to 3); X_SWAPPED: the input arrives with its first two
  * axes swapped; SWAPPED: the output's first two axes swapped; per axis (three given, the first
  * SPATIAL used) the Conv's strides (steps between taps), dilations (between output positions),
- * pads before and after. Defines name_compute and the type lists; the unit's PW_KERNEL line
- * names the op. */
-#define PW_CONV_WEIGHT_GRAD(name, SPATIAL, X_SWAPPED, SWAPPED, A0, A1, A2, B0, B1, B2, P0, P1, P2, E0, E1, E2) \
-  static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
-    static const int64_t steps_t[] = {A0, A1, A2}, steps_o[] = {B0, B1, B2};                                \
-    static const int64_t before[] = {P0, P1, P2}, after[] = {E0, E1, E2};                                   \
-    return pw_conv_weight_grad(api, ctx, def, SPATIAL, X_SWAPPED, SWAPPED, steps_t, steps_o, before, after); \
-  }                                                                                                         \
-  static const int name##_types[] = {PW_FLOAT, PW_FLOAT};                                                   \
+ * pads before and after, and the taps kept (0: all). Defines name_compute and the type lists;
+ * the unit's PW_KERNEL line names the op. */
+#define PW_CONV_WEIGHT_GRAD(name, SPATIAL, X_SWAPPED, SWAPPED, A0, A1, A2, B0, B1, B2, P0, P1, P2, E0, E1, E2, W0, W1, \
+                            W2)                                                                                   \
+  static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) {      \
+    static const int64_t steps_t[] = {A0, A1, A2}, steps_o[] = {B0, B1, B2};                                     \
+    static const int64_t before[] = {P0, P1, P2}, after[] = {E0, E1, E2}, window[] = {W0, W1, W2};               \
+    return pw_conv_weight_grad(api, ctx, def, SPATIAL, X_SWAPPED, SWAPPED, steps_t, steps_o, before, after,       \
+                               window);                                                                           \
+  }                                                                                                              \
+  static const int name##_types[] = {PW_FLOAT, PW_FLOAT};                                                        \
   static const int name##_none[] = {0, 0}
 #endif /* ORT_DYNAMO_CONV_WEIGHT_GRAD_H */
