@@ -46,7 +46,7 @@ def _graph(kind: str, x_shape, w_shape, stride, padding, dilation):
     """(ONNX graph, its two input names and shapes, output shape) of one pass of a layer, in the
     form ort_dynamo's graphs have it: "forward" Conv(x, w); "input grad" ConvTranspose(gy, w) of a
     stride-1 layer; "weight grad" Conv(Transpose(x), Transpose(gy)) with stride and dilation
-    exchanged, its result swapped back (decompositions._conv_weight_grad)."""
+    exchanged, its result swapped back and cut to the window (decompositions._conv_weight_grad)."""
     spatial = len(x_shape) - 2
     out = [(n + 2 * padding - dilation * (k - 1) - 1) // stride + 1 for n, k in zip(x_shape[2:], w_shape[2:])]
     gy_shape = [x_shape[0], w_shape[0], *out]
