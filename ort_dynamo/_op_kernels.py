@@ -45,11 +45,11 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from ._fusions import (_constant_tensor, _initializer, _int64_constant, _named_dims, _op, _remove_if_dead, _scalar, _sole_user,
-                       _take_over, element_type)
+from ._fusions import (_constant_tensor, _initializer, _int64_constant, _named_dims, _op, _remove_if_dead, _scalar,
+                       _sole_user, _take_over, element_type)
 
 __all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "conv_weight_grads_as_kernels",
-           "f32_matmul_kernel", "f32_matmuls_as_kernels",
+           "convs_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
            "moves_heads", "scatter_adds_along_last_axis", "slow_expands_as_products", "slow_transposes_as_kernels",
            "split_heads_as_kernels", "split_heads_kernel", "transpose_rows_kernel"]
@@ -225,6 +225,22 @@ def max_pools_as_kernels(graph: ir.Graph) -> list[str]:
     return list(kernels.values())
 
 
+def _window_kernel(graph: ir.Graph, kernels: dict, prefix: str, header: str, macro: str, numbers, inputs: list,
+                   before: ir.Node, replaced: ir.Value) -> None:
+    """One float32 node of ``inputs`` computing ``replaced``, inserted before ``before``: the
+    op of csrc/``header``'s ``macro`` instantiated with ``numbers`` (a window's constants),
+    named ``prefix`` and the unit's hash; its C unit added to ``kernels`` (name: unit)."""
+    lines = [f'#include "{header}"', f"{macro}(@, {', '.join(str(int(n)) for n in numbers)});",
+             f"PW_KERNEL(@, {len(inputs)}, @_types, @_none, 1, @_none, 0, 0, 0, 0, @_compute, 0, 0);"]
+    source = "\n".join(lines) + "\n"
+    name = prefix + hashlib.sha256(source.encode()).hexdigest()[:16]
+    kernels[name] = source.replace("@", name)
+    node = ir.node(name, inputs, domain=DOMAIN)
+    graph.insert_before(before, node)
+    _take_over(replaced, node.outputs[0])
+    node.outputs[0].dtype = ir.DataType.FLOAT
+
+
 def _group_convolution(node: ir.Node) -> tuple | None:
     """(transposed, bias, kernel, strides, pads before, pads after, dilations, planes) of a
     float32 2-D Conv with groups of one output channel, or such a ConvTranspose with groups of
@@ -293,15 +309,8 @@ def group_convs_as_kernels(graph: ir.Graph) -> list[str]:
             continue
         transposed, bias, *axes = found
         numbers = [transposed, bias, *(n for values in axes for n in values)]
-        source = "\n".join(['#include "group_conv.h"',
-                            f"PW_GROUP_CONV(@, {', '.join(str(int(n)) for n in numbers)});",
-                            f"PW_KERNEL(@, {2 + bias}, @_types, @_none, 1, @_none, 0, 0, 0, 0, @_compute, 0, 0);"]) + "\n"
-        name = "TorchGroupConv_" + hashlib.sha256(source.encode()).hexdigest()[:16]
-        kernels[name] = source.replace("@", name)
-        conv = ir.node(name, list(node.inputs), domain=DOMAIN)
-        graph.insert_before(node, conv)
-        _take_over(node.outputs[0], conv.outputs[0])
-        conv.outputs[0].dtype = ir.DataType.FLOAT
+        _window_kernel(graph, kernels, "TorchGroupConv_", "group_conv.h", "PW_GROUP_CONV", numbers, list(node.inputs),
+                       node, node.outputs[0])
         graph.remove(node, safe=True)
     return list(kernels.values())
 
@@ -395,15 +404,8 @@ def conv_weight_grads_as_kernels(graph: ir.Graph, supported) -> list[str]:
         axes = [values + [1] * (3 - spatial) for values in (strides, dilations)] \
             + [values + [0] * (3 - spatial) for values in (before, after, kept)]
         numbers = [spatial, int(x_swapped), int(swapped), *(n for values in axes for n in values)]
-        source = "\n".join(['#include "conv_weight_grad.h"',
-                            f"PW_CONV_WEIGHT_GRAD(@, {', '.join(str(int(n)) for n in numbers)});",
-                            "PW_KERNEL(@, 2, @_types, @_none, 1, @_none, 0, 0, 0, 0, @_compute, 0, 0);"]) + "\n"
-        name = "TorchConvWeightGrad_" + hashlib.sha256(source.encode()).hexdigest()[:16]
-        kernels[name] = source.replace("@", name)
-        grad = ir.node(name, [x, gy], domain=DOMAIN)
-        graph.insert_before(node, grad)
-        _take_over(replaced, grad.outputs[0])
-        grad.outputs[0].dtype = ir.DataType.FLOAT
+        _window_kernel(graph, kernels, "TorchConvWeightGrad_", "conv_weight_grad.h", "PW_CONV_WEIGHT_GRAD", numbers,
+                       [x, gy], node, replaced)
         dead, value = [], replaced
         while value is not node.outputs[0]:  # the Slices and the Transpose, last first
             dead.append(value.producer())
@@ -461,8 +463,8 @@ def _convolution(node: ir.Node) -> tuple | None:
 def convs_as_kernels(graph: ir.Graph, supported) -> list[str]:
     """Each convolution ``_convolution`` describes (a Conv, or a stride-1 ConvTranspose) -> one
     ``TorchConv_*`` node of the same inputs (csrc/conv.h: one float32 product whose columns it
-    reads from the input).
-    ``supported()``: as for the float32 products (the same blocking). Returns the C units."""
+    reads from the input). ``supported()``: as for the float32 products (the same blocking).
+    Returns the C units."""
     found = [(node, match) for node in graph if (match := _convolution(node)) is not None]
     if not found or not supported():
         return []
@@ -471,15 +473,8 @@ def convs_as_kernels(graph: ir.Graph, supported) -> list[str]:
         axes = [values + [1] * (3 - spatial) for values in (strides, dilations)] \
             + [values + [0] * (3 - spatial) for values in (before, after)]
         numbers = [spatial, int(transposed), int(bias), *(n for values in axes for n in values)]
-        source = "\n".join(['#include "conv.h"',
-                            f"PW_CONV(@, {', '.join(str(int(n)) for n in numbers)});",
-                            f"PW_KERNEL(@, {2 + bias}, @_types, @_none, 1, @_none, 0, 0, 0, 0, @_compute, 0, 0);"]) + "\n"
-        name = "TorchConv_" + hashlib.sha256(source.encode()).hexdigest()[:16]
-        kernels[name] = source.replace("@", name)
-        conv = ir.node(name, list(node.inputs), domain=DOMAIN)
-        graph.insert_before(node, conv)
-        _take_over(node.outputs[0], conv.outputs[0])
-        conv.outputs[0].dtype = ir.DataType.FLOAT
+        _window_kernel(graph, kernels, "TorchConv_", "conv.h", "PW_CONV", numbers, list(node.inputs), node,
+                       node.outputs[0])
         graph.remove(node, safe=True)
     return list(kernels.values())
 

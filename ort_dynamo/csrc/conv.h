@@ -50,8 +50,10 @@ static void pw_conv_pack_a(void* user, size_t t) {
       continue;
     }
     for (int64_t r = 0; r < PW_GEMM_MR; ++r)
-      for (int64_t k = 0; k < PW_GEMM_KC; ++k)
-        dst[r * PW_GEMM_KC + k] = r < rows && k < kc ? g->w[((k0 + k) / g->T * g->cout + m0 + r) * g->T + g->T - 1 - (k0 + k) % g->T] : 0.0f;
+      for (int64_t k = 0; k < PW_GEMM_KC; ++k) {
+        const int64_t c = (k0 + k) / g->T, t = (k0 + k) % g->T;
+        dst[r * PW_GEMM_KC + k] = r < rows && k < kc ? g->w[(c * g->cout + m0 + r) * g->T + g->T - 1 - t] : 0.0f;
+      }
   }
 }
 
@@ -168,7 +170,8 @@ static void pw_conv_task(void* user, size_t t) {
             const __mmask16 m = pw_conv_lanes(pw_min64(l0 > 16 * h ? l0 - 16 * h : 0, 16),
                                               pw_min64(l1 > 16 * h ? l1 - 16 * h : 0, 16));
             if (m)
-              _mm512_mask_storeu_ps(y + 16 * h, m, _mm512_add_ps(_mm512_loadu_ps(sums + r * PW_GEMM_NR + 16 * h), bias));
+              _mm512_mask_storeu_ps(y + 16 * h, m,
+                                    _mm512_add_ps(_mm512_loadu_ps(sums + r * PW_GEMM_NR + 16 * h), bias));
           }
         }
         l0 = l1;
@@ -183,8 +186,8 @@ static void pw_conv_task(void* user, size_t t) {
  * [Cout]; the Conv's attributes per spatial axis (strides A, dilations B, pads before P and after
  * E: for a ConvTranspose, the equivalent Conv's); output y [N, Cout, output spatial...]. */
 static inline OrtStatus* pw_conv(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def, int spatial,
-                                 int transposed, int bias, const int64_t* strides, const int64_t* dilations, const int64_t* before,
-                                 const int64_t* after) {
+                                 int transposed, int bias, const int64_t* strides, const int64_t* dilations,
+                                 const int64_t* before, const int64_t* after) {
   const PwKernel kernel = {api, def};
   const OrtValue *x, *w, *b = NULL;
   int64_t xd[PW_MAX_RANK], wd[PW_MAX_RANK], bd[PW_MAX_RANK], yd[PW_MAX_RANK];
@@ -198,7 +201,8 @@ static inline OrtStatus* pw_conv(const OrtApiTable* api, OrtKernelContext* ctx, 
   if (bias) {
     PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 2, &b));
     PW_TRY(pw_shape(api, b, bd, &br));
-    if (br != 1 || bd[0] != wd[transposed ? 1 : 0]) return pw_error(&kernel, "the bias must have one value per output channel");
+    if (br != 1 || bd[0] != wd[transposed ? 1 : 0])
+      return pw_error(&kernel, "the bias must have one value per output channel");
   }
   PwConv g = {0};
   g.transposed = transposed;
@@ -243,8 +247,6 @@ static inline OrtStatus* pw_conv(const OrtApiTable* api, OrtKernelContext* ctx, 
         for (int64_t o = 0; o < g.O; ++o) g.y[(n * g.cout + co) * g.O + o] = g.b ? g.b[co] : 0.0f;
     return NULL;
   }
-  if (g.columns > INT32_MAX / 2 || g.x_image * g.images > INT64_MAX / 4)
-    return pw_error(&kernel, "the input is too large");
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)x, &data));
   g.x = (const float*)data;
   PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)w, &data));
@@ -269,11 +271,11 @@ static inline OrtStatus* pw_conv(const OrtApiTable* api, OrtKernelContext* ctx, 
  * a third input; per axis (three given, the first SPATIAL used) the Conv's strides, dilations,
  * pads before and after. Defines name_compute and the type lists; the unit's PW_KERNEL line
  * names the op. */
-#define PW_CONV(name, SPATIAL, TRANSPOSED, BIAS, A0, A1, A2, B0, B1, B2, P0, P1, P2, E0, E1, E2)                           \
+#define PW_CONV(name, SPATIAL, TRANSPOSED, BIAS, A0, A1, A2, B0, B1, B2, P0, P1, P2, E0, E1, E2)             \
   static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
     static const int64_t strides[] = {A0, A1, A2}, dilations[] = {B0, B1, B2};                              \
     static const int64_t before[] = {P0, P1, P2}, after[] = {E0, E1, E2};                                   \
-    return pw_conv(api, ctx, def, SPATIAL, TRANSPOSED, BIAS, strides, dilations, before, after);                        \
+    return pw_conv(api, ctx, def, SPATIAL, TRANSPOSED, BIAS, strides, dilations, before, after);            \
   }                                                                                                         \
   static const int name##_types[] = {PW_FLOAT, PW_FLOAT, PW_FLOAT};                                         \
   static const int name##_none[] = {0, 0, 0}

@@ -49,7 +49,8 @@ static void pw_weight_grad_row(const PwWeightGrad* g, int64_t m, int64_t k0, int
   int64_t lo, hi; /* the output positions o2 whose input column first2 + o2 s2 lies inside [0, in[2]) */
   pw_conv_range(g->in[2], s2, first2, width, &lo, &hi);
   const int64_t line = k0 / width;
-  int64_t o2 = k0 % width, o1 = line % g->out[1], o0 = line / g->out[1] % g->out[0], image = line / g->out[1] / g->out[0];
+  int64_t o2 = k0 % width, o1 = line % g->out[1], o0 = line / g->out[1] % g->out[0];
+  int64_t image = line / g->out[1] / g->out[0];
   for (int64_t j = 0; j < n;) {
     const int64_t p0 = t0 * g->step_t[0] + o0 * g->step_o[0] - g->pad[0];
     const int64_t p1 = t1 * g->step_t[1] + o1 * g->step_o[1] - g->pad[1];
@@ -97,7 +98,8 @@ static inline void pw_transpose16(__m512* r) {
   }
   for (int p = 0; p < 4; ++p) {
     const __m512 a = _mm512_shuffle_f32x4(r[p], r[4 + p], 0x88), b = _mm512_shuffle_f32x4(r[p], r[4 + p], 0xdd);
-    const __m512 c = _mm512_shuffle_f32x4(r[8 + p], r[12 + p], 0x88), d = _mm512_shuffle_f32x4(r[8 + p], r[12 + p], 0xdd);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + p], r[12 + p], 0x88);
+    const __m512 d = _mm512_shuffle_f32x4(r[8 + p], r[12 + p], 0xdd);
     t[p] = _mm512_shuffle_f32x4(a, c, 0x88);
     t[8 + p] = _mm512_shuffle_f32x4(a, c, 0xdd);
     t[4 + p] = _mm512_shuffle_f32x4(b, d, 0x88);
