@@ -400,6 +400,7 @@ def _weight_gradient_in_float64(conv, x):
 @pytest.mark.parametrize("conv, shape", [
     (torch.nn.Conv2d(6, 40, 3, padding=1), (2, 6, 24, 25)),       # K over one chunk; two panels of 32
     (torch.nn.Conv2d(4, 8, 3, padding=1), (2, 4, 6, 32)),          # rows of whole vectors: a last lane outside
+    (torch.nn.Conv2d(3, 8, 3, padding=1), (4, 3, 64, 72)),         # few rows, long K: parts of two chunks each
     (torch.nn.Conv2d(5, 7, 4, stride=2, padding=1), (3, 5, 16, 17)),  # DCGAN's: stride, even window
     (torch.nn.Conv2d(4, 6, (3, 2), stride=(2, 1), padding=(2, 1), dilation=(2, 1)), (2, 4, 9, 10)),
     (torch.nn.Conv2d(3, 8, 7, stride=2, padding=3), (2, 3, 21, 20)),  # a stem: more taps than the window

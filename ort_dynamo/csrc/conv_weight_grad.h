@@ -33,6 +33,7 @@ typedef struct PwWeightGrad {
   int64_t in[3], out[3], taps[3];  /* per spatial axis (1-D and 2-D as 3-D, leading axes of 1) */
   int64_t step_t[3], step_o[3], pad[3];
   int64_t T, O, M, K, kblocks, npanels, mblocks, panel_rows;
+  int64_t splits, part; /* K in `splits` parts of `part` (a multiple of the chunk), each summed into its own C */
   int* out_of_memory;
 } PwWeightGrad;
 
@@ -146,10 +147,14 @@ static void pw_weight_grad_pack_b(void* user, size_t t) {
 enum { PW_WG_CHUNK = 4 * PW_GEMM_KC, PW_WG_ROW = PW_WG_CHUNK + 16 };
 PW_GEMM_TILE_F32(pw_weight_grad_tile, pa[r * PW_WG_ROW + k])
 
-/* Task t: MC rows of C over every N panel, K a chunk at a time, their A packed from the input. */
+/* Task t: MC rows of one part of K's C over every N panel, a chunk at a time, their A packed
+ * from the input. */
 static void pw_weight_grad_task(void* user, size_t t) {
   const PwWeightGrad* g = (const PwWeightGrad*)user;
-  const int64_t m0 = (int64_t)t * PW_GEMM_MC, mc = pw_min64(g->M - m0, PW_GEMM_MC);
+  const int64_t split = (int64_t)t % g->splits, m0 = (int64_t)t / g->splits * PW_GEMM_MC;
+  const int64_t mc = pw_min64(g->M - m0, PW_GEMM_MC), first = split * g->part;
+  const int64_t end = pw_min64(g->K, first + g->part);
+  float* part_c = g->c + split * g->M * g->cout;
   const int64_t tiles = (mc + PW_GEMM_MR - 1) / PW_GEMM_MR, a_tile = PW_GEMM_MR * PW_WG_ROW;
   float* pa = (float*)aligned_alloc(64, (size_t)(tiles * a_tile + 16) * sizeof(float)); /* 16: a row's overrun */
   if (!pa) {
@@ -158,8 +163,8 @@ static void pw_weight_grad_task(void* user, size_t t) {
   }
   float sums[PW_GEMM_MR * PW_GEMM_NR];
   const __m512i steps = pw_lane_steps(g->step_o[2]);
-  for (int64_t k0 = 0; k0 < g->K; k0 += PW_WG_CHUNK) {
-    const int64_t span = pw_min64(g->K - k0, PW_WG_CHUNK);
+  for (int64_t k0 = first; k0 < end; k0 += PW_WG_CHUNK) {
+    const int64_t span = pw_min64(end - k0, PW_WG_CHUNK);
     for (int64_t i = 0; i < tiles; ++i)
       for (int64_t r = 0; r < PW_GEMM_MR; ++r) {
         const int64_t m = m0 + i * PW_GEMM_MR + r;
@@ -174,11 +179,11 @@ static void pw_weight_grad_task(void* user, size_t t) {
       const int64_t nr = pw_min64(g->cout - j * PW_GEMM_NR, PW_GEMM_NR);
       for (int64_t i = 0; i < tiles; ++i) {
         const int64_t mr = pw_min64(mc - i * PW_GEMM_MR, PW_GEMM_MR);
-        float* c = g->c + (m0 + i * PW_GEMM_MR) * g->cout + j * PW_GEMM_NR;
+        float* c = part_c + (m0 + i * PW_GEMM_MR) * g->cout + j * PW_GEMM_NR;
         /* the chunk's B blocks lie one after another: one block of `span` rows */
-        pw_weight_grad_tile(pa + i * a_tile, 0, panel, 0, 1, span, span, NULL, k0 ? sums : c,
-                            k0 ? PW_GEMM_NR : g->cout, mr, nr);
-        if (k0)
+        pw_weight_grad_tile(pa + i * a_tile, 0, panel, 0, 1, span, span, NULL, k0 > first ? sums : c,
+                            k0 > first ? PW_GEMM_NR : g->cout, mr, nr);
+        if (k0 > first)
           for (int64_t r = 0; r < mr; ++r)
             for (int64_t col = 0; col < nr; ++col) c[r * g->cout + col] += sums[r * PW_GEMM_NR + col];
       }
@@ -251,8 +256,16 @@ static inline OrtStatus* pw_conv_weight_grad(const OrtApiTable* api, OrtKernelCo
   g.panel_rows = pw_min64(PW_GEMM_KC, g.K);
   g.npanels = (g.cout + PW_GEMM_NR - 1) / PW_GEMM_NR;
   g.mblocks = (g.M + PW_GEMM_MC - 1) / PW_GEMM_MC;
+  /* Few rows of C (a stem's 3 channels x 49 taps: 4 tasks of 48 rows, the last of 3) leave
+   * threads idle: K is split into parts, chunks each, until there are 16 tasks, each part's C
+   * summed in order at the end (the same sums whatever the threads), at most 4 MB of them:
+   * the stem's kernel 4.5 -> 4.3 ms on 2 threads; more threads than row blocks gain more. */
+  const int64_t chunks = (g.K + PW_WG_CHUNK - 1) / PW_WG_CHUNK;
+  g.splits = pw_min64(pw_min64((16 + g.mblocks - 1) / g.mblocks, chunks), (1 << 20) / (g.M * g.cout) + 1);
+  g.part = (chunks + g.splits - 1) / g.splits * PW_WG_CHUNK;
+  g.splits = (g.K + g.part - 1) / g.part;
   g.packed = (float*)aligned_alloc(64, (size_t)(g.npanels * g.kblocks * g.panel_rows * PW_GEMM_NR) * sizeof(float));
-  g.c = (float*)malloc((size_t)(g.M * g.cout) * sizeof(float));
+  g.c = (float*)malloc((size_t)(g.splits * g.M * g.cout) * sizeof(float));
   if (!g.packed || !g.c) {
     free(g.packed);
     free(g.c);
@@ -261,12 +274,15 @@ static inline OrtStatus* pw_conv_weight_grad(const OrtApiTable* api, OrtKernelCo
   int out_of_memory = 0;
   g.out_of_memory = &out_of_memory;
   OrtStatus* status = pw_run_tasks(api, ctx, pw_weight_grad_pack_b, g.npanels * g.kblocks, &g);
-  if (!status) status = pw_run_tasks(api, ctx, pw_weight_grad_task, g.mblocks, &g);
+  if (!status) status = pw_run_tasks(api, ctx, pw_weight_grad_task, g.mblocks * g.splits, &g);
   if (!status && !out_of_memory)
     for (int64_t m = 0; m < g.M; ++m) { /* [c, t] rows of C -> [co, c, t] or [c, co, t] */
       const int64_t c = m / g.T, t = m % g.T;
-      for (int64_t co = 0; co < g.cout; ++co)
-        out[swapped ? co * g.M + m : (c * g.cout + co) * g.T + t] = g.c[m * g.cout + co];
+      for (int64_t co = 0; co < g.cout; ++co) {
+        float sum = g.c[m * g.cout + co];
+        for (int64_t split = 1; split < g.splits; ++split) sum += g.c[(split * g.M + m) * g.cout + co];
+        out[swapped ? co * g.M + m : (c * g.cout + co) * g.T + t] = sum;
+      }
     }
   free(g.packed);
   free(g.c);
