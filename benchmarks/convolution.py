@@ -4,8 +4,8 @@ layer at a time, the calls interleaved in one process, same threads.
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/convolution.py [--cold] [--passes P] [case ...]
 
 Per case of benchmarks/layer_ops.py's convolutions, three passes in the forms ort_dynamo's
-graphs have them: the forward Conv and a stride-1 layer's input gradient (a ConvTranspose),
-both csrc/conv.h's where the rewrite takes them, and the weight gradient (csrc/conv_weight_grad.h).
+graphs have them: the forward Conv and the input gradient (a ConvTranspose), both csrc/conv.h's
+where the rewrite takes them, and the weight gradient (csrc/conv_weight_grad.h).
 ORT's column is the op the rewrite replaces (im2col or col2im and MLAS). ``--cold``: the caches
 evicted before each call (untimed), as in a training step."""
 
@@ -44,8 +44,8 @@ CASES = [
 
 def _graph(kind: str, x_shape, w_shape, stride, padding, dilation):
     """(ONNX graph, its two input names and shapes, output shape) of one pass of a layer, in the
-    form ort_dynamo's graphs have it: "forward" Conv(x, w); "input grad" ConvTranspose(gy, w) of a
-    stride-1 layer; "weight grad" Conv(Transpose(x), Transpose(gy)) with stride and dilation
+    form ort_dynamo's graphs have it: "forward" Conv(x, w); "input grad" ConvTranspose(gy, w);
+    "weight grad" Conv(Transpose(x), Transpose(gy)) with stride and dilation
     exchanged, its result swapped back and cut to the window (decompositions._conv_weight_grad)."""
     spatial = len(x_shape) - 2
     out = [(n + 2 * padding - dilation * (k - 1) - 1) // stride + 1 for n, k in zip(x_shape[2:], w_shape[2:])]
@@ -57,8 +57,11 @@ def _graph(kind: str, x_shape, w_shape, stride, padding, dilation):
             helper.make_node("Conv", ["x", "w"], ["y"], strides=[stride] * spatial, dilations=[dilation] * spatial,
                              **geometry)]
     elif kind == "input grad":
+        extra = [n - ((o - 1) * stride - 2 * padding + dilation * (k - 1) + 1)
+                 for n, o, k in zip(x_shape[2:], out, w_shape[2:])]  # rows no window reaches
         inputs, nodes = [("gy", gy_shape), ("w", w_shape)], [
-            helper.make_node("ConvTranspose", ["gy", "w"], ["y"], dilations=[dilation] * spatial, **geometry)]
+            helper.make_node("ConvTranspose", ["gy", "w"], ["y"], strides=[stride] * spatial,
+                             dilations=[dilation] * spatial, output_padding=extra, **geometry)]
     else:
         inputs, nodes = [("x", x_shape), ("gy", gy_shape)], [
             helper.make_node("Transpose", ["x"], ["xt"], perm=swap),
@@ -143,7 +146,7 @@ def main() -> None:
         if args.cases and name not in args.cases:
             continue
         for kind in passes:
-            if (kind == "input grad" and stride != 1) or (kind != "forward" and math.prod(w_shape[2:]) == 1):
+            if kind != "forward" and math.prod(w_shape[2:]) == 1:
                 continue
             graph, inputs = _graph(kind, x_shape, w_shape, stride, padding, dilation)
             try:

@@ -414,8 +414,9 @@ def conv_weight_grads_as_kernels(graph: ir.Graph, supported) -> list[str]:
     return list(kernels.values())
 
 
-#: Input channels below which ORT's Conv stays (a stem's 3: the kernel's per-tap work is shared
-#: by too few rows, 4.6 ms against 4.1 at ResNet's; benchmarks/convolution.py).
+#: Input or output channels below which ORT's Conv stays: a stem's 3 input channels share the
+#: kernel's per-tap work among too few rows (4.6 ms against 4.1 at ResNet's), and 3 output
+#: channels would fill a quarter of the 12-row tile (benchmarks/convolution.py).
 _MIN_CONV_CHANNELS = 8
 
 
@@ -427,7 +428,7 @@ def _convolution(node: ir.Node) -> tuple | None:
     weight gradient's form, the weight the output gradient through a Transpose (conv_weight_grad.h's,
     or ORT's where that kernel declined it); not a 1x1 window (one product per image for ORT,
     1.6x faster than this kernel at MobileNet's 64 -> 192 channels), nor fewer than
-    ``_MIN_CONV_CHANNELS`` input channels."""
+    ``_MIN_CONV_CHANNELS`` input or output channels."""
     if not (_op(node, "Conv") or _op(node, "ConvTranspose")) or not 2 <= len(node.inputs) <= 3 \
             or node.attributes.get_int("group", 1) != 1 or not all(_is_float32(v) for v in node.inputs) \
             or _swaps_first_two(node.inputs[1].producer()) or "output_shape" in node.attributes:
@@ -443,10 +444,10 @@ def _convolution(node: ir.Node) -> tuple | None:
                                                                     for d, w in zip(kernel, window)]):
         return None
     strides, before, after, dilations = geometry
-    channels = node.inputs[0].shape.dims[1]
-    if all(k == 1 for k in kernel) or (isinstance(channels, int) and channels < _MIN_CONV_CHANNELS):
-        return None
     transposed = node.op_type == "ConvTranspose"
+    channels = [node.inputs[0].shape.dims[1], node.inputs[1].shape.dims[1 if transposed else 0]]  # in, out
+    if all(k == 1 for k in kernel) or any(isinstance(c, int) and c < _MIN_CONV_CHANNELS for c in channels):
+        return None
     if transposed:
         extra = list(node.attributes.get_ints("output_padding", [0] * spatial))
         if any(s != 1 for s in strides) or len(extra) != spatial or min(extra, default=0) < 0 \
