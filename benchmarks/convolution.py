@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--cold", action="store_true", help="caches evicted before each call")
     parser.add_argument("--passes", default="forward,input grad,weight grad",
-                        help="comma-separated: forward, input grad (stride-1 layers), weight grad")
+                        help="comma-separated: forward, input grad, weight grad")
     parser.add_argument("cases", nargs="*", help="names of CASES (default: all)")
     args = parser.parse_args()
     from ort_dynamo import _kernels
