@@ -1569,7 +1569,8 @@ def _fuse_groups(graph: ir.Graph, groups: list[_Group], info: _Graph, cuda: bool
         else:
             sources, perms = _transposed_reads(inputs, members, info, len(group.shape))
             targets, out_perms = _transposed_writes(outputs, len(group.shape))
-            if alone and not _worth_a_kernel_alone(group.nodes[0], bool(perms or out_perms)):
+            takes_a_transpose = sources != inputs or targets != outputs  # identities included
+            if alone and not _worth_a_kernel_alone(group.nodes[0], takes_a_transpose):
                 continue
             code = _emit(group, info, inputs, outputs, "pw_@", perms, out_perms)
         # Named by the hash of its code: identical chains (one per layer) share one kernel.
