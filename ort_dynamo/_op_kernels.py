@@ -360,13 +360,21 @@ def _weight_gradient(node: ir.Node) -> tuple | None:
     while (cut := _first_rows_cut(_sole_user(replaced), rank)) is not None:
         kept = [k if c == 0 else c if k == 0 else min(k, c) for k, c in zip(kept, cut)]
         replaced = _sole_user(replaced).outputs[0]
-    geometry = _window_geometry(node.attributes, spatial)
-    window = node.attributes.get_ints("kernel_shape", None)
-    if geometry is None or (window is not None and list(window) != [d if isinstance(d, int) else w
-                                                                    for d, w in zip(gy.shape.dims[2:], window)]):
+    geometry = _conv_geometry(node, list(gy.shape.dims[2:]))
+    if geometry is None:
         return None
     strides, before, after, dilations = geometry
     return x, gy, x_swapped, replaced, swapped, spatial, strides, dilations, before, after, kept
+
+
+def _conv_geometry(node: ir.Node, window: list) -> tuple | None:
+    """``_window_geometry`` of a Conv or ConvTranspose whose window is ``window`` (its weight's
+    spatial dims, a symbolic one as its name), None also where its ``kernel_shape`` says
+    another window."""
+    stated = node.attributes.get_ints("kernel_shape", None)
+    if stated is not None and list(stated) != [d if isinstance(d, int) else s for d, s in zip(window, stated)]:
+        return None
+    return _window_geometry(node.attributes, len(window))
 
 
 def _first_rows_cut(node: ir.Node | None, rank: int) -> list[int] | None:
@@ -437,11 +445,9 @@ def _convolution(node: ir.Node) -> tuple | None:
     if rank is None or not 3 <= rank <= 5 or _rank(node.inputs[1]) != rank:
         return None
     spatial = rank - 2
-    geometry = _window_geometry(node.attributes, spatial)
     kernel = list(node.inputs[1].shape.dims[2:])
-    window = node.attributes.get_ints("kernel_shape", None)
-    if geometry is None or (window is not None and list(window) != [d if isinstance(d, int) else w
-                                                                    for d, w in zip(kernel, window)]):
+    geometry = _conv_geometry(node, kernel)
+    if geometry is None:
         return None
     strides, before, after, dilations = geometry
     transposed = node.op_type == "ConvTranspose"

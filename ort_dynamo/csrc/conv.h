@@ -11,13 +11,15 @@
  * before; outside the input, zeros): M = output channels, K = input channels x taps, N = images
  * x output positions, with bf16_gemm.h's float32 blocking and register tile. The weight is A,
  * packed once; each task packs its panels of B (32 output positions over all of K) from the
- * input with masked loads (a gather where the stride is not 1), so the columns exist only in its
- * packed panel, and stores C straight into y's [n, co, o] layout. A panel's positions may span
- * rows and images. Each element is summed over K in the same order whatever the threads.
+ * input with masked loads (for a stride of 2, two loads and the even lanes picked out; for other
+ * strides, a gather), so the columns exist only in its packed panel, and stores C straight into
+ * y's [n, co, o] layout. A panel's positions may span rows and images. Each element is summed
+ * over K in the same order whatever the threads.
  *
- * decompositions.py writes a stride-1 convolution's input gradient as such a Conv (of the
- * output gradient by the flipped, swapped weight) where this kernel exists, so that it covers
- * both of a layer's passes that are not its weight gradient (conv_weight_grad.h).
+ * A stride-1 ConvTranspose (how decompositions.py writes a stride-1 layer's input gradient) is
+ * this Conv of its input by the flipped, swapped weight, which the kernel reads in place
+ * (`transposed`): so it covers both of a layer's passes that are not its weight gradient
+ * (conv_weight_grad.h).
  *
  * Part of ort_dynamo; MIT licensed.
  */

@@ -14,9 +14,9 @@
  * N = output channels, with bf16_gemm.h's float32 register tile. Each task packs its rows of A
  * from the input, a chunk of K at a time, each row one contiguous run (bf16_gemm.h's KC blocks
  * cut output rows apart, and packing took 4x as long), so the columns exist only in its packed
- * rows; B (the output gradient) is packed once, by 16 x 16 transposes. The result leaves as the Conv's, [c,
- * co, t], or as the Transpose after it would have left it, [co, c, t]. Each element is summed
- * over K in the same order whatever the threads.
+ * rows; B (the output gradient) is packed once, by 16 x 16 transposes. The result leaves as the
+ * Conv's, [c, co, t], or as the Transpose after it would have left it, [co, c, t]. Each element
+ * is summed over K in the same order whatever the threads (K's parts are fixed by the sizes).
  *
  * Part of ort_dynamo; MIT licensed.
  */
@@ -27,7 +27,7 @@
 
 typedef struct PwWeightGrad {
   const float *x, *gy;
-  float *c, *packed;          /* C: [M, N] scratch; B's panels: [N panel][K block][KC][NR] */
+  float *c, *packed;          /* C: [part][M, N] scratch; B's panels: [N panel][K block][KC][NR] */
   int64_t images, cin, cout;  /* N, Cin, Cout of the convolution */
   int64_t x_image, x_channel; /* elements between the input's images, its channels */
   int64_t in[3], out[3], taps[3];  /* per spatial axis (1-D and 2-D as 3-D, leading axes of 1) */
