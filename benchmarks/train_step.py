@@ -14,7 +14,8 @@ median ms/step after warm-up, ort/eager and ort/inductor, first-step (compile) s
 ort/aot_eager, and, with --memory, each backend's peak memory measured in a child process.
 --cache measures first steps each in a fresh process (aot_eager; ort cold; ort with the warm
 on-disk cache the cold run left), so no backend inherits another's one-time start-up, in
---first-step-rounds rounds (default 3) whose median ratios are printed.
+--first-step-rounds rounds (default 3) whose median ratios are printed; --cache-only measures
+only those (each process's figure is printed as it ends).
 
 The timing process fixes glibc malloc's thresholds (``--malloc default`` leaves them): by
 default, freeing a large block raises glibc's mmap threshold and trims the heap, so one
@@ -180,6 +181,8 @@ def train_step(fn, opt, batch, device, autocast, losses: list | None = None):
 
 
 def bench_model(name, args) -> dict:
+    if args.cache_only:
+        return {"model": name, "warm_cache": warm_cache_first_step(name, args)}
     ort_dynamo.reset()
     model, batch = build(name, args.device)
     autocast = args.autocast
@@ -295,10 +298,14 @@ def warm_cache_first_step(name, args) -> dict:
     process's first step moves by 10% on a shared VM, so the ratios are taken per round
     (the processes of a round run back to back) and their median reported."""
     rounds = []
-    for _ in range(args.first_step_rounds):
+    for number in range(1, args.first_step_rounds + 1):
         with tempfile.TemporaryDirectory() as cache:
-            rounds.append({label: _first_step_in_new_process(name, backend, cache, args)
-                           for label, backend in (("aot_eager", "aot_eager"), ("cold", "ort"), ("warm", "ort"))})
+            rounds.append({})
+            for label, backend in (("aot_eager", "aot_eager"), ("cold", "ort"), ("warm", "ort")):
+                rounds[-1][label] = result = _first_step_in_new_process(name, backend, cache, args)
+                # As each process ends: a run stopped at a time limit still says what it measured.
+                print(f"{name:10s} round {number}, new process, {label}: first step {result['seconds']:.1f}s, "
+                      f"exports {result['exports']}", flush=True)
     summary = {"rounds": rounds, "exports_warm": max(r["warm"]["exports"] for r in rounds)}
     for label in ("aot_eager", "cold", "warm"):
         summary[label + "_s"] = statistics.median(r[label]["seconds"] for r in rounds)
@@ -377,6 +384,8 @@ def main() -> None:
                         help="with --memory: skip the second measurement, after a warm-up on another model "
                              "(half the child processes; for a GPU session's short time)")
     parser.add_argument("--cache", action="store_true")
+    parser.add_argument("--cache-only", action="store_true",
+                        help="only --cache's fresh-process first steps, no steady-state steps")
     parser.add_argument("--first-step-rounds", type=int, default=3,
                         help="with --cache: rounds of fresh-process first steps (aot_eager, ort cold, ort "
                              "warm); the ratios printed are the rounds' medians")
@@ -393,6 +402,7 @@ def main() -> None:
     parser.add_argument("--child-first-step", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.backends = args.backends.split(",")
+    args.cache = args.cache or args.cache_only
     args.autocast = args.autocast or args.device == "cuda"
     if args.first_step_rounds < 1:
         parser.error(f"--first-step-rounds must be at least 1, got {args.first_step_rounds}")
@@ -411,36 +421,41 @@ def main() -> None:
     for name in args.models.split(","):
         r = bench_model(name, args)
         results.append(r)
-        ms = r["ms"]
-        line = f"{name:10s} " + " ".join(f"{b} {ms[b]:8.1f} ms" for b in args.backends)
-        if "eager" in ms and "ort" in ms:
-            line += f" | ort/eager {ms['ort'] / ms['eager']:.2f}"
-        if "inductor" in ms and "ort" in ms:
-            line += f" ort/inductor {ms['ort'] / ms['inductor']:.2f}"
-        print(line)
-        f = r["first_s"]
-        print(f"{'':10s} first step: " + " ".join(f"{b} {f[b]:.1f}s" for b in args.backends)
-              + (f" | ort/aot_eager {f['ort'] / f['aot_eager']:.2f}" if "aot_eager" in f and "ort" in f else "")
-              + f" | ort fallback nodes {r['fallback_nodes']}")
-        print(f"{'':10s} loss at the last step: " + " ".join(f"{b} {v:.4f}" for b, v in r["last_loss"].items()))
-        if "peak_mb" in r:
-            p = r["peak_mb"]
-            w = r.get("peak_mb_warm")
-            print(f"{'':10s} peak step memory MB: " + " ".join(f"{b} {p[b]:.0f}" for b in args.backends)
-                  + (" | backend warmed on another model first: " + " ".join(f"{b} {w[b]:.0f}" for b in args.backends)
-                     if w else ""))
+        if "ms" in r:
+            print_steps(name, r, args)
         if "warm_cache" in r:
             w = r["warm_cache"]
             ranges = {label: "" if len(w[label + "_ratios"]) == 1 else
                       f", {len(w[label + '_ratios'])} rounds {' '.join(f'{x:.2f}' for x in w[label + '_ratios'])}"
                       for label in ("cold", "warm")}
-            print(f"{'':10s} first step, each in a new process: aot_eager {w['aot_eager_s']:.1f}s, ort {w['cold_s']:.1f}s"
+            print(f"{name if 'ms' not in r else '':10s} first step, each in a new process: aot_eager {w['aot_eager_s']:.1f}s, ort {w['cold_s']:.1f}s"
                   f" (ort/aot_eager {w['cold_ratio']:.2f}{ranges['cold']}), ort with warm cache {w['warm_s']:.1f}s"
                   f" (ort/aot_eager {w['warm_ratio']:.2f}{ranges['warm']}, exports {w['exports_warm']})")
         sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)
+
+
+def print_steps(name, r, args) -> None:
+    ms = r["ms"]
+    line = f"{name:10s} " + " ".join(f"{b} {ms[b]:8.1f} ms" for b in args.backends)
+    if "eager" in ms and "ort" in ms:
+        line += f" | ort/eager {ms['ort'] / ms['eager']:.2f}"
+    if "inductor" in ms and "ort" in ms:
+        line += f" ort/inductor {ms['ort'] / ms['inductor']:.2f}"
+    print(line)
+    f = r["first_s"]
+    print(f"{'':10s} first step: " + " ".join(f"{b} {f[b]:.1f}s" for b in args.backends)
+          + (f" | ort/aot_eager {f['ort'] / f['aot_eager']:.2f}" if "aot_eager" in f and "ort" in f else "")
+          + f" | ort fallback nodes {r['fallback_nodes']}")
+    print(f"{'':10s} loss at the last step: " + " ".join(f"{b} {v:.4f}" for b, v in r["last_loss"].items()))
+    if "peak_mb" in r:
+        p = r["peak_mb"]
+        w = r.get("peak_mb_warm")
+        print(f"{'':10s} peak step memory MB: " + " ".join(f"{b} {p[b]:.0f}" for b in args.backends)
+              + (" | backend warmed on another model first: " + " ".join(f"{b} {w[b]:.0f}" for b in args.backends)
+                 if w else ""))
 
 
 if __name__ == "__main__":

@@ -75,8 +75,8 @@ step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124
   --backends eager,ort,ort_math_attention --steps 5 --warmup 2 --memory --memory-cold-only
 step placement 200 python3 benchmarks/profile_step.py --device cuda --model gpt2-124m --steps 3
 step host-ahead 60 python3 benchmarks/host_ahead.py
-step first-step-cache 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m --backends eager,ort \
-  --steps 2 --warmup 1 --cache --first-step-rounds 1
+step first-step-cache 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m --cache-only \
+  --first-step-rounds 1
 step call-overhead 45 python3 benchmarks/call_overhead.py --device cuda --calls 500
 say "== done in ${SECONDS}s"
 rm -rf "$out/logs"
