@@ -48,7 +48,7 @@ import onnx_ir as ir
 from ._fusions import (_constant_tensor, _initializer, _int64_constant, _named_dims, _op, _remove_if_dead, _scalar,
                        _sole_user, _take_over, element_type)
 
-__all__ = ["DOMAIN", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "conv_weight_grads_as_kernels",
+__all__ = ["DOMAIN", "axis_softmaxes_as_kernels", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "conv_weight_grads_as_kernels",
            "convs_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
            "moves_heads", "scatter_adds_along_last_axis", "slow_expands_as_products", "slow_transposes_as_kernels",
@@ -225,8 +225,87 @@ def max_pools_as_kernels(graph: ir.Graph) -> list[str]:
     return list(kernels.values())
 
 
+_SOFTMAX_KINDS = {"Softmax": 0, "LogSoftmax": 1, "softmax gradient": 2, "log-softmax gradient": 3}  # axis_softmax.h
+
+
+def _channel_axis(value: ir.Value, axis: int) -> tuple[int, int] | None:
+    """(axis, its length) of float32 ``value`` where ``axis`` is not its last and has a static
+    length above 1, the rest of its shape of any sizes, else None."""
+    shape = value.shape if _is_float32(value) else None
+    if shape is None or not 2 <= len(shape) <= 8 or not -len(shape) <= axis < len(shape):
+        return None
+    axis %= len(shape)
+    length = shape[axis]
+    if axis == len(shape) - 1:  # rows: the pointwise kernels' own softmax
+        return None
+    if not isinstance(length, int) or length < 2 or (all(isinstance(d, int) for d in shape)
+                                                     and math.prod(shape) < _MIN_AXIS_SOFTMAX):
+        return None
+    return axis, length
+
+
+def _summed_axis(total: ir.Node | None, value: ir.Value) -> tuple[int, int] | None:
+    """(axis, length) of a ReduceSum of ``value`` over one axis, kept, that is not its last."""
+    if not _op(total, "ReduceSum") or total.inputs[0] is not value or len(total.inputs) != 2 \
+            or total.attributes.get_int("keepdims", 1) != 1:
+        return None
+    axes = _constant_tensor(total.inputs[1])
+    axes = axes.numpy().reshape(-1) if axes is not None else []
+    return _channel_axis(value, int(axes[0])) if len(axes) == 1 else None
+
+
+def _softmax_gradient(sub: ir.Node) -> tuple[str, ir.Value, ir.Value, tuple[int, int]] | None:
+    """(kind, g, y, (axis, length)) where ``sub`` ends the gradient of a softmax or log-softmax
+    y over a channel axis as torch's decompositions write it: g - exp(y) * sum(g) (log-softmax),
+    p - y * sum(p) with p = g * y (softmax)."""
+    if not _op(sub, "Sub"):
+        return None
+    first, scaled = sub.inputs
+    mul = scaled.producer() if scaled is not None else None
+    if not _op(mul, "Mul"):
+        return None
+    for factor, total in (mul.inputs, mul.inputs[::-1]):
+        found = _summed_axis(total.producer() if total is not None else None, first)
+        if found is None or factor is None:
+            continue
+        exp = factor.producer()
+        if _op(exp, "Exp") and _is_float32(exp.inputs[0]) and exp.inputs[0].shape == first.shape:
+            return "log-softmax gradient", first, exp.inputs[0], found
+        product = first.producer()
+        if _op(product, "Mul") and factor in product.inputs and factor.shape == first.shape:
+            g = product.inputs[1] if product.inputs[0] is factor else product.inputs[0]
+            if g is not None and g.shape == first.shape and _is_float32(g):
+                return "softmax gradient", g, factor, found
+    return None
+
+
+def axis_softmaxes_as_kernels(graph: ir.Graph) -> list[str]:
+    """Softmax and LogSoftmax over an axis other than the last (a segmentation loss's classes)
+    and their gradients -> ``TorchAxisSoftmax_*`` nodes (csrc/axis_softmax.h): one pass each,
+    where ORT moves the axis last and back, or runs five passes written out. Before the
+    pointwise stage expands softmaxes. Returns the kernels' C units."""
+    kernels: dict[str, str] = {}
+    for node in list(graph):
+        if _op(node, "Softmax") or _op(node, "LogSoftmax"):
+            found = _channel_axis(node.inputs[0], node.attributes.get_int("axis", -1))
+            kind, inputs = node.op_type, [node.inputs[0]]
+        else:
+            gradient = _softmax_gradient(node)
+            if gradient is None:
+                continue
+            kind, g, y, found = gradient
+            inputs = [g, y]
+        if found is None:
+            continue
+        axis, length = found
+        kernel = _window_kernel(graph, kernels, "TorchAxisSoftmax_", "axis_softmax.h", "PW_AXIS_SOFTMAX",
+                                [_SOFTMAX_KINDS[kind], axis, length], inputs, node, node.outputs[0])
+        kernel.outputs[0].dtype = ir.DataType.FLOAT
+    return list(kernels.values())  # the replaced chains are dead: the caller removes them
+
+
 def _window_kernel(graph: ir.Graph, kernels: dict, prefix: str, header: str, macro: str, numbers, inputs: list,
-                   before: ir.Node, replaced: ir.Value) -> None:
+                   before: ir.Node, replaced: ir.Value) -> ir.Node:
     """One float32 node of ``inputs`` computing ``replaced``, inserted before ``before``: the
     op of csrc/``header``'s ``macro`` instantiated with ``numbers`` (a window's constants),
     named ``prefix`` and the unit's hash; its C unit added to ``kernels`` (name: unit)."""
@@ -238,7 +317,7 @@ def _window_kernel(graph: ir.Graph, kernels: dict, prefix: str, header: str, mac
     node = ir.node(name, inputs, domain=DOMAIN)
     graph.insert_before(before, node)
     _take_over(replaced, node.outputs[0])
-    node.outputs[0].dtype = ir.DataType.FLOAT
+    return node
 
 
 def _group_convolution(node: ir.Node) -> tuple | None:
@@ -426,6 +505,7 @@ def conv_weight_grads_as_kernels(graph: ir.Graph, supported) -> list[str]:
 #: kernel's per-tap work among too few rows (4.6 ms against 4.1 at ResNet's), and 3 output
 #: channels would fill a quarter of the 12-row tile (benchmarks/convolution.py).
 _MIN_CONV_CHANNELS = 8
+_MIN_AXIS_SOFTMAX = 16384  # elements: below, ORT's ops as the pointwise stage leaves small groups
 
 
 def _convolution(node: ir.Node) -> tuple | None:

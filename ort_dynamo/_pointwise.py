@@ -1289,7 +1289,8 @@ def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
     loss's channels), ORT transposes that axis last and back and runs rows as short as the
     channels (3 to 5 times eager's time): there the max and the sum stay ORT's reductions over
     that axis, and the elementwise steps become kernels. That needs that axis's length static
-    (the classes' count); the other sizes may be symbolic."""
+    (the classes' count); the other sizes may be symbolic. (Such softmaxes of at least
+    ``_op_kernels._MIN_AXIS_SOFTMAX`` elements are ``TorchAxisSoftmax`` kernels by then.)"""
     axes_of: dict[int, ir.Value] = {}
     for node in list(graph):
         if node.domain not in ("", "ai.onnx") or node.op_type not in ("Softmax", "LogSoftmax"):
@@ -1478,6 +1479,9 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str
     if device == "cuda":
         return _fuse_for_cuda(model)
     graph = model.graph
+    softmaxes = _op_kernels.axis_softmaxes_as_kernels(graph)
+    if softmaxes:  # the chains they replace, dead now, must not become kernels below
+        ir.passes.common.RemoveUnusedNodesPass()(model)
     _expand_softmax(graph, _Graph())
     _mark_softmax_written_out(graph)
     _gelu_beside_its_backward(graph, _Graph())
@@ -1488,7 +1492,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str
     _column_sums_through_reshapes(graph, _Graph())
     _widen_before_views(graph)  # after the passes above, which add views
     _bias_into_rounding(graph)
-    kernels = _op_kernels.bf16_matmuls_as_kernels(graph, bfloat16_products)
+    kernels = softmaxes + _op_kernels.bf16_matmuls_as_kernels(graph, bfloat16_products)
     kernels += _op_kernels.f32_matmuls_as_kernels(graph, bfloat16_products)
     kernels += _op_kernels.conv_weight_grads_as_kernels(graph, bfloat16_products)
     kernels += _op_kernels.convs_as_kernels(graph, bfloat16_products)
