@@ -48,7 +48,7 @@ ORT_VARIANTS = {
     "ort_keep": {"memory_opt_level": 0}, "ort_recompute": {"memory_opt_level": 1},
     "ort_math_attention": {"cuda_torch_attention": False}, "ort_unfused": {"pointwise_kernels": False},
     "ort_arena": {"cuda_allocator": "shared_arena"}, "ort_whole_backward": {"backward_segments": 1},
-    "ort_segmented": {"backward_segments": 8},
+    "ort_segmented": {"backward_segments": 8}, "ort_no_mem_pattern": {"cuda_memory_pattern": False},
     "ort_torch_attention": {"cpu_torch_attention": True},
 }
 CPU_SIZE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=1024)

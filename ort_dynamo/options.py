@@ -173,6 +173,13 @@ class OrtOptions:
         "Needs a C compiler (built once, like the kernels); without one, attention runs on ORT "
         "written out, with a warning. Off by default: on the 2-core CPU measured, steps were 0-7% "
         "slower with it, cold first steps 3-18% faster (docs/performance.md).", "")
+    cuda_memory_pattern: bool = _field(
+        True, "On CUDA, ORT's memory pattern (`SessionOptions.enable_mem_pattern`): after a run, each "
+        "later run of the same shapes allocates its intermediates as one block of the run's planned "
+        "peak. False: each intermediate is allocated and freed on its own (from PyTorch's caching "
+        "allocator by default), as eager's are; whether that holds less memory at a step's peak and "
+        "what the allocations cost in host time is measured per GPU (docs/performance.md, GPU). On "
+        "CPU the pattern is always off: its blocks fragment the shared arena.", "")
     shared_cpu_arena: bool = _field(
         True, "All CPU sessions of the process allocate from one ORT arena, registered by ort_dynamo "
         "(it replaces a CPU allocator the application registered with "

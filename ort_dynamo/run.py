@@ -65,7 +65,7 @@ def session_options(options: OrtOptions, device_type: str = "cpu", kernel_librar
     if options.intra_op_num_threads:
         so.intra_op_num_threads = options.intra_op_num_threads
     so.log_severity_level = options.log_level.to_onnxruntime()
-    if device_type == "cpu":
+    if device_type == "cpu" or not options.cuda_memory_pattern:
         # A memory pattern pre-allocates each run's peak as one block; in the shared arena
         # these blocks fragment it (5-20 MB more per training process, no speed gained).
         so.enable_mem_pattern = False

@@ -5,12 +5,11 @@
 # 2026-11-26, right on an H200 on 2026-11-27 with ORT on PyTorch's stream);
 # the GPU memory each ORT session holds beyond PyTorch's pool (and with cuBLAS's workspace
 # made 4 MiB); the training-step benchmark
-# (GPT-2 124M, bf16 autocast; ort with attention written out on ORT, which makes each graph one
-# ORT run, and with the backward in 8 runs, the CPU's default, against CUDA's one); peak memory
-# (ort and ort with attention on ORT); where ORT placed GPT-2's nodes and each backend's GPU kernel times; whether
-# the host runs ahead of the GPU; then the first step with a cold and a warm on-disk cache
-# (fresh processes) and per-call overhead. About 14 minutes in all: a 560 s budget leaves out
-# the last ones.
+# (GPT-2 124M, bf16 autocast; ort with and without ORT's memory pattern, option
+# cuda_memory_pattern); peak memory (the same two); where ORT placed GPT-2's nodes and each
+# backend's GPU kernel times; whether the host runs ahead of the GPU; then the first step with a
+# cold and a warm on-disk cache (fresh processes, each printed as it ends) and per-call
+# overhead. About 14 minutes in all: a 560 s budget leaves out the last ones.
 # Each step has its own time limit inside one budget, so a slow or hung step still leaves the
 # others' results.
 #
@@ -70,9 +69,9 @@ step parity 200 python3 benchmarks/gpu_parity.py --steps 6 'alone={}' 'second_co
 step session-memory 60 python3 benchmarks/session_memory.py --sessions 16
 step session-memory-cublas-4mb 60 env CUBLAS_WORKSPACE_CONFIG=:4096:1 python3 benchmarks/session_memory.py --sessions 16
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
-  --backends eager,inductor,ort,ort_math_attention,ort_segmented,aot_eager --steps 20 --warmup 3
+  --backends eager,inductor,ort,ort_no_mem_pattern,aot_eager --steps 20 --warmup 3
 step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
-  --backends eager,ort,ort_math_attention --steps 5 --warmup 2 --memory --memory-cold-only
+  --backends eager,ort,ort_no_mem_pattern --steps 5 --warmup 2 --memory --memory-cold-only
 step placement 200 python3 benchmarks/profile_step.py --device cuda --model gpt2-124m --steps 3
 step host-ahead 60 python3 benchmarks/host_ahead.py
 step first-step-cache 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m --cache-only \
