@@ -49,7 +49,7 @@ from ._fusions import (_constant_tensor, _initializer, _int64_constant, _named_d
                        _sole_user, _take_over, element_type)
 
 __all__ = ["DOMAIN", "axis_softmaxes_as_kernels", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "conv_weight_grads_as_kernels",
-           "convs_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels",
+           "convs_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels", "gathered_max_pools_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
            "moves_heads", "scatter_adds_along_last_axis", "slow_expands_as_products", "slow_transposes_as_kernels",
            "split_heads_as_kernels", "split_heads_kernel", "transpose_rows_kernel"]
@@ -302,6 +302,121 @@ def axis_softmaxes_as_kernels(graph: ir.Graph) -> list[str]:
                                 [_SOFTMAX_KINDS[kind], axis, length], inputs, node, node.outputs[0])
         kernel.outputs[0].dtype = ir.DataType.FLOAT
     return list(kernels.values())  # the replaced chains are dead: the caller removes them
+
+
+def _ints_of(value: ir.Value | None) -> np.ndarray | None:
+    """The integers of a 1-D int64 constant, else None."""
+    tensor = _constant_tensor(value)
+    if tensor is None or tensor.dtype != ir.DataType.INT64:
+        return None
+    array = tensor.numpy()
+    return array if array.ndim == 1 else None
+
+
+def _gathered_windows(tiles: ir.Value, spatial: int) -> tuple[ir.Value, list[np.ndarray]] | None:
+    """(x, per spatial axis its positions) where ``tiles`` is ``decompositions._adaptive_max_pool``'s
+    gather of x's windows: a Gather along each spatial axis but the last, then the last's as a
+    Gather of rows between two Transposes of the last two axes; each step before the tiles read
+    only by the next."""
+    rank = spatial + 2
+    swap = [*range(rank - 2), rank - 1, rank - 2]
+
+    def step(value, op, check, alone=True):
+        node = value.producer() if value is not None else None
+        if not _op(node, op) or value.is_graph_output() or (alone and len(value.uses()) != 1) or not check(node):
+            return None
+        return node
+
+    def swaps(node):
+        return [int(p) for p in node.attributes.get_ints("perm", [])] == swap
+
+    def gathers(axis):
+        return lambda node: node.attributes.get_int("axis", 0) % rank == axis and _ints_of(node.inputs[1]) is not None
+
+    after = step(tiles, "Transpose", swaps, alone=False)  # the pooling's NaN lookup reads the tiles too
+    rows = after and step(after.inputs[0], "Gather", gathers(rank - 2))
+    before = rows and step(rows.inputs[0], "Transpose", swaps)
+    if before is None:
+        return None
+    tables, value = [_ints_of(rows.inputs[1])], before.inputs[0]
+    for d in reversed(range(spatial - 1)):
+        gather = step(value, "Gather", gathers(2 + d))
+        if gather is None:
+            return None
+        tables.insert(0, _ints_of(gather.inputs[1]))
+        value = gather.inputs[0]
+    return value, tables
+
+
+def _table_lookup(index: ir.Value) -> ir.Node | None:
+    """The Gather (axis 0, of a constant table) that looks up ``index`` flattened by Reshapes,
+    each read only by the next."""
+    value, flat = index, False
+    while True:
+        if value.is_graph_output() or len(value.uses()) != 1:
+            return None
+        node = value.uses()[0].node
+        if _op(node, "Reshape") and node.inputs[0] is value:
+            target = _ints_of(node.inputs[1])
+            flat = target is not None and len(target) == 1
+            value = node.outputs[0]
+            continue
+        if _op(node, "Gather") and node.inputs[1] is value and node.attributes.get_int("axis", 0) == 0 \
+                and _ints_of(node.inputs[0]) is not None and value is not index and flat:
+            return node
+        return None
+
+
+def gathered_max_pools_as_kernels(graph: ir.Graph) -> list[str]:
+    """Adaptive max pooling over windows that overlap, as ``decompositions._adaptive_max_pool``
+    writes it (its windows gathered into tiles, a max pooling of the tiles, a table lookup of
+    each maximum's plane position) -> one ``TorchGatheredMaxPool_*`` node reading the windows in
+    place (csrc/max_pool.h). Gathering took 1.8 of the forward's 3.0 ms at [8, 64, 56, 56] into
+    6 x 6 (``layer_ops.py --profile adaptive_max_uneven``). Static spatial sizes only, as the
+    decomposition is. Returns the kernels' C units; the chains are left for dead-code removal."""
+    kernels: dict[str, str] = {}
+    for node in list(graph):
+        found = _lowered_max_pool(node)
+        if found is None:
+            continue
+        values, index, (spatial, kernel, strides, before, after, dilations, ceil) = found
+        if kernel != strides or max(before + after) > 0 or max(dilations) > 1 or ceil:
+            continue
+        windows = _gathered_windows(node.inputs[0], spatial)
+        lookup = _table_lookup(index)
+        if windows is None or lookup is None:
+            continue
+        x, tables = windows
+        sizes = list(x.shape or [])[2:]
+        if len(sizes) != spatial or not all(isinstance(n, int) for n in sizes) or any(
+                len(t) % k or t.min(initial=0) < 0 or t.max(initial=0) >= n for t, k, n in zip(tables, kernel, sizes)):
+            continue
+        positions = tables[0]
+        for table, n in zip(tables[1:], sizes[1:]):
+            positions = (positions[:, None] * n + table[None, :]).reshape(-1)
+        if not np.array_equal(_ints_of(lookup.inputs[0]), positions):
+            continue
+        lead = 3 - spatial  # the kernel's axes are (D, H, W); a pooling without some sees them as 1
+        tables3 = [np.zeros(1, np.int64)] * lead + tables
+        k3, i3 = [1] * lead + list(kernel), [1] * lead + sizes
+        o3 = [len(t) // k for t, k in zip(tables3, k3)]
+        lines = ['#include "max_pool.h"']
+        lines += [f"static const int64_t @_r{axis}[] = {{{', '.join(str(int(v)) for v in table)}}};"
+                  for axis, table in zip("dhw", tables3)]
+        lines += [f"PW_GATHERED_MAX_POOL(@, {spatial}, {', '.join(str(n) for n in k3 + o3 + i3)});",
+                  "PW_KERNEL(@, 1, @_types, @_none, 2, @_none, 0, 0, 0, 0, @_compute, 0, @_out_types);"]
+        source = "\n".join(lines) + "\n"
+        name = "TorchGatheredMaxPool_" + hashlib.sha256(source.encode()).hexdigest()[:16]
+        kernels[name] = source.replace("@", name)
+        pool = ir.node(name, [x], domain=DOMAIN, num_outputs=2)
+        shape = graph.initializers.get("pointwise_flat") or _int64_constant(graph, "pointwise_flat", [-1])
+        flat = ir.node("Reshape", [pool.outputs[1], shape])
+        graph.insert_before(node, [pool, flat])
+        _take_over(values, pool.outputs[0])
+        _take_over(lookup.outputs[0], flat.outputs[0])
+        pool.outputs[0].dtype, pool.outputs[1].dtype = ir.DataType.FLOAT, ir.DataType.INT64
+        flat.outputs[0].dtype = ir.DataType.INT64
+    return list(kernels.values())
 
 
 def _window_kernel(graph: ir.Graph, kernels: dict, prefix: str, header: str, macro: str, numbers, inputs: list,

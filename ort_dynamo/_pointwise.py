@@ -1499,7 +1499,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str
     into_zeros = _scatter_add_rows(graph, _Graph())
     kernels += [_SCATTER_ADD_ROWS] if not all(into_zeros) else []
     kernels += [_SCATTER_ADD_ROWS_TO_ZEROS] if any(into_zeros) else []
-    pools = _op_kernels.max_pools_as_kernels(graph)
+    pools = _op_kernels.gathered_max_pools_as_kernels(graph) + _op_kernels.max_pools_as_kernels(graph)
     if pools:  # the portable chains, dead now, must not become kernels below
         ir.passes.common.RemoveUnusedNodesPass()(model)
     kernels += pools

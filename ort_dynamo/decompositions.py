@@ -461,7 +461,8 @@ def _adaptive_max_pool(x, output_size):
             tiles = tiles.transpose(-1, -2).index_select(-2, idx).transpose(-1, -2)
         positions = positions.unsqueeze(-1) * n + idx  # (o1*k1, .., od*kd): the plane's flat positions
     values, tile_index = pool(tiles, ks, ks)
-    return values, positions.reshape(-1)[tile_index]
+    # A Gather of the table (not advanced indexing's GatherND): _op_kernels reads the table there.
+    return values, positions.reshape(-1).index_select(0, tile_index.reshape(-1)).reshape(tile_index.shape)
 
 
 def _tiled_max(x, output_size, windows):

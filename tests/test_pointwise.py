@@ -1127,8 +1127,9 @@ def test_max_pooling_is_one_kernel_with_torchs_values_indices_and_gradient(tmp_p
     NaNs that ORT's skips; its gradient is one ScatterAddLastAxis, not ORT's one-thread
     ScatterElements. Values, indices and gradients are torch's: the first of tied maxima (ReLU's
     zeros), the last NaN of a window, windows of -inf, padding, dilation, ceil mode, 1-, 2- and
-    3-D, unbatched; adaptive pooling is the same kernel, over the input where its windows tile
-    it, else over the windows gathered as tiles (whose indices a table maps back)."""
+    3-D, unbatched; adaptive pooling is the same kernel where its windows tile the input, and
+    where they overlap a TorchGatheredMaxPool that reads each window in place (the portable
+    chain gathers them as tiles and maps the tile indices back with a table)."""
     torch.manual_seed(0)
     x = torch.randn(2, 3, 11, 10)
     x[0, 0, :4, :4] = 0.0  # ties
@@ -1143,9 +1144,11 @@ def test_max_pooling_is_one_kernel_with_torchs_values_indices_and_gradient(tmp_p
         lambda t: F.max_pool1d(t.flatten(2), 4, 3, 2, ceil_mode=True, return_indices=True),
         lambda t: F.max_pool3d(t.unsqueeze(1), 2, 1, 1, return_indices=True),
         lambda t: F.adaptive_max_pool2d(t[..., :10], (11, 5), return_indices=True),
-        lambda t: F.adaptive_max_pool2d(t, (4, 3), return_indices=True),  # windows that overlap: tiled
+        lambda t: F.adaptive_max_pool2d(t, (4, 3), return_indices=True),  # windows that overlap
         lambda t: F.adaptive_max_pool3d(t.unsqueeze(1), (3, 4, 4), return_indices=True),
+        lambda t: F.adaptive_max_pool1d(t.flatten(2)[..., :50], 7, return_indices=True),
     ]
+    overlapping = {7, 8, 9}
     for index, pool in enumerate(cases):
         folder = tmp_path / str(index)
         ort_dynamo.reset()
@@ -1159,7 +1162,10 @@ def test_max_pooling_is_one_kernel_with_torchs_values_indices_and_gradient(tmp_p
         assert torch.equal(got[1], want[1]), index
         torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)
         forward, backward = _ops(glob.glob(str(folder / "*forward*.onnx"))), _ops(glob.glob(str(folder / "*backward*.onnx")))
-        assert "MaxPool" not in forward and [op for op in forward if op.startswith("TorchMaxPool_")], forward
+        kernel = "TorchGatheredMaxPool_" if index in overlapping else "TorchMaxPool_"
+        assert "MaxPool" not in forward and [op for op in forward if op.startswith(kernel)], forward
+        if index in overlapping:  # the windows read where they are: no gathered tiles, no lookup
+            assert not {"Gather", "GatherND", "Transpose", "TransposeRows"} & set(forward), forward
         assert "ScatterAddLastAxis" in backward and "ScatterElements" not in backward, backward
 
 

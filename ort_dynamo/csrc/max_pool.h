@@ -168,4 +168,105 @@ static inline __attribute__((always_inline)) OrtStatus* pw_pool_compute(
   static const int name##_out_types[] = {PW_FLOAT, PW_INT64};                                               \
   static const int name##_none[] = {0, 0}
 
+/* Adaptive max pooling over windows that overlap (56 positions into 6 windows of 10 or 11):
+ * ``decompositions._adaptive_max_pool`` gathers each axis's windows at their largest size into
+ * tiles (a shorter window repeats its last position), max-pools the tiles and looks each tile
+ * index up in a table of plane positions. This reads the windows where they are, through the
+ * same per-axis tables (rd, rh, rw: K positions per output, constants of the unit), and writes
+ * the plane position of each maximum: what the chain computes, without the gathered copies. */
+static inline __attribute__((always_inline)) void pw_gathered_pool_planes(const PwPool* a, size_t t, int64_t KD,
+                                                                          int64_t KH, int64_t KW, const int64_t* rd,
+                                                                          const int64_t* rh, const int64_t* rw) {
+  const int64_t c0 = (int64_t)t * a->planes_per_task;
+  const int64_t c1 = c0 + a->planes_per_task < a->planes ? c0 + a->planes_per_task : a->planes;
+  const int64_t H = a->in[1], W = a->in[2], plane = a->in[0] * H * W;
+  const int64_t OD = a->out[0], OH = a->out[1], OW = a->out[2], out_plane = OD * OH * OW;
+  for (int64_t c = c0; c < c1; ++c) {
+    const float* restrict x = a->x + c * plane;
+    float* restrict y = a->y + c * out_plane;
+    int64_t* restrict at = a->at + c * out_plane;
+    /* Window row by window row, each a pass over the output row's windows (independent
+     * chains), the running maxima kept in the outputs, as pw_pool_planes' interior does. */
+    for (int64_t od = 0; od < OD; ++od)
+      for (int64_t oh = 0; oh < OH; ++oh) {
+        float* restrict yo = y + (od * OH + oh) * OW;
+        int64_t* restrict ao = at + (od * OH + oh) * OW;
+        for (int64_t ow = 0; ow < OW; ++ow) {
+          yo[ow] = -INFINITY;
+          ao[ow] = (rd[od * KD] * H + rh[oh * KH]) * W + rw[ow * KW];
+        }
+        for (int64_t i = 0; i < KD; ++i)
+          for (int64_t j = 0; j < KH; ++j) {
+            const int64_t row = (rd[od * KD + i] * H + rh[oh * KH + j]) * W;
+            for (int64_t ow = 0; ow < OW; ++ow) {
+              const int64_t* restrict cols = rw + ow * KW;
+              float best = yo[ow];
+              int64_t where = ao[ow];
+              for (int64_t l = 0; l < KW; ++l) {
+                const int64_t p = row + cols[l];
+                const float v = x[p];
+                const int take = (v > best) | (v != v); /* the first maximum, or the last NaN */
+                best = take ? v : best;
+                where = take ? p : where;
+              }
+              yo[ow] = best;
+              ao[ow] = where;
+            }
+          }
+      }
+  }
+}
+
+/* Checks the input is [N, C, <in>] (spatial axes, as constants), allocates the values and
+ * positions [N, C, <out>] and runs `task` over the planes. */
+static inline __attribute__((always_inline)) OrtStatus* pw_gathered_pool_compute(
+    const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def, void (*task)(void*, size_t), int spatial,
+    const int64_t* k, const int64_t* in, const int64_t* out) {
+  const PwKernel kernel = {api, def};
+  const OrtValue* input;
+  int64_t dims[PW_MAX_RANK];
+  size_t rank = 0;
+  void* data;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 0, &input));
+  PW_TRY(pw_shape(api, input, dims, &rank));
+  int fits = rank == (size_t)spatial + 2;
+  for (int i = 0; fits && i < spatial; ++i) fits = dims[2 + i] == in[3 - spatial + i];
+  if (!fits) return pw_error(&kernel, "the input's spatial sizes are not the ones its windows were made for");
+  PwPool a = {0};
+  int64_t out_dims[PW_MAX_RANK] = {dims[0], dims[1]};
+  for (int i = 0; i < 3; ++i) {
+    a.in[i] = in[i];
+    a.out[i] = out[i];
+    if (i >= 3 - spatial) out_dims[2 + i - (3 - spatial)] = out[i];
+  }
+  OrtValue *values, *positions;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, out_dims, rank, &values));
+  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 1, out_dims, rank, &positions));
+  a.planes = dims[0] * dims[1];
+  if (a.planes == 0) return NULL;
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)input, &data));
+  a.x = (const float*)data;
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(values, &data));
+  a.y = (float*)data;
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(positions, &data));
+  a.at = (int64_t*)data;
+  a.planes_per_task = pw_per_task(out[0] * out[1] * out[2] * k[0] * k[1] * k[2]);
+  return pw_run_tasks(api, ctx, task, pw_task_count(a.planes, a.planes_per_task), &a);
+}
+
+/* One adaptive pooling over gathered windows: per axis (D, H, W) the window's size K, the
+ * output's size O and the input's I (1, 1, I for an axis the pooling has not); the unit defines
+ * name##_rd, name##_rh and name##_rw (O * K positions each) before this. */
+#define PW_GATHERED_MAX_POOL(name, spatial, KD, KH, KW, OD, OH, OW, ID, IH, IW)                              \
+  static void name##_task(void* user, size_t t) {                                                           \
+    pw_gathered_pool_planes((const PwPool*)user, t, KD, KH, KW, name##_rd, name##_rh, name##_rw);           \
+  }                                                                                                         \
+  static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
+    static const int64_t k[] = {KD, KH, KW}, in[] = {ID, IH, IW}, out[] = {OD, OH, OW};                     \
+    return pw_gathered_pool_compute(api, ctx, def, name##_task, spatial, k, in, out);                       \
+  }                                                                                                         \
+  static const int name##_types[] = {PW_FLOAT};                                                             \
+  static const int name##_out_types[] = {PW_FLOAT, PW_INT64};                                               \
+  static const int name##_none[] = {0, 0}
+
 #endif /* ORT_DYNAMO_MAX_POOL_H */
