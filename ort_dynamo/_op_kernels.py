@@ -235,9 +235,9 @@ def _channel_axis(value: ir.Value, axis: int) -> tuple[int, int] | None:
     if shape is None or not 2 <= len(shape) <= 8 or not -len(shape) <= axis < len(shape):
         return None
     axis %= len(shape)
-    length = shape[axis]
     if axis == len(shape) - 1:  # rows: the pointwise kernels' own softmax
         return None
+    length = shape[axis]
     if not isinstance(length, int) or length < 2 or (all(isinstance(d, int) for d in shape)
                                                      and math.prod(shape) < _MIN_AXIS_SOFTMAX):
         return None

@@ -111,6 +111,27 @@ static inline __attribute__((always_inline)) void pw_pool_planes(
   }
 }
 
+/* Allocates the values and indices (out_dims), points `a` at them and at the input, and runs
+ * `task` over the [N, C] planes, each `work` elements of reading. */
+static inline __attribute__((always_inline)) OrtStatus* pw_pool_run(const OrtApiTable* api, OrtKernelContext* ctx,
+                                                                    const OrtValue* input, const int64_t* dims,
+                                                                    const int64_t* out_dims, size_t rank, PwPool* a,
+                                                                    int64_t work, void (*task)(void*, size_t)) {
+  OrtValue *values, *indices;
+  void* data;
+  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, out_dims, rank, &values));
+  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 1, out_dims, rank, &indices));
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)input, &data));
+  a->x = (const float*)data;
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(values, &data));
+  a->y = (float*)data;
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(indices, &data));
+  a->at = (int64_t*)data;
+  a->planes = dims[0] * dims[1];
+  a->planes_per_task = pw_per_task(work);
+  return pw_run_tasks(api, ctx, task, pw_task_count(a->planes, a->planes_per_task), a);
+}
+
 /* Reads x (rank 2 + spatial), allocates the values and indices, runs `task` over the planes. */
 static inline __attribute__((always_inline)) OrtStatus* pw_pool_compute(
     const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def, void (*task)(void*, size_t), int spatial,
@@ -120,7 +141,6 @@ static inline __attribute__((always_inline)) OrtStatus* pw_pool_compute(
   const OrtValue* input;
   int64_t dims[PW_MAX_RANK];
   size_t rank = 0;
-  void* data;
   PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 0, &input));
   PW_TRY(pw_shape(api, input, dims, &rank));
   if (rank != (size_t)spatial + 2) {
@@ -139,18 +159,8 @@ static inline __attribute__((always_inline)) OrtStatus* pw_pool_compute(
     }
     if (axis >= 0) out_dims[2 + axis] = a.out[i];
   }
-  OrtValue *values, *indices;
-  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, out_dims, rank, &values));
-  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 1, out_dims, rank, &indices));
-  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)input, &data));
-  a.x = (const float*)data;
-  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(values, &data));
-  a.y = (float*)data;
-  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(indices, &data));
-  a.at = (int64_t*)data;
-  a.planes = dims[0] * dims[1];
-  a.planes_per_task = pw_per_task(a.out[0] * a.out[1] * a.out[2] * k[0] * k[1] * k[2] + a.in[0] * a.in[1] * a.in[2]);
-  return pw_run_tasks(api, ctx, task, pw_task_count(a.planes, a.planes_per_task), &a);
+  return pw_pool_run(api, ctx, input, dims, out_dims, rank, &a,
+                     a.out[0] * a.out[1] * a.out[2] * k[0] * k[1] * k[2] + a.in[0] * a.in[1] * a.in[2], task);
 }
 
 /* One pooling: per axis (D, H, W) kernel, stride, pad before, pad after, dilation. Defines
@@ -226,7 +236,6 @@ static inline __attribute__((always_inline)) OrtStatus* pw_gathered_pool_compute
   const OrtValue* input;
   int64_t dims[PW_MAX_RANK];
   size_t rank = 0;
-  void* data;
   PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 0, &input));
   PW_TRY(pw_shape(api, input, dims, &rank));
   int fits = rank == (size_t)spatial + 2;
@@ -239,19 +248,7 @@ static inline __attribute__((always_inline)) OrtStatus* pw_gathered_pool_compute
     a.out[i] = out[i];
     if (i >= 3 - spatial) out_dims[2 + i - (3 - spatial)] = out[i];
   }
-  OrtValue *values, *positions;
-  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, out_dims, rank, &values));
-  PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 1, out_dims, rank, &positions));
-  a.planes = dims[0] * dims[1];
-  if (a.planes == 0) return NULL;
-  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)input, &data));
-  a.x = (const float*)data;
-  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(values, &data));
-  a.y = (float*)data;
-  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(positions, &data));
-  a.at = (int64_t*)data;
-  a.planes_per_task = pw_per_task(out[0] * out[1] * out[2] * k[0] * k[1] * k[2]);
-  return pw_run_tasks(api, ctx, task, pw_task_count(a.planes, a.planes_per_task), &a);
+  return pw_pool_run(api, ctx, input, dims, out_dims, rank, &a, out[0] * out[1] * out[2] * k[0] * k[1] * k[2], task);
 }
 
 /* One adaptive pooling over gathered windows: per axis (D, H, W) the window's size K, the
