@@ -27,6 +27,7 @@ mmaps that page-fault on first touch. Interleaved with ort, eager's Llama step m
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import ctypes
 import json
@@ -191,16 +192,22 @@ def bench_model(name, args) -> dict:
         clone, fn = compiled_copy(model, backend)
         runners[backend] = (fn, make_optimizer(backend, clone, args))
     first, times, losses = {}, {b: [] for b in runners}, {b: [] for b in runners}
+    # CUDA: the device allocations (cudaMalloc, which synchronizes) each backend's timed steps
+    # made: a steady step makes none; one that does waits for the device.
+    mallocs = collections.Counter()
     for step in range(args.warmup + args.steps):
         if step == max(args.warmup, 1):
             ort_dynamo.wait_for_kernels()  # steady state: the background compiler is done
         for backend, (fn, opt) in runners.items():
+            before = _device_allocs(args.device)
             seconds = train_step(fn, opt, batch, args.device, autocast, losses[backend])
             if step == 0:
                 first[backend] = seconds
             elif step >= args.warmup:
                 times[backend].append(seconds)
+                mallocs[backend] += _device_allocs(args.device) - before
     result = {"model": name, "ms": {b: statistics.median(t) * 1e3 for b, t in times.items()},
+              "device_allocs": dict(mallocs) if args.device == "cuda" else {},
               "first_s": first, "fallback_nodes": ort_dynamo.report().fallback_nodes,
               # Each backend trains its own copy on the same batch: the losses should stay together.
               "last_loss": {b: float(l[-1]) for b, l in losses.items()}}
@@ -211,6 +218,12 @@ def bench_model(name, args) -> dict:
     if args.cache:
         result["warm_cache"] = warm_cache_first_step(name, args)
     return result
+
+
+def _device_allocs(device: str) -> int:
+    """cudaMalloc calls PyTorch's caching allocator has made so far (ORT's allocations included,
+    with ``cuda_allocator="pytorch"``); 0 off CUDA."""
+    return torch.cuda.memory_stats().get("num_device_alloc", 0) if device == "cuda" else 0
 
 
 def peak_memory_mb(name, backend, args, warm: bool = False) -> float:
@@ -450,6 +463,9 @@ def print_steps(name, r, args) -> None:
           + (f" | ort/aot_eager {f['ort'] / f['aot_eager']:.2f}" if "aot_eager" in f and "ort" in f else "")
           + f" | ort fallback nodes {r['fallback_nodes']}")
     print(f"{'':10s} loss at the last step: " + " ".join(f"{b} {v:.4f}" for b, v in r["last_loss"].items()))
+    if r["device_allocs"]:
+        print(f"{'':10s} cudaMalloc calls in the timed steps: "
+              + " ".join(f"{b} {n}" for b, n in r["device_allocs"].items()))
     if "peak_mb" in r:
         p = r["peak_mb"]
         w = r.get("peak_mb_warm")
