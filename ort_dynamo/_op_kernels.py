@@ -270,6 +270,9 @@ def _softmax_gradient(sub: ir.Node) -> tuple[str, ir.Value, ir.Value, tuple[int,
             continue
         exp = factor.producer()
         if _op(exp, "Exp") and _is_float32(exp.inputs[0]) and exp.inputs[0].shape == first.shape:
+            one_hot = _one_hot(first, found[0], found[1])
+            if one_hot is not None:
+                return "log-softmax one-hot gradient", one_hot, exp.inputs[0], found
             return "log-softmax gradient", first, exp.inputs[0], found
         product = first.producer()
         if _op(product, "Mul") and factor in product.inputs and factor.shape == first.shape:
@@ -277,6 +280,39 @@ def _softmax_gradient(sub: ir.Node) -> tuple[str, ir.Value, ir.Value, tuple[int,
             if g is not None and g.shape == first.shape and _is_float32(g):
                 return "softmax gradient", g, factor, found
     return None
+
+
+def _one_hot(g: ir.Value, axis: int, length: int) -> tuple | None:
+    """(index, scale, hit, miss) where ``g`` is Where(iota == index, hit, miss) * scale, iota the
+    numbers 0..length-1 along ``axis``, index (int64) and scale (float32) of g's shape but for
+    one value along it, hit and miss numbers: a cross-entropy's gradient before its softmax's
+    (torch's nll_loss backward, decomposed)."""
+    product = g.producer()
+    if not _op(product, "Mul") or g.is_graph_output() or len(g.uses()) != 2:
+        return None  # the ReduceSum and the Sub of the log-softmax's gradient, nothing else
+    for picked, scale in (product.inputs, product.inputs[::-1]):
+        where = picked.producer() if picked is not None else None
+        if not _op(where, "Where") or scale is None or not _is_float32(scale):
+            continue
+        equal, hit, miss = where.inputs[0].producer(), _scalar(where.inputs[1]), _scalar(where.inputs[2])
+        if not _op(equal, "Equal") or hit is None or miss is None:
+            continue
+        for iota, index in (equal.inputs, equal.inputs[::-1]):
+            numbers = _ints_of_any_shape(iota)
+            shape = list(g.shape or [])
+            if numbers is None or index is None or index.dtype != ir.DataType.INT64 \
+                    or not np.array_equal(numbers.reshape(-1), np.arange(length)) \
+                    or numbers.ndim > len(shape) or numbers.size and numbers.shape[axis - len(shape)] != length:
+                continue
+            one = shape[:axis] + [1] + shape[axis + 1:]
+            if all(v.shape is not None and list(v.shape) == one for v in (index, scale)):
+                return index, scale, hit, miss
+    return None
+
+
+def _ints_of_any_shape(value: ir.Value | None) -> np.ndarray | None:
+    tensor = _constant_tensor(value)
+    return tensor.numpy() if tensor is not None and tensor.dtype == ir.DataType.INT64 else None
 
 
 def axis_softmaxes_as_kernels(graph: ir.Graph) -> list[str]:
@@ -298,8 +334,14 @@ def axis_softmaxes_as_kernels(graph: ir.Graph) -> list[str]:
         if found is None:
             continue
         axis, length = found
-        kernel = _window_kernel(graph, kernels, "TorchAxisSoftmax_", "axis_softmax.h", "PW_AXIS_SOFTMAX",
-                                [_SOFTMAX_KINDS[kind], axis, length], inputs, node, node.outputs[0])
+        if kind == "log-softmax one-hot gradient":
+            index, scale, hit, miss = g
+            kernel = _window_kernel(graph, kernels, "TorchAxisSoftmax_", "axis_softmax.h",
+                                    "PW_AXIS_LOG_SOFTMAX_ONE_HOT_GRAD", [axis, length, hit, miss], [index, scale, y],
+                                    node, node.outputs[0])
+        else:
+            kernel = _window_kernel(graph, kernels, "TorchAxisSoftmax_", "axis_softmax.h", "PW_AXIS_SOFTMAX",
+                                    [_SOFTMAX_KINDS[kind], axis, length], inputs, node, node.outputs[0])
         kernel.outputs[0].dtype = ir.DataType.FLOAT
     return list(kernels.values())  # the replaced chains are dead: the caller removes them
 
@@ -419,12 +461,18 @@ def gathered_max_pools_as_kernels(graph: ir.Graph) -> list[str]:
     return list(kernels.values())
 
 
+def _c_literal(number) -> str:
+    """An int as C writes it; a float as the exact float32 C literal (hexadecimal)."""
+    return f"{float(np.float32(number)).hex()}f" if isinstance(number, float) else str(int(number))
+
+
 def _window_kernel(graph: ir.Graph, kernels: dict, prefix: str, header: str, macro: str, numbers, inputs: list,
                    before: ir.Node, replaced: ir.Value) -> ir.Node:
     """One float32 node of ``inputs`` computing ``replaced``, inserted before ``before``: the
-    op of csrc/``header``'s ``macro`` instantiated with ``numbers`` (a window's constants),
+    op of csrc/``header``'s ``macro`` instantiated with ``numbers`` (a window's constants; ints,
+    or floats as float32 literals),
     named ``prefix`` and the unit's hash; its C unit added to ``kernels`` (name: unit)."""
-    lines = [f'#include "{header}"', f"{macro}(@, {', '.join(str(int(n)) for n in numbers)});",
+    lines = [f'#include "{header}"', f"{macro}(@, {', '.join(_c_literal(n) for n in numbers)});",
              f"PW_KERNEL(@, {len(inputs)}, @_types, @_none, 1, @_none, 0, 0, 0, 0, @_compute, 0, 0);"]
     source = "\n".join(lines) + "\n"
     name = prefix + hashlib.sha256(source.encode()).hexdigest()[:16]

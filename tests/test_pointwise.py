@@ -308,6 +308,42 @@ def test_softmax_over_channels_and_its_gradient_are_one_kernel_each(tmp_path):
     assert "Exp" not in backward, backward
 
 
+@pytest.mark.parametrize("loss, one_hot", [
+    (dict(reduction="none"), True),
+    (dict(reduction="mean", ignore_index=3), True),
+    (dict(reduction="sum", weight=torch.rand(7)), False),   # class weights: g is not a plain one-hot
+    (dict(label_smoothing=0.1), False),
+])
+def test_a_segmentation_cross_entropys_gradient_reads_the_targets_not_a_one_hot(tmp_path, loss, one_hot):
+    """A cross-entropy over the classes of [N, C, H, W] logits: its gradient before the
+    log-softmax's is a one-hot of the targets (a bool compare of every class and a multiply
+    written out in full); the log-softmax's gradient kernel computes it from the targets where
+    it reads it. Class weights and label smoothing keep the general gradient kernel. Eager's
+    loss and gradient, a NaN logit and ignored targets included."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 7, 64, 64)
+    x[1, :, 2, 2] = float("nan")
+    target = torch.randint(0, 7, (4, 64, 64))
+    target[0, 0, :3] = loss.get("ignore_index", -100)
+
+    def step(fn):
+        leaf = x.clone().requires_grad_()
+        out = F.cross_entropy(leaf, target, **loss) if fn is None else fn(leaf)
+        (out * 1.5).sum().backward()
+        return out.detach(), leaf.grad
+
+    compiled = torch.compile(lambda x: F.cross_entropy(x, target, **loss), backend="ort",
+                             options={"save_onnx": True, "save_path": str(tmp_path)})
+    step(compiled)
+    ort_dynamo.wait_for_kernels()
+    for got, want in zip(step(compiled), step(None)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert ort_dynamo.report().fallback_nodes == 0
+    units = "".join(open(path).read() for path in glob.glob(str(tmp_path / "*backward*.pointwise.c")))
+    assert ("PW_AXIS_LOG_SOFTMAX_ONE_HOT_GRAD(" in units) == one_hot, units
+    assert ("PW_AXIS_SOFTMAX(" in units) == (not one_hot), units
+
+
 def test_axis_softmax_kernels_name_a_wrong_shape_instead_of_reading_past_it():
     """The kernel checks at run time what the graph promised (ORT checks the static sizes it
     was given): one shape for a gradient and the softmax it differentiates."""

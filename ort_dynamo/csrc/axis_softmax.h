@@ -26,22 +26,28 @@
 #define PW_AXIS_BLOCK(C) \
   ((PW_AXIS_KEEP / (C)) >= PW_AXIS_MOST ? PW_AXIS_MOST : (PW_AXIS_KEEP / (C)) >= 16 ? (PW_AXIS_KEEP / (C)) & ~15 : 16)
 
-enum { PW_SOFTMAX, PW_LOG_SOFTMAX, PW_SOFTMAX_GRAD, PW_LOG_SOFTMAX_GRAD };
+enum { PW_SOFTMAX, PW_LOG_SOFTMAX, PW_SOFTMAX_GRAD, PW_LOG_SOFTMAX_GRAD, PW_LOG_SOFTMAX_ONE_HOT_GRAD };
 
 typedef struct PwAxisSoftmax {
   const float* a; /* x, or the gradient g */
   const float* b; /* the forward's result y (gradients only) */
   float* out;
+  /* PW_LOG_SOFTMAX_ONE_HOT_GRAD: g = (c == index ? hit : miss) * scale, index and scale one
+   * value per [outer, inner] position (a cross-entropy's target and its gradient). */
+  const int64_t* index;
+  const float* scale;
+  float hit, miss;
   int64_t inner, blocks, items, items_per_task;
 } PwAxisSoftmax;
 
-/* One block of n inner positions at `at` (the offset of channel 0), B apart in `keep`. n is B
- * where the block is full, a constant there, so the loops over it vectorize. */
-static inline __attribute__((always_inline)) void pw_axis_block(const PwAxisSoftmax* s, int64_t at, int64_t n,
-                                                                int64_t B, int64_t C, int kind,
+/* One block of n inner positions at `at` (the offset of channel 0; `row` without the channels),
+ * B apart in `keep`. n is B where the block is full, a constant there, so the loops over it
+ * vectorize. */
+static inline __attribute__((always_inline)) void pw_axis_block(const PwAxisSoftmax* s, int64_t at, int64_t row,
+                                                                int64_t n, int64_t B, int64_t C, int kind,
                                                                 float* restrict keep_a, float* restrict keep_b) {
   const int64_t inner = s->inner;
-  const float* restrict a = s->a + at;
+  const float* restrict a = s->a ? s->a + at : NULL;
   const float* restrict b = s->b ? s->b + at : NULL;
   float* restrict out = s->out + at;
   float peak[PW_AXIS_MOST], total[PW_AXIS_MOST];
@@ -72,6 +78,15 @@ static inline __attribute__((always_inline)) void pw_axis_block(const PwAxisSoft
       for (int64_t c = 0; c < C; ++c)
         for (int64_t j = 0; j < n; ++j) out[c * inner + j] = (ka[c * ks + j] - peak[j]) - total[j];
     }
+  } else if (kind == PW_LOG_SOFTMAX_ONE_HOT_GRAD) { /* the graph's g, computed where it is read */
+    const int64_t* restrict index = s->index + row;
+    const float* restrict scale = s->scale + row;
+    const float hit = s->hit, miss = s->miss;
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t j = 0; j < n; ++j) total[j] += (c == index[j] ? hit : miss) * scale[j];
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t j = 0; j < n; ++j)
+        out[c * inner + j] = (c == index[j] ? hit : miss) * scale[j] - pw_expf(b[c * inner + j]) * total[j];
   } else if (kind == PW_LOG_SOFTMAX_GRAD) {
     for (int64_t c = 0; c < C; ++c)
       for (int64_t j = 0; j < n; ++j) {
@@ -101,7 +116,8 @@ static inline __attribute__((always_inline)) void pw_axis_block(const PwAxisSoft
 
 static inline __attribute__((always_inline)) void pw_axis_task(const PwAxisSoftmax* s, size_t t, int64_t C,
                                                                int kind) {
-  const int64_t B = PW_AXIS_BLOCK(C), keep = C * B <= PW_AXIS_KEEP; /* constants once inlined */
+  const int64_t B = PW_AXIS_BLOCK(C); /* constants once inlined */
+  const int64_t keep = kind != PW_LOG_SOFTMAX_ONE_HOT_GRAD && C * B <= PW_AXIS_KEEP;
   float keep_a[keep ? C * B : 1], keep_b[keep && kind == PW_SOFTMAX_GRAD ? C * B : 1];
   float* restrict ka = keep ? keep_a : NULL;
   float* restrict kb = keep && kind == PW_SOFTMAX_GRAD ? keep_b : NULL;
@@ -109,39 +125,42 @@ static inline __attribute__((always_inline)) void pw_axis_task(const PwAxisSoftm
   const int64_t end = first + s->items_per_task < s->items ? first + s->items_per_task : s->items;
   for (int64_t item = first; item < end; ++item) {
     const int64_t outer = item / s->blocks, j = item % s->blocks * B;
-    const int64_t at = outer * C * s->inner + j;
+    const int64_t at = outer * C * s->inner + j, row = outer * s->inner + j;
     if (s->inner - j >= B)
-      pw_axis_block(s, at, B, B, C, kind, ka, kb);
+      pw_axis_block(s, at, row, B, B, C, kind, ka, kb);
     else
-      pw_axis_block(s, at, s->inner - j, B, C, kind, ka, kb);
+      pw_axis_block(s, at, row, s->inner - j, B, C, kind, ka, kb);
   }
 }
 
-/* Reads the inputs (x; or g and y, of one shape), checks the axis holds C values, allocates the
+/* Reads the inputs (x; g and y, of one shape; or the index, the scale and y, the first two of
+ * y's shape but for one value along the axis), checks the axis holds C values, allocates the
  * output and runs `task` over the blocks. */
 static inline __attribute__((always_inline)) OrtStatus* pw_axis_softmax_compute(
     const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def, void (*task)(void*, size_t), int64_t axis,
-    int64_t C, int kind) {
+    int64_t C, int kind, float hit, float miss) {
   const PwKernel kernel = {api, def};
-  const int gradient = kind == PW_SOFTMAX_GRAD || kind == PW_LOG_SOFTMAX_GRAD;
-  const OrtValue *first, *second = NULL;
+  const int one_hot = kind == PW_LOG_SOFTMAX_ONE_HOT_GRAD;
+  const int inputs = one_hot ? 3 : kind == PW_SOFTMAX_GRAD || kind == PW_LOG_SOFTMAX_GRAD ? 2 : 1;
+  const OrtValue* in[3];
   int64_t dims[PW_MAX_RANK], other[PW_MAX_RANK];
   size_t rank = 0, other_rank = 0;
-  void* data;
-  PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 0, &first));
-  PW_TRY(pw_shape(api, first, dims, &rank));
+  void* data[3];
+  for (int i = 0; i < inputs; ++i) PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, i, &in[i]));
+  PW_TRY(pw_shape(api, in[inputs - 1], dims, &rank)); /* x or y: the output's shape */
   if (rank > PW_MAX_RANK || (int64_t)rank <= axis + 1 || dims[axis] != C) {
     char message[160];
     snprintf(message, sizeof message, "the input must have more than %lld axes and %lld values along axis %lld",
              (long long)axis + 1, (long long)C, (long long)axis);
     return pw_error(&kernel, message);
   }
-  if (gradient) {
-    PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, 1, &second));
-    PW_TRY(pw_shape(api, second, other, &other_rank));
+  for (int i = 0; i < inputs - 1; ++i) {
+    PW_TRY(pw_shape(api, in[i], other, &other_rank));
     int same = other_rank == rank;
-    for (size_t d = 0; same && d < rank; ++d) same = other[d] == dims[d];
-    if (!same) return pw_error(&kernel, "the gradient and the softmax's result must have one shape");
+    for (size_t d = 0; same && d < rank; ++d) same = other[d] == (one_hot && (int64_t)d == axis ? 1 : dims[d]);
+    if (!same)
+      return pw_error(&kernel, one_hot ? "the target and its scale must have the softmax's shape with one class"
+                                       : "the gradient and the softmax's result must have one shape");
   }
   PwAxisSoftmax s = {0};
   int64_t outer = 1;
@@ -151,14 +170,19 @@ static inline __attribute__((always_inline)) OrtStatus* pw_axis_softmax_compute(
   OrtValue* output;
   PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, dims, rank, &output));
   if (outer == 0 || s.inner == 0) return NULL;
-  PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)first, &data));
-  s.a = (const float*)data;
-  if (second) {
-    PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)second, &data));
-    s.b = (const float*)data;
+  for (int i = 0; i < inputs; ++i) PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)in[i], &data[i]));
+  if (one_hot) {
+    s.index = (const int64_t*)data[0];
+    s.scale = (const float*)data[1];
+    s.b = (const float*)data[2];
+    s.hit = hit;
+    s.miss = miss;
+  } else {
+    s.a = (const float*)data[0];
+    s.b = inputs == 2 ? (const float*)data[1] : NULL;
   }
-  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(output, &data));
-  s.out = (float*)data;
+  PW_TRY(ORTD_CALL(api, GetTensorMutableData)(output, &data[0]));
+  s.out = (float*)data[0];
   s.blocks = (s.inner + PW_AXIS_BLOCK(C) - 1) / PW_AXIS_BLOCK(C);
   s.items = outer * s.blocks;
   s.items_per_task = pw_per_task(3 * C * PW_AXIS_BLOCK(C));
@@ -170,9 +194,21 @@ static inline __attribute__((always_inline)) OrtStatus* pw_axis_softmax_compute(
 #define PW_AXIS_SOFTMAX(name, KIND, AXIS, C)                                                                 \
   static void name##_task(void* user, size_t t) { pw_axis_task((const PwAxisSoftmax*)user, t, C, KIND); }    \
   static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
-    return pw_axis_softmax_compute(api, ctx, def, name##_task, AXIS, C, KIND);                              \
+    return pw_axis_softmax_compute(api, ctx, def, name##_task, AXIS, C, KIND, 0.0f, 0.0f);                  \
   }                                                                                                         \
   static const int name##_types[] = {PW_FLOAT, PW_FLOAT};                                                   \
   static const int name##_none[] = {0, 0}
+
+/* The log-softmax's gradient where g is a one-hot of the target: (c == index ? HIT : MISS) * scale
+ * (float literals), inputs (index, scale, y). */
+#define PW_AXIS_LOG_SOFTMAX_ONE_HOT_GRAD(name, AXIS, C, HIT, MISS)                                           \
+  static void name##_task(void* user, size_t t) {                                                           \
+    pw_axis_task((const PwAxisSoftmax*)user, t, C, PW_LOG_SOFTMAX_ONE_HOT_GRAD);                            \
+  }                                                                                                         \
+  static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
+    return pw_axis_softmax_compute(api, ctx, def, name##_task, AXIS, C, PW_LOG_SOFTMAX_ONE_HOT_GRAD, HIT, MISS); \
+  }                                                                                                         \
+  static const int name##_types[] = {PW_INT64, PW_FLOAT, PW_FLOAT};                                         \
+  static const int name##_none[] = {0, 0, 0}
 
 #endif /* ORT_DYNAMO_AXIS_SOFTMAX_H */
