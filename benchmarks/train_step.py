@@ -220,10 +220,13 @@ def bench_model(name, args) -> dict:
     return result
 
 
-def _device_allocs(device: str) -> int:
+def _device_allocs(device: str) -> float:
     """cudaMalloc calls PyTorch's caching allocator has made so far (ORT's allocations included,
-    with ``cuda_allocator="pytorch"``); 0 off CUDA."""
-    return torch.cuda.memory_stats().get("num_device_alloc", 0) if device == "cuda" else 0
+    with ``cuda_allocator="pytorch"``); 0 off CUDA, NaN where this torch does not count them (so
+    no count reads as "none made")."""
+    if device != "cuda":
+        return 0
+    return torch.cuda.memory_stats().get("num_device_alloc", float("nan"))
 
 
 def peak_memory_mb(name, backend, args, warm: bool = False) -> float:
@@ -465,7 +468,7 @@ def print_steps(name, r, args) -> None:
     print(f"{'':10s} loss at the last step: " + " ".join(f"{b} {v:.4f}" for b, v in r["last_loss"].items()))
     if r["device_allocs"]:
         print(f"{'':10s} cudaMalloc calls in the timed steps: "
-              + " ".join(f"{b} {n}" for b, n in r["device_allocs"].items()))
+              + " ".join(f"{b} {n:.0f}" for b, n in r["device_allocs"].items()))
     if "peak_mb" in r:
         p = r["peak_mb"]
         w = r.get("peak_mb_warm")
