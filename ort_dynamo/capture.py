@@ -308,6 +308,7 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptio
 def _compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOptions, kind: str):
     graph_report = current_report().new_graph(kind)
     device = _device_type(example_inputs)
+    lower_stage.unit_sums_removed(gm)
     lower_stage.stacked_row_gradients(gm)
     lower_stage.random_draws_in_pytorch(gm, all_draws=options.torch_random and device == "cpu" and kind != "backward")
     lower_stage.sizes_from_inputs(gm)

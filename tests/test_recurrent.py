@@ -132,3 +132,54 @@ def test_a_loop_over_time_steps_gets_its_gradients_as_one_copy_and_one_product(m
     # forward: nothing; backward: x's rows stacked, and both weights' products joined
     assert replaced == [0, 3], replaced
     assert ort_dynamo.report().fallback_nodes == 0
+
+
+def test_an_lstms_sums_over_unit_dims_go_and_its_bias_gradients_are_one_sum_each(monkeypatch):
+    """An unrolled LSTM's backward sums each step's gates over a dim of size 1 (a no-op ORT ran
+    as a ReduceSum pass, 128 of them at 64 steps and 2 layers) and sums each bias's gradient per
+    step and then over the steps (a small ReduceSum per step and a T-way sum). The first are
+    gone; the second are one sum over the steps' rows stacked. Eager's gradients."""
+    from ort_dynamo import lower
+
+    removed, joined = [], []
+    original_unit, original_join = lower.unit_sums_removed, lower._join_row_sums
+
+    def unit_spy(gm):
+        removed.append(original_unit(gm))
+        return removed[-1]
+
+    def join_spy(*args):
+        joined.append(original_join(*args))
+        return joined[-1]
+
+    monkeypatch.setattr(lower, "unit_sums_removed", unit_spy)
+    monkeypatch.setattr(lower, "_join_row_sums", join_spy)
+    eager = Tagger(nn.LSTM(6, 8, batch_first=True), 8)
+    compiled_model = copy.deepcopy(eager)
+    x = torch.randn(3, 6, 6)
+    with torch._dynamo.config.patch(allow_rnn=True):
+        torch.compile(compiled_model, backend="ort")(x).pow(2).mean().backward()
+    eager(x).pow(2).mean().backward()
+    for (name, p_eager), p_ort in zip(eager.named_parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(p_ort.grad, p_eager.grad, msg=name)
+    assert sum(removed) >= 6, removed  # one per step at least, in the backward
+    assert joined.count(True) >= 1, joined
+    assert ort_dynamo.report().fallback_nodes == 0
+
+
+def test_a_sum_over_unit_dims_becomes_the_tensor_or_its_squeeze():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ort_dynamo import lower
+
+    def fn(x, y):
+        return x.sum([0, 2]) * 2, y.sum(0, keepdim=True) + 1, y.sum(1)  # the last is a real sum
+
+    x, y = torch.randn(1, 3, 1), torch.randn(1, 4)
+    gm = make_fx(fn, tracing_mode="fake")(x, y)
+    assert lower.unit_sums_removed(gm) == 2
+    sums = [n for n in gm.graph.nodes if n.op == "call_function" and "sum" in str(n.target)]
+    assert len(sums) == 1, gm.graph
+    for got, want in zip(gm(x, y), fn(x, y)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)
