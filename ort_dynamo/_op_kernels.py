@@ -48,8 +48,9 @@ import onnx_ir as ir
 from ._fusions import (_constant_tensor, _initializer, _int64_constant, _named_dims, _op, _remove_if_dead, _scalar,
                        _sole_user, _take_over, element_type)
 
-__all__ = ["DOMAIN", "axis_softmaxes_as_kernels", "bf16_matmul_kernel", "bf16_matmuls_as_kernels", "conv_weight_grads_as_kernels",
-           "convs_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels", "gathered_max_pools_as_kernels",
+__all__ = ["DOMAIN", "axis_softmaxes_as_kernels", "bf16_matmul_kernel", "bf16_matmuls_as_kernels",
+           "conv_weight_grads_as_kernels", "convs_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels",
+           "gathered_max_pools_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
            "moves_heads", "scatter_adds_along_last_axis", "slow_expands_as_products", "slow_transposes_as_kernels",
            "split_heads_as_kernels", "split_heads_kernel", "transpose_rows_kernel"]
@@ -214,9 +215,7 @@ def max_pools_as_kernels(graph: ir.Graph) -> list[str]:
         if found is None:
             continue
         values, indices, pooling = found
-        source = _max_pool_source("@", pooling)
-        name = "TorchMaxPool_" + hashlib.sha256(source.encode()).hexdigest()[:16]
-        kernels[name] = source.replace("@", name)
+        name = _unit_name(kernels, "TorchMaxPool_", _max_pool_source("@", pooling))
         pool = ir.node(name, [node.inputs[0]], domain=DOMAIN, num_outputs=2)
         graph.insert_before(node, pool)
         _take_over(values, pool.outputs[0])
@@ -249,14 +248,14 @@ def _summed_axis(total: ir.Node | None, value: ir.Value) -> tuple[int, int] | No
     if not _op(total, "ReduceSum") or total.inputs[0] is not value or len(total.inputs) != 2 \
             or total.attributes.get_int("keepdims", 1) != 1:
         return None
-    axes = _constant_tensor(total.inputs[1])
-    axes = axes.numpy().reshape(-1) if axes is not None else []
-    return _channel_axis(value, int(axes[0])) if len(axes) == 1 else None
+    axes = _ints_of_any_shape(total.inputs[1])
+    return _channel_axis(value, int(axes.reshape(-1)[0])) if axes is not None and axes.size == 1 else None
 
 
-def _softmax_gradient(sub: ir.Node) -> tuple[str, ir.Value, ir.Value, tuple[int, int]] | None:
-    """(kind, g, y, (axis, length)) where ``sub`` ends the gradient of a softmax or log-softmax
-    y over a channel axis as torch's decompositions write it: g - exp(y) * sum(g) (log-softmax),
+def _softmax_gradient(sub: ir.Node) -> tuple[str, list, list] | None:
+    """(macro, numbers, inputs) of csrc/axis_softmax.h's kernel computing ``sub``, where it ends
+    the gradient of a softmax or log-softmax y over a channel axis as torch's decompositions
+    write it: g - exp(y) * sum(g) (log-softmax; with a one-hot g, from its targets),
     p - y * sum(p) with p = g * y (softmax)."""
     if not _op(sub, "Sub"):
         return None
@@ -268,17 +267,20 @@ def _softmax_gradient(sub: ir.Node) -> tuple[str, ir.Value, ir.Value, tuple[int,
         found = _summed_axis(total.producer() if total is not None else None, first)
         if found is None or factor is None:
             continue
+        axis, length = found
         exp = factor.producer()
         if _op(exp, "Exp") and _is_float32(exp.inputs[0]) and exp.inputs[0].shape == first.shape:
-            one_hot = _one_hot(first, found[0], found[1])
+            y = exp.inputs[0]
+            one_hot = _one_hot(first, axis, length)
             if one_hot is not None:
-                return "log-softmax one-hot gradient", one_hot, exp.inputs[0], found
-            return "log-softmax gradient", first, exp.inputs[0], found
+                index, scale, hit, miss = one_hot
+                return "PW_AXIS_LOG_SOFTMAX_ONE_HOT_GRAD", [axis, length, hit, miss], [index, scale, y]
+            return "PW_AXIS_SOFTMAX", [_SOFTMAX_KINDS["log-softmax gradient"], axis, length], [first, y]
         product = first.producer()
         if _op(product, "Mul") and factor in product.inputs and factor.shape == first.shape:
             g = product.inputs[1] if product.inputs[0] is factor else product.inputs[0]
             if g is not None and g.shape == first.shape and _is_float32(g):
-                return "softmax gradient", g, factor, found
+                return "PW_AXIS_SOFTMAX", [_SOFTMAX_KINDS["softmax gradient"], axis, length], [g, factor]
     return None
 
 
@@ -311,6 +313,7 @@ def _one_hot(g: ir.Value, axis: int, length: int) -> tuple | None:
 
 
 def _ints_of_any_shape(value: ir.Value | None) -> np.ndarray | None:
+    """The integers of an int64 constant, else None."""
     tensor = _constant_tensor(value)
     return tensor.numpy() if tensor is not None and tensor.dtype == ir.DataType.INT64 else None
 
@@ -324,35 +327,20 @@ def axis_softmaxes_as_kernels(graph: ir.Graph) -> list[str]:
     for node in list(graph):
         if _op(node, "Softmax") or _op(node, "LogSoftmax"):
             found = _channel_axis(node.inputs[0], node.attributes.get_int("axis", -1))
-            kind, inputs = node.op_type, [node.inputs[0]]
+            kernel = found and ("PW_AXIS_SOFTMAX", [_SOFTMAX_KINDS[node.op_type], *found], [node.inputs[0]])
         else:
-            gradient = _softmax_gradient(node)
-            if gradient is None:
-                continue
-            kind, g, y, found = gradient
-            inputs = [g, y]
-        if found is None:
-            continue
-        axis, length = found
-        if kind == "log-softmax one-hot gradient":
-            index, scale, hit, miss = g
-            kernel = _window_kernel(graph, kernels, "TorchAxisSoftmax_", "axis_softmax.h",
-                                    "PW_AXIS_LOG_SOFTMAX_ONE_HOT_GRAD", [axis, length, hit, miss], [index, scale, y],
-                                    node, node.outputs[0])
-        else:
-            kernel = _window_kernel(graph, kernels, "TorchAxisSoftmax_", "axis_softmax.h", "PW_AXIS_SOFTMAX",
-                                    [_SOFTMAX_KINDS[kind], axis, length], inputs, node, node.outputs[0])
-        kernel.outputs[0].dtype = ir.DataType.FLOAT
+            kernel = _softmax_gradient(node)
+        if kernel:
+            macro, numbers, inputs = kernel
+            _window_kernel(graph, kernels, "TorchAxisSoftmax_", "axis_softmax.h", macro, numbers, inputs, node,
+                           node.outputs[0])
     return list(kernels.values())  # the replaced chains are dead: the caller removes them
 
 
 def _ints_of(value: ir.Value | None) -> np.ndarray | None:
     """The integers of a 1-D int64 constant, else None."""
-    tensor = _constant_tensor(value)
-    if tensor is None or tensor.dtype != ir.DataType.INT64:
-        return None
-    array = tensor.numpy()
-    return array if array.ndim == 1 else None
+    array = _ints_of_any_shape(value)
+    return array if array is not None and array.ndim == 1 else None
 
 
 def _gathered_windows(tiles: ir.Value, spatial: int) -> tuple[ir.Value, list[np.ndarray]] | None:
@@ -447,9 +435,7 @@ def gathered_max_pools_as_kernels(graph: ir.Graph) -> list[str]:
                   for axis, table in zip("dhw", tables3)]
         lines += [f"PW_GATHERED_MAX_POOL(@, {spatial}, {', '.join(str(n) for n in k3 + o3 + i3)});",
                   "PW_KERNEL(@, 1, @_types, @_none, 2, @_none, 0, 0, 0, 0, @_compute, 0, @_out_types);"]
-        source = "\n".join(lines) + "\n"
-        name = "TorchGatheredMaxPool_" + hashlib.sha256(source.encode()).hexdigest()[:16]
-        kernels[name] = source.replace("@", name)
+        name = _unit_name(kernels, "TorchGatheredMaxPool_", "\n".join(lines) + "\n")
         pool = ir.node(name, [x], domain=DOMAIN, num_outputs=2)
         shape = graph.initializers.get("pointwise_flat") or _int64_constant(graph, "pointwise_flat", [-1])
         flat = ir.node("Reshape", [pool.outputs[1], shape])
@@ -461,6 +447,14 @@ def gathered_max_pools_as_kernels(graph: ir.Graph) -> list[str]:
     return list(kernels.values())
 
 
+def _unit_name(kernels: dict, prefix: str, source: str) -> str:
+    """The name of the C unit ``source`` (``@`` where the name goes): ``prefix`` and the unit's
+    hash. The unit, named, is added to ``kernels`` (name: unit)."""
+    name = prefix + hashlib.sha256(source.encode()).hexdigest()[:16]
+    kernels[name] = source.replace("@", name)
+    return name
+
+
 def _c_literal(number) -> str:
     """An int as C writes it; a float as the exact float32 C literal (hexadecimal)."""
     return f"{float(np.float32(number)).hex()}f" if isinstance(number, float) else str(int(number))
@@ -469,17 +463,14 @@ def _c_literal(number) -> str:
 def _window_kernel(graph: ir.Graph, kernels: dict, prefix: str, header: str, macro: str, numbers, inputs: list,
                    before: ir.Node, replaced: ir.Value) -> ir.Node:
     """One float32 node of ``inputs`` computing ``replaced``, inserted before ``before``: the
-    op of csrc/``header``'s ``macro`` instantiated with ``numbers`` (a window's constants; ints,
-    or floats as float32 literals),
-    named ``prefix`` and the unit's hash; its C unit added to ``kernels`` (name: unit)."""
+    op of csrc/``header``'s ``macro`` instantiated with ``numbers`` (a window's constants: ints,
+    or floats as float32 literals), named as ``_unit_name`` names it."""
     lines = [f'#include "{header}"', f"{macro}(@, {', '.join(_c_literal(n) for n in numbers)});",
              f"PW_KERNEL(@, {len(inputs)}, @_types, @_none, 1, @_none, 0, 0, 0, 0, @_compute, 0, 0);"]
-    source = "\n".join(lines) + "\n"
-    name = prefix + hashlib.sha256(source.encode()).hexdigest()[:16]
-    kernels[name] = source.replace("@", name)
-    node = ir.node(name, inputs, domain=DOMAIN)
+    node = ir.node(_unit_name(kernels, prefix, "\n".join(lines) + "\n"), inputs, domain=DOMAIN)
     graph.insert_before(before, node)
     _take_over(replaced, node.outputs[0])
+    node.outputs[0].dtype = ir.DataType.FLOAT  # a value inside an inlined function has none to take over
     return node
 
 
