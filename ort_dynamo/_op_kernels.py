@@ -304,7 +304,8 @@ def _one_hot(g: ir.Value, axis: int, length: int) -> tuple | None:
             shape = list(g.shape or [])
             if numbers is None or index is None or index.dtype != ir.DataType.INT64 \
                     or not np.array_equal(numbers.reshape(-1), np.arange(length)) \
-                    or numbers.ndim > len(shape) or numbers.size and numbers.shape[axis - len(shape)] != length:
+                    or not len(shape) - axis <= numbers.ndim <= len(shape) \
+                    or numbers.shape[axis - len(shape)] != length:  # the classes along the softmax's axis
                 continue
             one = shape[:axis] + [1] + shape[axis + 1:]
             if all(v.shape is not None and list(v.shape) == one for v in (index, scale)):

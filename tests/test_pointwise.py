@@ -344,6 +344,34 @@ def test_a_segmentation_cross_entropys_gradient_reads_the_targets_not_a_one_hot(
     assert ("PW_AXIS_SOFTMAX(" in units) == (not one_hot), units
 
 
+def test_a_classes_iota_along_another_axis_is_not_taken_for_a_one_hot():
+    """A log-softmax gradient over axis 1 whose g compares an iota of the classes laid along the
+    last axis: not the cross-entropy's one-hot (whose iota lies along the softmax's axis), so
+    the general gradient kernel, not a failed pointwise stage."""
+    def value(name, dims, dtype=ir.DataType.FLOAT):
+        return ir.Value(name=name, shape=ir.Shape(dims), type=ir.TensorType(dtype))
+
+    y, w, index = value("y", ["n", 5, 5]), value("w", ["n", 5, 5]), value("index", ["n", 5, 1], ir.DataType.INT64)
+    constants = {name: ir.Value(name=name, const_value=ir.tensor(array)) for name, array in (
+        ("iota", np.arange(5, dtype=np.int64)), ("hit", np.array(-1.0, np.float32)),
+        ("miss", np.array(0.0, np.float32)), ("axes", np.array([1], np.int64)))}
+    equal = ir.node("Equal", [constants["iota"], index])
+    where = ir.node("Where", [equal.outputs[0], constants["hit"], constants["miss"]])
+    g = ir.node("Mul", [where.outputs[0], w])
+    g.outputs[0].shape, g.outputs[0].dtype = y.shape, ir.DataType.FLOAT
+    total = ir.node("ReduceSum", [g.outputs[0], constants["axes"]], attributes={"keepdims": 1})
+    exp = ir.node("Exp", [y])
+    scaled = ir.node("Mul", [exp.outputs[0], total.outputs[0]])
+    sub = ir.node("Sub", [g.outputs[0], scaled.outputs[0]])
+    sub.outputs[0].name, sub.outputs[0].dtype = "dx", ir.DataType.FLOAT
+    graph = ir.Graph([y, w, index], sub.outputs, nodes=[equal, where, g, total, exp, scaled, sub],
+                     initializers=list(constants.values()), opset_imports={"": 18})
+    model = ir.Model(graph, ir_version=10)
+    units = _pointwise.fuse_pointwise(model)
+    assert [unit for unit in units if "PW_AXIS_SOFTMAX(" in unit], units
+    assert not [unit for unit in units if "ONE_HOT" in unit], units
+
+
 def test_axis_softmax_kernels_name_a_wrong_shape_instead_of_reading_past_it():
     """The kernel checks at run time what the graph promised (ORT checks the static sizes it
     was given): one shape for a gradient and the softmax it differentiates."""
