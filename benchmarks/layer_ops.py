@@ -117,11 +117,16 @@ CASES = {
     "gru_64": (lambda x, m=torch.nn.GRU(128, 256, num_layers=2, batch_first=True): m(x)[0], (16, 64, 128),
                "a 2-layer GRU over 64 steps"),
     # Attention at the CPU benchmark models' shapes (one layer): eager runs torch's flash attention
-    # for CPU, ort its products and softmax written out, the probabilities recomputed in backward.
+    # for CPU, ort ort_dynamo's attention kernels (ORT_DYNAMO_CPU_ATTENTION_KERNEL=0: its products
+    # and softmax written out, the probabilities recomputed in backward).
     "attention": (lambda x: F.scaled_dot_product_attention(x, x, x), (8, 4, 128, 64),
                   "BERT's attention: 4 heads of 64, 128 tokens"),
     "attention_causal": (lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True), (8, 4, 128, 64),
                          "GPT-2's and Llama's, causal"),
+    "attention_long": (lambda x: F.scaled_dot_product_attention(x, x, x), (2, 4, 1024, 64),
+                       "1024 tokens: [batch, heads, 1024, 1024] scores written out"),
+    "attention_long_causal": (lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True),
+                              (2, 4, 1024, 64), "1024 tokens, causal"),
 }
 
 

@@ -50,7 +50,7 @@ ORT_VARIANTS = {
     "ort_math_attention": {"cuda_torch_attention": False}, "ort_unfused": {"pointwise_kernels": False},
     "ort_arena": {"cuda_allocator": "shared_arena"}, "ort_whole_backward": {"backward_segments": 1},
     "ort_segmented": {"backward_segments": 8}, "ort_no_mem_pattern": {"cuda_memory_pattern": False},
-    "ort_torch_attention": {"cpu_torch_attention": True},
+    "ort_torch_attention": {"cpu_torch_attention": True}, "ort_written_attention": {"cpu_attention_kernel": False},
 }
 CPU_SIZE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=1024)
 
@@ -137,7 +137,9 @@ def compiled_copy(model, backend: str, cache_dir: str = "", copy_model: bool = T
     (ort with ``backward_segments=1``: each backward partition one ORT run, fewer runs per step;
     the default on CUDA) or "ort_segmented" (``backward_segments=8``, the default on CPU)
     or "ort_torch_attention" (ort with ``cpu_torch_attention=True``: on CPU, PyTorch's flash
-    attention inside the ORT session; on CUDA the same as ort).
+    attention inside the ORT session; on CUDA the same as ort) or "ort_written_attention" (ort with
+    ``cpu_attention_kernel=False``: on CPU, attention as ORT's products and softmax kernels instead
+    of ort_dynamo's attention kernels; on CUDA the same as ort).
     ``copy_model=False`` compiles ``model`` itself."""
     clone = copy.deepcopy(model) if copy_model else model
     if backend == "eager":

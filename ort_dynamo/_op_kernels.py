@@ -28,6 +28,9 @@ CPU provider runs slowly (csrc/max_pool.h, csrc/pointwise_runtime.c):
   Conv ``decompositions._conv_weight_grad`` writes): ``TorchGroupConv_*`` (csrc/group_conv.h).
 - Expands that broadcast the last axis (a mean's gradient), which ORT fills a few floats at a
   time: a MatMul by a row of ones, then an Expand of whole rows (ORT ops, no kernel).
+- Scaled dot-product attention kept whole as flash attention for CPU (``lowerings/attention.py``:
+  ``FlashAttentionCpu`` and its gradient, torch's kernel through its C shim): ``TorchAttention_*``
+  (csrc/attention.h), ort_dynamo's own forward and backward, in the model the kernels build.
 - CPU autocast's matrix products: a MatMul of two bfloat16 values (Casts to float32, through
   views) whose result is rounded to bfloat16, which eager computes with oneDNN's AVX512-BF16
   kernels and ORT with float32 GEMMs only: ``Bf16MatMul*`` (csrc/bf16_gemm.h), where the
@@ -48,7 +51,7 @@ import onnx_ir as ir
 from ._fusions import (_constant_tensor, _initializer, _int64_constant, _named_dims, _op, _remove_if_dead, _scalar,
                        _sole_user, _take_over, element_type)
 
-__all__ = ["DOMAIN", "axis_softmaxes_as_kernels", "bf16_matmul_kernel", "bf16_matmuls_as_kernels",
+__all__ = ["DOMAIN", "attentions_as_kernels", "axis_softmaxes_as_kernels", "bf16_matmul_kernel", "bf16_matmuls_as_kernels",
            "conv_weight_grads_as_kernels", "convs_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels",
            "gathered_max_pools_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
@@ -222,6 +225,86 @@ def max_pools_as_kernels(graph: ir.Graph) -> list[str]:
         _take_over(indices, pool.outputs[1])
         pool.outputs[0].dtype, pool.outputs[1].dtype = ir.DataType.FLOAT, ir.DataType.INT64
     return list(kernels.values())
+
+
+#: Flash attention for CPU's ops (``lowerings/attention.py``, domain ``_torch_attention.DOMAIN``):
+#: op type -> (backward, the count of its operands before the optional mask).
+_FLASH_OPS = {"FlashAttentionCpu": (0, 3), "FlashAttentionCpuGrad": (1, 6)}
+_MASK_KINDS = {ir.DataType.FLOAT: 1, ir.DataType.BOOL: 2}  # attention.h
+
+
+def attentions_as_kernels(graph: ir.Graph, domain: str) -> list[str]:
+    """Each flash attention for CPU op of ``domain`` (torch's kernel: forward or backward) whose
+    operands are float32 with a static head size that is a multiple of 16, and whose mask, if
+    any, is float32 or bool -> one ``TorchAttention_*`` node (csrc/attention.h): the head size,
+    causality, mask type, scale and layout its constants. An operand that is a Transpose of
+    [B, S, H, D] (the heads still in a projection's rows) is read there, and an output that only
+    Transposes read is written so (``_heads_in_rows``). Returns the kernels' C units."""
+    kernels: dict[str, str] = {}
+    for node in list(graph):
+        if node.domain != domain or node.op_type not in _FLASH_OPS:
+            continue
+        backward, operands = _FLASH_OPS[node.op_type]
+        query = node.inputs[operands - 3]
+        head = query.shape[-1] if query.shape is not None and len(query.shape) == 4 else None
+        mask = node.inputs[operands] if len(node.inputs) > operands else None
+        if not (isinstance(head, int) and head > 0 and head % 16 == 0) \
+                or not all(_is_float32(v) for v in node.inputs[:operands]) \
+                or (mask is not None and mask.dtype not in _MASK_KINDS):
+            continue
+        inputs, layout, read_moves, moved_outputs, written_moves = list(node.inputs), 0, [], [], []
+        # Layout bits (attention.h): the 4-D operands in order, inputs then outputs.
+        four_d_inputs = [i for i in range(operands) if i != 5]  # not the backward's logsumexp
+        four_d_outputs = [0] if not backward else [0, 1, 2]  # not the forward's logsumexp
+        for bit, at in enumerate(four_d_inputs):
+            source = _heads_in_rows(inputs[at])
+            if source is not None:
+                read_moves.append(inputs[at].producer())
+                inputs[at], layout = source, layout | 1 << bit
+        for bit, at in enumerate(four_d_outputs, len(four_d_inputs)):
+            if _all_move_heads(node.outputs[at]):
+                moved_outputs.append(at)
+                layout |= 1 << bit
+        attributes = node.attributes
+        scale = attributes.get_float("scale", 1.0) if attributes.get_int("has_scale", 0) else 1.0 / math.sqrt(head)
+        numbers = [backward, head, attributes.get_int("is_causal", 0), _MASK_KINDS[mask.dtype] if mask else 0,
+                   float(scale), layout]
+        unit = "\n".join(['#include "attention.h"', f"PW_ATTENTION(@, {', '.join(_c_literal(n) for n in numbers)});",
+                          f"PW_KERNEL(@, {len(inputs)}, @_types, @_none, {len(node.outputs)}, @_none, "
+                          "0, 0, 0, 0, @_compute, 0, 0);"]) + "\n"
+        kernel = ir.node(_unit_name(kernels, "TorchAttention_", unit), inputs, domain=DOMAIN,
+                         num_outputs=len(node.outputs))
+        graph.insert_before(node, kernel)
+        for o, (old, new) in enumerate(zip(node.outputs, kernel.outputs)):
+            if o in moved_outputs:  # the kernel writes what the Transposes made
+                moves = sorted((use.node for use in old.uses()), key=lambda n: not n.outputs[0].is_graph_output())
+                _take_over(moves[0].outputs[0], new)
+                for other in moves[1:]:
+                    other.outputs[0].replace_all_uses_with(new)
+                written_moves.extend(moves)
+            else:
+                _take_over(old, new)
+            new.dtype = ir.DataType.FLOAT
+        _remove_if_dead(graph, [*written_moves, node, *read_moves])  # each reader before what it reads
+    return list(kernels.values())
+
+
+def _heads_in_rows(value: ir.Value) -> ir.Value | None:
+    """x where ``value`` is Transpose(x, [0, 2, 1, 3]) of float32 x (attention's heads taken out
+    of a projection's rows, [B, S, H, D] -> [B, H, S, D]), else None."""
+    node = value.producer()
+    if not _op(node, "Transpose") or list(node.attributes.get_ints("perm", [])) != _HEADS_TO_ROWS:
+        return None
+    return node.inputs[0] if _is_float32(node.inputs[0]) else None
+
+
+def _all_move_heads(value: ir.Value) -> bool:
+    """Whether only Transposes [0, 2, 1, 3] read ``value`` (not a graph output), at most one of
+    them a graph output."""
+    readers = [use.node for use in value.uses()]
+    return bool(readers) and not value.is_graph_output() \
+        and all(_op(n, "Transpose") and list(n.attributes.get_ints("perm", [])) == _HEADS_TO_ROWS for n in readers) \
+        and sum(n.outputs[0].is_graph_output() for n in readers) <= 1
 
 
 _SOFTMAX_KINDS = {"Softmax": 0, "LogSoftmax": 1, "softmax gradient": 2, "log-softmax gradient": 3}  # axis_softmax.h

@@ -34,7 +34,7 @@ from ._fusions import (_MS, _TANH_GELU_BETA, _TANH_GELU_KAPPA, _constant_tensor,
                        _sole_user)
 from ._fusions import softmax_written_out as _softmax_written_out
 from ._fusions import _take_over as _take_over_value
-from . import _op_kernels
+from . import _op_kernels, _torch_attention
 from ._op_kernels import DOMAIN
 
 __all__ = ["DOMAIN", "cuda_table_source", "fuse_pointwise", "is_cuda", "kernel_name", "table_source"]
@@ -1470,15 +1470,39 @@ def _transposed_writes(outputs: list[ir.Value], rank: int):
     return targets, perms
 
 
-def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str = "cpu") -> list[str]:
+def _inverse_transposes_removed(graph: ir.Graph) -> int:
+    """``Transpose(Transpose(x, p), q)`` where q undoes p -> x (a partition's input in a layout
+    it moves back, as a kernel wrote it in the partition before; ORT's optimizer would cancel
+    the pair, but not once they are MergeHeads). Returns the count."""
+    removed = 0
+    for node in list(graph):
+        first = node.inputs[0].producer() if _op(node, "Transpose") and node.inputs else None
+        if not _op(first, "Transpose") or node.outputs[0].is_graph_output():
+            continue
+        p, q = (list(n.attributes.get_ints("perm", [])) for n in (first, node))
+        if not p or len(p) != len(q) or any(p[q[i]] != i for i in range(len(q))):
+            continue
+        node.outputs[0].replace_all_uses_with(first.inputs[0])
+        _remove_if_dead(graph, [node, first])
+        removed += 1
+    return removed
+
+
+def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str = "cpu",
+                   own_attention: bool = True) -> list[str]:
     """Replace elementwise groups of ``model``'s main graph by ``ort_dynamo.pointwise`` nodes,
     and, where ``bfloat16_products()`` says the compiler can build them, CPU autocast's products
-    by bfloat16 ones and float32 products with a long inner dimension by ours. Returns each new
-    kernel's code (an empty list if nothing was fused): C for the CPU, CUDA C for ``device``
+    by bfloat16 ones and float32 products with a long inner dimension by ours; with
+    ``own_attention``, torch's flash attention ops by ort_dynamo's attention kernels. Returns each
+    new kernel's code (an empty list if nothing was fused): C for the CPU, CUDA C for ``device``
     "cuda" (``is_cuda``), where elementwise chains and their row sums become kernels."""
     if device == "cuda":
         return _fuse_for_cuda(model)
     graph = model.graph
+    _inverse_transposes_removed(graph)
+    attentions = _op_kernels.attentions_as_kernels(graph, _torch_attention.DOMAIN) if own_attention else []
+    if attentions and not any(node.domain == _torch_attention.DOMAIN for node in graph):
+        model.opset_imports.pop(_torch_attention.DOMAIN, None)  # torch's library: not needed then
     softmaxes = _op_kernels.axis_softmaxes_as_kernels(graph)
     if softmaxes:  # the chains they replace, dead now, must not become kernels below
         ir.passes.common.RemoveUnusedNodesPass()(model)
@@ -1492,7 +1516,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str
     _column_sums_through_reshapes(graph, _Graph())
     _widen_before_views(graph)  # after the passes above, which add views
     _bias_into_rounding(graph)
-    kernels = softmaxes + _op_kernels.bf16_matmuls_as_kernels(graph, bfloat16_products)
+    kernels = attentions + softmaxes + _op_kernels.bf16_matmuls_as_kernels(graph, bfloat16_products)
     kernels += _op_kernels.f32_matmuls_as_kernels(graph, bfloat16_products)
     kernels += _op_kernels.conv_weight_grads_as_kernels(graph, bfloat16_products)
     kernels += _op_kernels.convs_as_kernels(graph, bfloat16_products)

@@ -60,11 +60,11 @@ class OrtBackend:
     def _compile(self, gm: torch.fx.GraphModule, example_inputs):
         options = self.options
         device = _device_type(example_inputs)
-        cpu_torch_attention = device == "cpu" and _cpu_torch_attention(options)
+        cpu_flash = _cpu_flash(options, device)
         lower_stage.lower_graph(gm, fuse=options.enable_compute_optimizer and not options.deterministic_compute,
                                 recompute_attention=options.memory_opt_level >= 1,
                                 torch_attention=device == "cuda" and options.cuda_torch_attention,
-                                cpu_torch_attention=cpu_torch_attention)
+                                cpu_flash=cpu_flash)
         compiler = functools.partial(compile_graph, options=self.options)
         kwargs = {}
         if self.options.memory_opt_level >= 1:
@@ -76,7 +76,7 @@ class OrtBackend:
                 inference_compiler=functools.partial(compiler, kind="inference"),
                 decompositions=lower_stage.decomposition_table(
                     self.options.opset, self.options.cache_dir,
-                    device == "cpu" and rewrite_stage.pointwise_kernels_apply(options, device), cpu_torch_attention,
+                    device == "cpu" and rewrite_stage.pointwise_kernels_apply(options, device), cpu_flash,
                     options.torch_random and device == "cpu",
                     own_products=rewrite_stage.own_products_apply(options, device)),
                 **kwargs,
@@ -114,16 +114,22 @@ def _target_name(node: torch.fx.Node) -> str:
     return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
 
 
-def _cpu_torch_attention(options: OrtOptions) -> bool:
-    """``cpu_torch_attention`` asked and possible here (else said once: attention stays ORT's)."""
-    if not options.cpu_torch_attention:
-        return False
+def _cpu_flash(options: OrtOptions, device: str) -> str:
+    """Who runs flash attention for CPU inside ORT: "torch" (``cpu_torch_attention``, asked and
+    possible here; else said once), "own" (``cpu_attention_kernel``: csrc/attention.h, where the
+    kernels are built), or "" (attention written out). "own" also needs torch's library: the
+    model that runs while the kernels compile calls torch's kernel in their place."""
+    if device != "cpu":
+        return ""
     problem = _torch_attention.problem()
-    if problem and problem not in partition_stage._WARNED:  # once per cause, until ort_dynamo.reset()
-        partition_stage._WARNED.add(problem)
-        warnings.warn(f"ort_dynamo: cpu_torch_attention: attention runs on ORT written out instead: {problem}",
-                      stacklevel=3)
-    return not problem
+    if options.cpu_torch_attention:
+        if problem and problem not in partition_stage._WARNED:  # once per cause, until ort_dynamo.reset()
+            partition_stage._WARNED.add(problem)
+            warnings.warn(f"ort_dynamo: cpu_torch_attention: attention runs on ORT written out instead: {problem}",
+                          stacklevel=3)
+        return "" if problem else "torch"
+    own = options.cpu_attention_kernel and not problem and rewrite_stage.pointwise_kernels_apply(options, device)
+    return "own" if own else ""
 
 
 def _device_type(example_inputs) -> str:
@@ -323,7 +329,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOpti
         segments = _backward_segments(options, device) if kind == "backward" else 1
         kept = lower_stage.TORCH_ATTENTION if options.cuda_torch_attention else frozenset()
         parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report, known, segments,
-                                          kept, device == "cpu" and _cpu_torch_attention(options))
+                                          kept, bool(_cpu_flash(options, device)))
     if graph_key and known is None:
         cache_stage.store_json(options.cache_dir, graph_key, "verdicts", parts.verdicts)
     split = parts.module

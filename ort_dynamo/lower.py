@@ -329,20 +329,29 @@ for _name, _math in (("_linear_cross_entropy_batch_chunked", linear_cross_entrop
 
 
 #: Flash attention for CPU, forward and backward: what SDPA becomes on CPU when left to
-#: AOTAutograd; with ``cpu_torch_attention`` it runs inside ORT (``lowerings/attention.py``).
+#: AOTAutograd; kept whole (``cpu_flash``), it runs inside ORT (``lowerings/attention.py``), as
+#: torch's kernel (option ``cpu_torch_attention``) or ort_dynamo's (``cpu_attention_kernel``).
 FLASH_FOR_CPU = frozenset({aten._scaled_dot_product_flash_attention_for_cpu.default,
                            aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
 _SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def flash_for_cpu_applies(query, key, value, dropout_p=0.0, attn_mask=None) -> bool:
-    """Whether torch's flash attention for CPU runs inside ORT for these operands (values or
-    fake tensors): float32 [batch, heads, length, head size] operands of one batch and head
-    count, one head size, no dropout, and no mask or a float32 or bool one."""
+#: Head sizes csrc/attention.h takes: whole vectors of 16 floats.
+OWN_ATTENTION_HEAD_MULTIPLE = 16
+
+
+def flash_for_cpu_applies(query, key, value, dropout_p=0.0, attn_mask=None, kind: str = "torch") -> bool:
+    """Whether flash attention for CPU runs inside ORT for these operands (values or fake
+    tensors): float32 [batch, heads, length, head size] operands of one batch and head count, one
+    head size, no dropout, and no mask or a float32 or bool one. ``kind`` "own" (ort_dynamo's
+    kernel, csrc/attention.h) also needs a static head size that is a multiple of 16."""
     operands = (query, key, value)
     if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 4 for t in operands):
         return False
     if not (query.shape[:2] == key.shape[:2] == value.shape[:2] and query.shape[-1] == value.shape[-1]):
+        return False
+    head = query.shape[-1]
+    if kind == "own" and not (isinstance(head, int) and head > 0 and head % OWN_ATTENTION_HEAD_MULTIPLE == 0):
         return False
     if attn_mask is not None and not (isinstance(attn_mask, torch.Tensor) and attn_mask.dim() <= 4
                                       and attn_mask.dtype in (torch.float32, torch.bool)):
@@ -350,7 +359,7 @@ def flash_for_cpu_applies(query, key, value, dropout_p=0.0, attn_mask=None) -> b
     return isinstance(dropout_p, (int, float)) and dropout_p == 0.0
 
 
-def _sdpa_for_flash_for_cpu(node: torch.fx.Node) -> bool:
+def _sdpa_for_flash_for_cpu(node: torch.fx.Node, kind: str) -> bool:
     """A Dynamo graph's SDPA call that AOTAutograd will trace to flash attention for CPU that
     ``flash_for_cpu_applies`` takes (its mask needing no gradient, no grouped heads)."""
     bound = dict(zip(_SDPA_PARAMETERS, node.args), **node.kwargs)
@@ -365,18 +374,19 @@ def _sdpa_for_flash_for_cpu(node: torch.fx.Node) -> bool:
     operands = [value(name) for name in ("query", "key", "value")]
     if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in operands):
         return False
-    return flash_for_cpu_applies(*operands, value("dropout_p", 0.0), mask)
+    return flash_for_cpu_applies(*operands, value("dropout_p", 0.0), mask, kind)
 
 
 def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True, recompute_attention: bool = False,
-                torch_attention: bool = False, cpu_torch_attention: bool = False) -> int:
+                torch_attention: bool = False, cpu_flash: str = "") -> int:
     """Replace torch-level calls that would leave ORT-less backward kernels, and (``fuse``)
     tanh-GELU written out in Python by one ``F.gelu`` call, a LayerNorm over channels between
     two permutes by one in place, and an STFT's magnitude by real arithmetic. With
     ``recompute_attention`` (``memory_opt_level=1``), attention's backward recomputes its
     probabilities instead of keeping them. With ``torch_attention`` (CUDA), scaled dot-product
     attention is left to AOTAutograd, which gives PyTorch's fused kernels (``TORCH_ATTENTION``);
-    with ``cpu_torch_attention``, the CPU's where ``flash_for_cpu_applies`` (``FLASH_FOR_CPU``).
+    with ``cpu_flash`` ("torch" or "own"), the CPU's where ``flash_for_cpu_applies`` takes it
+    (``FLASH_FOR_CPU``).
     Returns the count."""
     replaced = 0
     for module in gm.modules():
@@ -386,7 +396,7 @@ def lower_graph(gm: torch.fx.GraphModule, fuse: bool = True, recompute_attention
                    + _stft_magnitudes_in_real_arithmetic(module.graph)) if fuse else 0
         for node in module.graph.nodes:
             kept_whole = node.target in _SDPA and (
-                torch_attention or (cpu_torch_attention and _sdpa_for_flash_for_cpu(node)))
+                torch_attention or (cpu_flash and _sdpa_for_flash_for_cpu(node, cpu_flash)))
             if node.op == "call_function" and node.target in _DYNAMO_REWRITES and not kept_whole:
                 node.target = _DYNAMO_REWRITES[node.target]
                 if recompute_attention:
@@ -555,7 +565,7 @@ def _composite_kernels() -> set:
 
 @functools.lru_cache(None)
 def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = False,
-                        cpu_torch_attention: bool = False, pytorch_draws: bool = False,
+                        cpu_flash: str = "", pytorch_draws: bool = False,
                         own_products: bool = False) -> dict:
     """Decompositions for AOTAutograd: only ops that torchlib cannot lower (correctly).
 
@@ -565,7 +575,7 @@ def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = 
     (``_composite_kernels``): its own table, the same otherwise, takes 0.08 s of every
     process's first step to collect. ``pointwise``: the graph's elementwise chains
     will become generated kernels, which changes the cheaper way to write a few ops.
-    ``cpu_torch_attention``: flash attention for CPU stays whole where ORT runs it
+    ``cpu_flash`` ("torch" or "own"): flash attention for CPU stays whole where ORT runs it
     (``flash_for_cpu_applies``). ``pytorch_draws``: random draws will run in PyTorch
     (``random_draws_in_pytorch``), so those torch writes with other draws (``exponential`` from
     a uniform, ...) stay whole, and PyTorch's kernel draws eager's values. ``own_products``: the
@@ -586,28 +596,28 @@ def decomposition_table(opset: int = 18, cache_dir: str = "", pointwise: bool = 
         table.update(pointwise_decompositions())
     if own_products:
         table.update(product_decompositions())
-    if cpu_torch_attention:
-        table.update(_flash_for_cpu_kept(table))
+    if cpu_flash:
+        table.update(_flash_for_cpu_kept(table, cpu_flash))
     if pytorch_draws:
         for op in _DRAWS_LIKE | _DRAWS_FROM_SIZES | _DRAWS_FROM_VALUES:
             table.pop(op, None)
     return table
 
 
-def _flash_for_cpu_kept(table: dict) -> dict:
+def _flash_for_cpu_kept(table: dict, kind: str) -> dict:
     """Flash attention for CPU's decompositions, declining (NotImplemented: the op stays) where
-    ORT runs torch's kernel."""
+    ORT runs it (``kind``: torch's kernel or ort_dynamo's)."""
     forward = table[aten._scaled_dot_product_flash_attention_for_cpu.default]
     backward = table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default]
 
     def kept_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-        if flash_for_cpu_applies(query, key, value, dropout_p, attn_mask):
+        if flash_for_cpu_applies(query, key, value, dropout_p, attn_mask, kind):
             return NotImplemented
         return forward(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
 
     def kept_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
                       scale=None):
-        if flash_for_cpu_applies(query, key, value, dropout_p, attn_mask):
+        if flash_for_cpu_applies(query, key, value, dropout_p, attn_mask, kind):
             return NotImplemented
         return backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, attn_mask=attn_mask,
                         scale=scale)

@@ -173,6 +173,14 @@ class OrtOptions:
         "Needs a C compiler (built once, like the kernels); without one, attention runs on ORT "
         "written out, with a warning. Off by default: on the 2-core CPU measured, steps were 0-7% "
         "slower with it, cold first steps 3-18% faster (docs/performance.md).", "")
+    cpu_attention_kernel: bool = _field(
+        True, "On CPU, float32 `scaled_dot_product_attention` without dropout and with a head size "
+        "that is a multiple of 16 runs as one kernel of ort_dynamo's own each way (forward, "
+        "backward: csrc/attention.h), which keeps a head's scores and probabilities in cache, "
+        "instead of as ORT's batched products and softmax passes. Needs the pointwise kernels "
+        "(a C compiler) and torch's C shim (until the kernels are built, the session runs "
+        "torch's flash attention in their place); without them attention runs written out. "
+        "`cpu_torch_attention` takes precedence.", "")
     cuda_memory_pattern: bool = _field(
         True, "On CUDA, ORT's memory pattern (`SessionOptions.enable_mem_pattern`): after a run, each "
         "later run of the same shapes allocates its intermediates as one block of the run's planned "

@@ -132,7 +132,7 @@ def _split_off_output_views(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 class _OnnxSupport(OperatorSupportBase):
     def __init__(self, registry: Callable, known: dict[str, str] | None,
-                 by_design: set[torch.fx.Node] = frozenset(), cpu_torch_attention: bool = False) -> None:
+                 by_design: set[torch.fx.Node] = frozenset(), cpu_flash: bool = False) -> None:
         from torch.onnx._internal.exporter import _dispatching
 
         self._dispatch = _dispatching.dispatch
@@ -140,8 +140,8 @@ class _OnnxSupport(OperatorSupportBase):
         self._known = known or {}  # verdicts of an identical graph, from the on-disk cache
         self.verdicts: dict[torch.fx.Node, str] = {}  # node -> "" if supported, else the reason
         self.by_design = by_design  # taken in PyTorch by design, not fallbacks
-        #: Flash attention for CPU left whole by the decompositions runs in ORT as torch's kernel.
-        self.cpu_torch_attention = cpu_torch_attention
+        #: Flash attention for CPU left whole by the decompositions runs in ORT (a custom op).
+        self.cpu_flash = cpu_flash
 
     def reason(self, node: torch.fx.Node) -> str:
         if node in self.verdicts:
@@ -155,7 +155,7 @@ class _OnnxSupport(OperatorSupportBase):
             verdict = "not a tensor computation"
         elif not isinstance(node.target, torch._ops.OpOverload):
             verdict = f"{node.target} is not an ATen op"
-        elif node.target in TORCHLIB_WRONG and not (self.cpu_torch_attention and node.target in FLASH_FOR_CPU):
+        elif node.target in TORCHLIB_WRONG and not (self.cpu_flash and node.target in FLASH_FOR_CPU):
             verdict = "torchlib's lowering of this op is wrong for training"
         elif node.target in TORCHLIB_FAKE_LOGSUMEXP:
             verdict = "torchlib's lowering returns a logsumexp of zeros, which this op's backward reads"
@@ -253,7 +253,7 @@ def _short(message: str) -> str:
 
 def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPolicy,
               graph_report: GraphReport, known: dict[str, str] | None = None,
-              segments: int = 1, kept: frozenset = frozenset(), cpu_torch_attention: bool = False) -> Partitioned:
+              segments: int = 1, kept: frozenset = frozenset(), cpu_flash: bool = False) -> Partitioned:
     """Split ``gm`` into ORT-bound submodules (``fused_N``) and PyTorch nodes.
 
     ``registry`` is called (once) only if a node needs torchlib's verdict: ``known`` verdicts
@@ -262,14 +262,14 @@ def partition(gm: torch.fx.GraphModule, registry: Callable, policy: FallbackPoli
     Raises ``UnsupportedOpError`` if that is not allowed by ``policy``.
     Each ORT partition is cut into up to ``segments`` consecutive runs (see ``_in_segments``).
     Nodes of the ``kept`` ops, and those ``lower`` marked ``IN_PYTORCH`` (random draws), stay in
-    PyTorch by design: reported as such, never refused by ``policy``. ``cpu_torch_attention``:
-    flash attention for CPU, where the decompositions left it, runs in ORT (torch's kernel as a
-    custom op).
+    PyTorch by design: reported as such, never refused by ``policy``. ``cpu_flash``: flash
+    attention for CPU, where the decompositions left it, runs in ORT (a custom op: torch's kernel
+    or ort_dynamo's).
     """
     host_views = _split_off_output_views(gm)
     by_design = {node for node in gm.graph.nodes if node.target in kept or IN_PYTORCH in node.meta}
     in_pytorch = host_views | by_design
-    support = _OnnxSupport(registry, known, in_pytorch, cpu_torch_attention)
+    support = _OnnxSupport(registry, known, in_pytorch, cpu_flash)
     unsupported = []
     for node in gm.graph.nodes:
         kept_reason = _KEPT_REASON if node.target in kept else node.meta.get(IN_PYTORCH)
@@ -342,7 +342,11 @@ def _in_segments(partitions: list[Partition], segments: int, gm: torch.fx.GraphM
         nodes = sorted(part.nodes, key=order.__getitem__)
         heads = [n for n in nodes if n.target is not operator.getitem]
         size = max(_MIN_SEGMENT_NODES, -(-len(heads) // segments))
-        piece_of = {node: i // size for i, node in enumerate(heads)}
+        cuts = _cheap_cuts(heads, size)
+        piece_of, piece = {}, 0
+        for i, node in enumerate(heads):
+            piece += i in cuts
+            piece_of[node] = piece
         _place_constants_with_their_readers(heads, piece_of)
         for node in nodes:  # a tuple's items go with the node that made it
             if node.target is operator.getitem:
@@ -352,6 +356,43 @@ def _in_segments(partitions: list[Partition], segments: int, gm: torch.fx.GraphM
             if members:
                 pieces.append(Partition(id=len(pieces), nodes=members))
     return pieces
+
+
+def _cheap_cuts(heads: list[torch.fx.Node], size: int) -> set[int]:
+    """Where to cut ``heads`` (a partition's nodes in graph order, tuple items left out) into
+    runs of about ``size`` nodes: each cut within a third of ``size`` of the even one, where the
+    fewest bytes cross it (values made before and read after, which PyTorch holds between the
+    two runs). An even cut can fall inside a layer's backward and hand over a dozen tensors
+    where the layer's boundary hands over one."""
+    at = {node: i for i, node in enumerate(heads)}
+    crossing = [0] * (len(heads) + 1)  # bytes live across the cut before heads[i]
+    for i, node in enumerate(heads):
+        readers = [r for u in node.users for r in (u.users if u.target is operator.getitem else [u])]
+        last = max((at[r] for r in readers if r in at), default=i)
+        if last > i:
+            crossing[i + 1] += _bytes(node)
+            crossing[last + 1] -= _bytes(node)
+    for i in range(1, len(crossing)):
+        crossing[i] += crossing[i - 1]
+    cuts, previous, slack = set(), 0, size // 3
+    for even in range(size, len(heads), size):
+        window = range(max(previous + 1, even - slack), min(len(heads) - 1, even + slack) + 1)
+        if window:
+            previous = min(window, key=lambda i: (crossing[i], abs(i - even)))
+            cuts.add(previous)
+    return cuts
+
+
+def _bytes(node: torch.fx.Node) -> int:
+    """The bytes of what ``node`` makes (its tensors; a tuple's items), per its fake value."""
+    value = node.meta.get("val")
+    values = value if isinstance(value, (tuple, list)) else [value]
+    total = 0
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            numel = v.numel()  # a symbolic size counts as one element: no guard on it
+            total += (numel if isinstance(numel, int) else 1) * v.element_size()
+    return total
 
 
 def _place_constants_with_their_readers(heads: list[torch.fx.Node], piece_of: dict) -> None:

@@ -97,7 +97,8 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         # model in every other respect: same inputs, outputs and names.
         unfused = ir.serde.serialize_model(model).SerializeToString()
         try:
-            exported.kernels = _pointwise.fuse_pointwise(model, _kernels.bfloat16_products, exported.device)
+            exported.kernels = _pointwise.fuse_pointwise(model, _kernels.bfloat16_products, exported.device,
+                                                         own_attention=not options.cpu_torch_attention)
         except Exception as exc:  # an optimization: its failure must not cost the partition
             log.warning("ort_dynamo: no pointwise kernels for this partition, the fusion pass failed: %s: %s",
                         type(exc).__name__, exc)

@@ -257,3 +257,23 @@ def test_sessions_get_models_without_the_exporters_provenance_unless_saved(monke
     paths = ort_dynamo.report().graphs[0].onnx_paths
     namespaces = [p.value for n in onnx.load(paths[0]).graph.node for p in n.metadata_props if p.key == "namespace"]
     assert any("torch.nn.modules.linear.Linear" in namespace for namespace in namespaces)
+
+
+def test_backward_runs_are_cut_where_the_fewest_bytes_cross():
+    """A cut near the even one, but not through a large tensor made before it and read after
+    (PyTorch would hold it between the two runs): at the even cut where nothing large crosses."""
+    from ort_dynamo.partition import _cheap_cuts
+
+    graph = torch.fx.Graph()
+    value = graph.placeholder("x")
+    value.meta["val"] = torch.empty(4)
+    nodes = []
+    for i in range(100):
+        value = graph.call_function(torch.neg, (value,))
+        value.meta["val"] = torch.empty(4)
+        nodes.append(value)
+    assert _cheap_cuts(nodes, 40) == {40, 80}
+    nodes[35].meta["val"] = torch.empty(1 << 18)  # 1 MB, read 25 nodes later
+    nodes[60].args = (nodes[59], nodes[35])
+    nodes[60].target = torch.add
+    assert _cheap_cuts(nodes, 40) == {35, 80}  # before it is made; 36..60 would hand it over

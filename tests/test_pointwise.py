@@ -657,7 +657,7 @@ def test_a_group_reading_another_groups_unannotated_output_is_fused_too():
 
 
 def test_a_failing_fusion_pass_leaves_the_partition_on_ort_without_kernels(monkeypatch, caplog):
-    def broken(model, *args):
+    def broken(model, *args, **kwargs):
         raise RuntimeError("simulated bug in the fusion pass")
 
     monkeypatch.setattr(_pointwise, "fuse_pointwise", broken)
@@ -2265,3 +2265,18 @@ def test_an_expand_of_the_last_axis_is_a_product_by_ones_with_eagers_exact_value
     assert backward and not any(_expands_of_the_last_axis(p) for p in backward)
     assert any(n.op_type == "MatMul" for p in backward for n in onnx.load(p).graph.node)
     assert ort_dynamo.report().fallback_nodes == 0
+
+
+def test_a_transpose_undone_by_the_next_is_neither():
+    """A partition's input in the layout a kernel of the run before wrote it, moved back and
+    forth (ORT would cancel the pair itself, but not once they are MergeHeads): no copy."""
+    x = ir.Value(name="x", shape=ir.Shape([2, 5, 3, 16]), type=ir.TensorType(ir.DataType.FLOAT))
+    there = ir.node("Transpose", [x], attributes={"perm": [0, 2, 1, 3]})
+    back = ir.node("Transpose", [there.outputs[0]], attributes={"perm": [0, 2, 1, 3]})
+    relu = ir.node("Relu", [back.outputs[0]])
+    relu.outputs[0].name, relu.outputs[0].dtype = "y", ir.DataType.FLOAT
+    model = ir.Model(ir.Graph([x], relu.outputs, nodes=[there, back, relu], opset_imports={"": 18}), ir_version=10)
+    ops, session = _after_pointwise_stage(model)
+    assert not {"Transpose", "MergeHeads"} & set(ops), ops
+    xs = np.random.randn(2, 5, 3, 16).astype(np.float32)
+    np.testing.assert_array_equal(session.run(None, {"x": xs})[0], np.maximum(xs, 0))

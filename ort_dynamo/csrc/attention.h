@@ -1,0 +1,464 @@
+/* attention.h -- scaled dot-product attention for CPU, forward and backward, as ONNX Runtime
+ * custom ops (float32): torch's flash attention for CPU (out and each row's logsumexp; the
+ * gradients from those), computed by ort_dynamo's own kernels.
+ *
+ * Written out, attention is batched products of a head's 128 x 64 blocks, which ORT's GEMM runs
+ * at half this CPU's peak (each product packs its operands for one small matrix), plus softmax
+ * passes over [batch, heads, q, kv] in memory. Here one task takes a head (backward) or a block
+ * of its query rows (forward) and does every step in cache: the products are register tiles of
+ * 6 rows x 64 columns that read one operand in rows and broadcast the other's elements (so
+ * either operand may be read transposed), the key and value blocks transposed once per task;
+ * the probabilities of a block of rows never leave the task. Backward recomputes them from the
+ * logsumexp, as flash attention's does. The arithmetic: s = q k^T * scale (+ mask), p = exp(s -
+ * max) / sum; dp = dO v^T, ds = p (dp - rowsum(dO * out)) * scale. A row with every key masked
+ * gives zeros (out, its gradients) and a logsumexp of -inf. A generated unit
+ * (ort_dynamo/_op_kernels.py) instantiates PW_ATTENTION per head size, causality, mask type and
+ * scale.
+ *
+ * Part of ort_dynamo; MIT licensed.
+ */
+#ifndef ORT_DYNAMO_ATTENTION_H
+#define ORT_DYNAMO_ATTENTION_H
+#include "pointwise.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef float pw_att_v __attribute__((vector_size(64), aligned(4)));
+typedef int32_t pw_att_vi __attribute__((vector_size(64), aligned(4)));
+#define PW_ATT_INLINE static inline __attribute__((always_inline))
+
+/* a * b + c, fused where the target has it (the flags keep the compiler from contracting). */
+PW_ATT_INLINE pw_att_v pw_att_fma(pw_att_v a, pw_att_v b, pw_att_v c) {
+#if defined(__AVX512F__)
+  return (pw_att_v)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return a * b + c;
+#endif
+}
+
+/* C[r][0:16V] = (add ? C : 0) + sum_k X(r, k) * Y[k][0:16V] for r < R: X's elements broadcast
+ * (at r * xi + k * xk, so X may be read transposed), Y's rows loaded. R and V constants. */
+PW_ATT_INLINE void pw_att_tile(const int R, const int V, int64_t K, const float* restrict x, int64_t xi, int64_t xk,
+                               const float* restrict y, int64_t ys, float* restrict c, int64_t cs, int add) {
+  pw_att_v acc[6][4];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) acc[r][v] = add ? *(const pw_att_v*)(c + r * cs + 16 * v) : (pw_att_v){0};
+  for (int64_t k = 0; k < K; ++k) {
+    pw_att_v yv[4];
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) yv[v] = *(const pw_att_v*)(y + k * ys + 16 * v);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const pw_att_v xr = (pw_att_v){0} + x[r * xi + k * xk];
+#pragma GCC unroll 4
+      for (int v = 0; v < V; ++v) acc[r][v] = pw_att_fma(xr, yv[v], acc[r][v]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < V; ++v) *(pw_att_v*)(c + r * cs + 16 * v) = acc[r][v];
+}
+
+#define PW_ATT_TILE_ROWS(R)                                                                                   \
+  static void pw_att_tile_##R(int V, int64_t K, const float* x, int64_t xi, int64_t xk, const float* y,        \
+                              int64_t ys, float* c, int64_t cs, int add) {                                    \
+    switch (V) {                                                                                              \
+      case 4: pw_att_tile(R, 4, K, x, xi, xk, y, ys, c, cs, add); break;                                      \
+      case 3: pw_att_tile(R, 3, K, x, xi, xk, y, ys, c, cs, add); break;                                      \
+      case 2: pw_att_tile(R, 2, K, x, xi, xk, y, ys, c, cs, add); break;                                      \
+      default: pw_att_tile(R, 1, K, x, xi, xk, y, ys, c, cs, add); break;                                     \
+    }                                                                                                         \
+  }
+PW_ATT_TILE_ROWS(1)
+PW_ATT_TILE_ROWS(2)
+PW_ATT_TILE_ROWS(3)
+PW_ATT_TILE_ROWS(4)
+PW_ATT_TILE_ROWS(5)
+PW_ATT_TILE_ROWS(6)
+
+/* C[M x W] = (add ? C : 0) + X(M x K) Y[K x W], W a multiple of 16. */
+static void pw_att_product(int64_t M, int64_t W, int64_t K, const float* x, int64_t xi, int64_t xk, const float* y,
+                           int64_t ys, float* c, int64_t cs, int add) {
+  for (int64_t w = 0; w < W; w += 64) {
+    const int V = W - w >= 64 ? 4 : (int)((W - w) / 16);
+    int64_t i = 0;
+    for (; i + 6 <= M; i += 6) pw_att_tile_6(V, K, x + i * xi, xi, xk, y + w, ys, c + i * cs + w, cs, add);
+    const float* xr = x + i * xi;
+    float* cr = c + i * cs + w;
+    switch (M - i) {
+      case 5: pw_att_tile_5(V, K, xr, xi, xk, y + w, ys, cr, cs, add); break;
+      case 4: pw_att_tile_4(V, K, xr, xi, xk, y + w, ys, cr, cs, add); break;
+      case 3: pw_att_tile_3(V, K, xr, xi, xk, y + w, ys, cr, cs, add); break;
+      case 2: pw_att_tile_2(V, K, xr, xi, xk, y + w, ys, cr, cs, add); break;
+      case 1: pw_att_tile_1(V, K, xr, xi, xk, y + w, ys, cr, cs, add); break;
+    }
+  }
+}
+
+/* The lanes pw_att_transpose16 takes from a (0-15) and b (16-31) for blocks of S: low or high half. */
+#define PW_ATT_LANES_8_0 {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}
+#define PW_ATT_LANES_8_1 {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}
+#define PW_ATT_LANES_4_0 {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}
+#define PW_ATT_LANES_4_1 {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}
+#define PW_ATT_LANES_2_0 {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}
+#define PW_ATT_LANES_2_1 {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}
+#define PW_ATT_LANES_1_0 {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}
+#define PW_ATT_LANES_1_1 {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}
+#define PW_ATT_LANES(S, HALF) PW_ATT_LANES_##S##_##HALF
+
+/* Transposes 16 rows of 16 floats in place: by blocks of 8, 4, 2, 1 lanes, off-diagonal ones swapped. */
+PW_ATT_INLINE void pw_att_transpose16(pw_att_v* r) {
+#define PW_ATT_SWAP(S, LO, HI)                             \
+  for (int i = 0; i < 16; ++i)                             \
+    if (!(i & (S))) {                                      \
+      const pw_att_v a = r[i], b = r[i + (S)];             \
+      r[i] = __builtin_shuffle(a, b, (pw_att_vi)LO);       \
+      r[i + (S)] = __builtin_shuffle(a, b, (pw_att_vi)HI); \
+    }
+  PW_ATT_SWAP(8, PW_ATT_LANES(8, 0), PW_ATT_LANES(8, 1))
+  PW_ATT_SWAP(4, PW_ATT_LANES(4, 0), PW_ATT_LANES(4, 1))
+  PW_ATT_SWAP(2, PW_ATT_LANES(2, 0), PW_ATT_LANES(2, 1))
+  PW_ATT_SWAP(1, PW_ATT_LANES(1, 0), PW_ATT_LANES(1, 1))
+#undef PW_ATT_SWAP
+}
+
+/* out[d][j] = in[j * rs + d] for j < n, 0 up to np (a multiple of 16); D a multiple of 16. */
+static void pw_att_transpose(const float* restrict in, int64_t rs, int64_t n, int64_t D, float* restrict out,
+                             int64_t np) {
+  for (int64_t j0 = 0; j0 < np; j0 += 16)
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      pw_att_v r[16];
+      for (int j = 0; j < 16; ++j) r[j] = j0 + j < n ? *(const pw_att_v*)(in + (j0 + j) * rs + d0) : (pw_att_v){0};
+      pw_att_transpose16(r);
+      for (int d = 0; d < 16; ++d) *(pw_att_v*)(out + (d0 + d) * np + j0) = r[d];
+    }
+}
+
+PW_ATT_INLINE pw_att_v pw_att_select(pw_att_vi m, pw_att_v a, pw_att_v b) {
+  return (pw_att_v)(((pw_att_vi)a & m) | ((pw_att_vi)b & ~m));
+}
+/* Lane max and sum by halves. */
+PW_ATT_INLINE float pw_att_max(pw_att_v v) {
+  static const pw_att_vi by[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                                  {4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3},
+                                  {2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1},
+                                  {1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}};
+  for (int i = 0; i < 4; ++i) {
+    const pw_att_v other = __builtin_shuffle(v, by[i]);
+    v = pw_att_select(other > v, other, v);
+  }
+  return v[0];
+}
+PW_ATT_INLINE float pw_att_sum(pw_att_v v) {
+  static const pw_att_vi by[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
+                                  {4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3},
+                                  {2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1},
+                                  {1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}};
+  for (int i = 0; i < 4; ++i) v += __builtin_shuffle(v, by[i]);
+  return v[0];
+}
+static const float pw_att_lanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* A [batch, heads, length, D] operand, its rows of D apart by `row`: [B, H, S, D] in memory, or
+ * [B, S, H, D] (the heads still in a projection's rows: no Transpose before or after). */
+typedef struct PwAttOperand {
+  float* data;
+  int64_t batch, head, row; /* element strides */
+} PwAttOperand;
+
+PW_ATT_INLINE float* pw_att_rows(const PwAttOperand* o, int64_t heads, int64_t head) {
+  return o->data + head / heads * o->batch + head % heads * o->head;
+}
+
+/* The mask, broadcast to [batch, heads, q, kv]: element strides per axis (0 = broadcast). */
+typedef struct PwAttention {
+  PwAttOperand q, k, v, grad, out, y, gq, gk, gv;
+  const float* lse;
+  float* y_lse;
+  const void* mask;
+  int64_t heads, M, N, mask_strides[4];
+  int64_t blocks, items, items_per_task;
+} PwAttention;
+
+#define PW_ATT_ROWS 64 /* query rows a forward task takes at once */
+
+/* Row s[0:np] of the scores of query row i (an absolute index), scaled and masked in place:
+ * keys from n on, masked keys (the causal or the input mask) -inf. Returns the row's max. */
+PW_ATT_INLINE float pw_att_scores(float* restrict s, int64_t np, int64_t n, const void* mask_row, int64_t mask_step,
+                                  int mask_kind, float scale) {
+  const pw_att_v lanes = *(const pw_att_v*)pw_att_lanes, minus_inf = (pw_att_v){0} - INFINITY;
+  pw_att_v peak = minus_inf;
+  for (int64_t j = 0; j < np; j += 16) {
+    pw_att_v x = *(pw_att_v*)(s + j) * scale;
+    if (mask_kind == 1) {
+      const float* m = (const float*)mask_row;
+      pw_att_v add;
+      if (mask_step == 1 && j + 16 <= n)
+        add = *(const pw_att_v*)(m + j);
+      else
+        for (int l = 0; l < 16; ++l) add[l] = j + l < n ? m[(j + l) * mask_step] : 0.0f;
+      x = x + add;
+    } else if (mask_kind == 2) {
+      const uint8_t* m = (const uint8_t*)mask_row;
+      pw_att_vi keep;
+      for (int l = 0; l < 16; ++l) keep[l] = j + l < n && m[(j + l) * mask_step] ? -1 : 0;
+      x = pw_att_select(keep, x, minus_inf);
+    }
+    x = pw_att_select(lanes + (float)j < (float)n, x, minus_inf);
+    *(pw_att_v*)(s + j) = x;
+    peak = pw_att_select(x > peak, x, peak);
+  }
+  return pw_att_max(peak);
+}
+
+PW_ATT_INLINE const void* pw_att_mask_row(const PwAttention* a, int64_t head, int64_t i, int mask_kind) {
+  if (!mask_kind) return NULL;
+  const int64_t b = head / a->heads, h = head % a->heads;
+  const int64_t at = b * a->mask_strides[0] + h * a->mask_strides[1] + i * a->mask_strides[2];
+  return mask_kind == 1 ? (const void*)((const float*)a->mask + at) : (const void*)((const uint8_t*)a->mask + at);
+}
+
+/* Forward of rows [i0, i0 + rows) of one head. kt: D x np, s: PW_ATT_ROWS x np. */
+PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int64_t i0, int64_t rows, const int D,
+                                        const int causal, const int mask_kind, const float scale, float* kt,
+                                        float* s) {
+  const int64_t M = a->M, N = a->N, H = a->heads;
+  /* Causal: the block's keys stop after its last row's. */
+  const int64_t n_block = causal ? (i0 + rows < N ? i0 + rows : N) : N;
+  const int64_t np = (n_block + 15) & ~(int64_t)15;
+  const int64_t qs = a->q.row, ks = a->k.row, vs = a->v.row, ys = a->y.row;
+  const float *q = pw_att_rows(&a->q, H, head) + i0 * qs, *k = pw_att_rows(&a->k, H, head);
+  const float* v = pw_att_rows(&a->v, H, head);
+  float *y = pw_att_rows(&a->y, H, head) + i0 * ys, *lse = a->y_lse + head * M + i0;
+  pw_att_transpose(k, ks, n_block, D, kt, np);
+  pw_att_product(rows, np, D, q, qs, 1, kt, np, s, np, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * np;
+    const int64_t n = causal ? (i0 + r + 1 < N ? i0 + r + 1 : N) : N;
+    const float peak = pw_att_scores(row, np, n, pw_att_mask_row(a, head, i0 + r, mask_kind),
+                                     a->mask_strides[3], mask_kind, scale);
+    if (peak == -INFINITY) { /* no key to attend to */
+      for (int64_t j = 0; j < np; ++j) row[j] = 0.0f;
+      lse[r] = -INFINITY;
+      continue;
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < np; ++j) {
+      const float e = pw_expf(row[j] - peak);
+      row[j] = e;
+      sum += e;
+    }
+    const float inverse = 1.0f / sum;
+    for (int64_t j = 0; j < np; ++j) row[j] *= inverse;
+    lse[r] = peak + logf(sum);
+  }
+  pw_att_product(rows, D, n_block, s, np, 1, v, vs, y, ys, 0);
+}
+
+/* Backward of one head. kt, vt: D x np; s, dp: PW_ATT_ROWS x np (np for all N keys). */
+PW_ATT_INLINE void pw_att_backward_head(const PwAttention* a, int64_t head, const int D, const int causal,
+                                        const int mask_kind, const float scale, float* kt, float* vt, float* s,
+                                        float* dp) {
+  const int64_t M = a->M, N = a->N, H = a->heads, np_all = (N + 15) & ~(int64_t)15;
+  const int64_t qs = a->q.row, ks = a->k.row, vs = a->v.row, gs = a->grad.row, os = a->out.row;
+  const int64_t gqs = a->gq.row, gks = a->gk.row, gvs = a->gv.row;
+  const float *q = pw_att_rows(&a->q, H, head), *k = pw_att_rows(&a->k, H, head), *v = pw_att_rows(&a->v, H, head);
+  const float *grad = pw_att_rows(&a->grad, H, head), *out = pw_att_rows(&a->out, H, head), *lse = a->lse + head * M;
+  float *gq = pw_att_rows(&a->gq, H, head), *gk = pw_att_rows(&a->gk, H, head), *gv = pw_att_rows(&a->gv, H, head);
+  pw_att_transpose(k, ks, N, D, kt, np_all);
+  pw_att_transpose(v, vs, N, D, vt, np_all);
+  for (int64_t j = 0; j < N; ++j) {
+    memset(gk + j * gks, 0, sizeof(float) * D);
+    memset(gv + j * gvs, 0, sizeof(float) * D);
+  }
+  for (int64_t i0 = 0; i0 < M; i0 += PW_ATT_ROWS) {
+    const int64_t rows = M - i0 < PW_ATT_ROWS ? M - i0 : PW_ATT_ROWS;
+    const int64_t n_block = causal ? (i0 + rows < N ? i0 + rows : N) : N;
+    const int64_t np = (n_block + 15) & ~(int64_t)15;
+    /* kt and vt hold np_all columns: read the first np of each row. */
+    pw_att_product(rows, np, D, q + i0 * qs, qs, 1, kt, np_all, s, np, 0);
+    pw_att_product(rows, np, D, grad + i0 * gs, gs, 1, vt, np_all, dp, np, 0);
+    for (int64_t r = 0; r < rows; ++r) {
+      float *row = s + r * np, *drow = dp + r * np;
+      const int64_t i = i0 + r, n = causal ? (i + 1 < N ? i + 1 : N) : N;
+      const float l = lse[i];
+      pw_att_scores(row, np, n, pw_att_mask_row(a, head, i, mask_kind), a->mask_strides[3], mask_kind, scale);
+      if (l == -INFINITY) {
+        for (int64_t j = 0; j < np; ++j) row[j] = drow[j] = 0.0f;
+        continue;
+      }
+      float di = 0.0f;
+      for (int64_t d = 0; d < D; ++d) di += grad[i * gs + d] * out[i * os + d];
+      for (int64_t j = 0; j < np; ++j) {
+        const float p = pw_expf(row[j] - l); /* masked: exp(-inf) = 0 */
+        row[j] = p;
+        drow[j] = p * (drow[j] - di) * scale;
+      }
+    }
+    /* gv += p^T dO; gk += ds^T q; gq = ds k */
+    pw_att_product(n_block, D, rows, s, 1, np, grad + i0 * gs, gs, gv, gvs, 1);
+    pw_att_product(n_block, D, rows, dp, 1, np, q + i0 * qs, qs, gk, gks, 1);
+    pw_att_product(rows, D, n_block, dp, np, 1, k, ks, gq + i0 * gqs, gqs, 0);
+  }
+}
+
+PW_ATT_INLINE void pw_att_task(const PwAttention* a, size_t t, int backward, const int D, const int causal,
+                               const int mask_kind, const float scale) {
+  const int64_t np = (a->N + 15) & ~(int64_t)15;
+  float* buffer = (float*)malloc(sizeof(float) * (size_t)np * (backward ? 2 * (D + PW_ATT_ROWS) : D + PW_ATT_ROWS));
+  if (!buffer) abort(); /* as ORT does when an allocation fails inside a kernel's thread */
+  const int64_t first = (int64_t)t * a->items_per_task;
+  const int64_t end = first + a->items_per_task < a->items ? first + a->items_per_task : a->items;
+  for (int64_t item = first; item < end; ++item) {
+    if (backward) {
+      pw_att_backward_head(a, item, D, causal, mask_kind, scale, buffer, buffer + D * np, buffer + 2 * D * np,
+                           buffer + 2 * D * np + PW_ATT_ROWS * np);
+    } else {
+      const int64_t head = item / a->blocks, i0 = item % a->blocks * PW_ATT_ROWS;
+      const int64_t rows = a->M - i0 < PW_ATT_ROWS ? a->M - i0 : PW_ATT_ROWS;
+      pw_att_forward_block(a, head, i0, rows, D, causal, mask_kind, scale, buffer, buffer + D * np);
+    }
+  }
+  free(buffer);
+}
+
+/* The operand of logical dims [B, H, S, D] at `data`, laid out as [B, S, H, D] if `rows`. */
+static inline PwAttOperand pw_att_operand(void* data, const int64_t* dims, int rows) {
+  const int64_t H = dims[1], S = dims[2], D = dims[3];
+  PwAttOperand o = {(float*)data, H * S * D, rows ? D : S * D, rows ? H * D : D};
+  return o;
+}
+
+/* Forward: inputs q [B, H, M, D], k and v [B, H, N, D], and the mask if mask_kind (1 float, 2
+ * bool), broadcast to [B, H, M, N]; outputs out [B, H, M, D] and logsumexp [B, H, M]. Backward:
+ * inputs grad_out, q, k, v, out, logsumexp (and the mask); outputs grad_q, grad_k, grad_v. Bit i
+ * of `layout` (the 4-D operands in order, inputs then outputs, the logsumexp not counted) says
+ * that operand is laid out [B, S, H, D]. */
+static inline __attribute__((always_inline)) OrtStatus* pw_attention_compute(
+    const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def, void (*task)(void*, size_t), int backward,
+    int64_t D, int mask_kind, int layout) {
+  const PwKernel kernel = {api, def};
+  const int operands = backward ? 6 : 3, inputs = operands + (mask_kind ? 1 : 0);
+  const OrtValue* in[7];
+  void* data[7];
+  int64_t dims[7][PW_MAX_RANK];
+  size_t rank[7];
+  for (int i = 0; i < inputs; ++i) {
+    PW_TRY(ORTD_CALL(api, KernelContext_GetInput)(ctx, i, &in[i]));
+    PW_TRY(pw_shape(api, in[i], dims[i], &rank[i]));
+    PW_TRY(ORTD_CALL(api, GetTensorMutableData)((OrtValue*)in[i], &data[i]));
+  }
+  /* The 4-D operands' logical dims [B, H, S, D]. */
+  const int lse_at = backward ? 5 : -1;
+  int fits = 1;
+  for (int i = 0, bit = 0; fits && i < operands; ++i) {
+    if (i == lse_at) continue;
+    fits = rank[i] == 4 && dims[i][3] == D;
+    if (fits && (layout >> bit++ & 1)) {
+      const int64_t s = dims[i][1];
+      dims[i][1] = dims[i][2];
+      dims[i][2] = s;
+    }
+  }
+  const int qi = backward ? 1 : 0; /* q, k, v at qi, qi + 1, qi + 2 */
+  const int64_t* qd = dims[qi];
+  for (int i = 1; fits && i < 3; ++i)
+    fits = dims[qi + i][0] == qd[0] && dims[qi + i][1] == qd[1] && dims[qi + i][2] == dims[qi + 1][2];
+  if (backward)
+    for (int i = 0; fits && i < 5; i += 4) /* grad_out and out: q's shape */
+      fits = dims[i][0] == qd[0] && dims[i][1] == qd[1] && dims[i][2] == qd[2];
+  if (backward && fits)
+    fits = rank[5] == 3 && dims[5][0] == qd[0] && dims[5][1] == qd[1] && dims[5][2] == qd[2];
+  if (!fits) {
+    char message[200];
+    snprintf(message, sizeof message,
+             "query, key and value must be [batch, heads, length, %lld] of one batch and head count%s", (long long)D,
+             backward ? ", the gradient and output the query's shape, the logsumexp [batch, heads, length]" : "");
+    return pw_error(&kernel, message);
+  }
+  PwAttention a = {0};
+  a.heads = qd[1];
+  a.M = qd[2];
+  a.N = dims[qi + 1][2];
+  if (mask_kind) { /* right-aligned against [B, H, M, N]; an axis of 1 broadcasts */
+    const int mi = inputs - 1;
+    const int64_t want[4] = {qd[0], qd[1], a.M, a.N};
+    int64_t stride = 1;
+    if (rank[mi] > 4) return pw_error(&kernel, "the mask must have at most 4 axes");
+    for (int d = 3; d >= 0; --d) {
+      const int md = d - (4 - (int)rank[mi]);
+      const int64_t size = md >= 0 ? dims[mi][md] : 1;
+      if (size != 1 && size != want[d])
+        return pw_error(&kernel, "the mask must broadcast to [batch, heads, query length, key length]");
+      a.mask_strides[d] = size == 1 ? 0 : stride;
+      stride *= size;
+    }
+    a.mask = data[mi];
+  }
+  a.q = pw_att_operand(data[qi], dims[qi], layout >> qi & 1);
+  a.k = pw_att_operand(data[qi + 1], dims[qi + 1], layout >> (qi + 1) & 1);
+  a.v = pw_att_operand(data[qi + 2], dims[qi + 2], layout >> (qi + 2) & 1);
+  const int64_t heads = qd[0] * qd[1];
+  OrtValue* output;
+  void* written;
+  if (backward) {
+    a.grad = pw_att_operand(data[0], dims[0], layout & 1);
+    a.out = pw_att_operand(data[4], dims[4], layout >> 4 & 1);
+    a.lse = (const float*)data[5];
+    PwAttOperand* grads[3] = {&a.gq, &a.gk, &a.gv};
+    for (int i = 0; i < 3; ++i) {
+      const int rows = layout >> (5 + i) & 1;
+      const int64_t* d = dims[qi + i];
+      const int64_t shape[4] = {d[0], rows ? d[2] : d[1], rows ? d[1] : d[2], d[3]};
+      PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, i, shape, 4, &output));
+      PW_TRY(ORTD_CALL(api, GetTensorMutableData)(output, &written));
+      *grads[i] = pw_att_operand(written, d, rows);
+    }
+  } else {
+    const int rows = layout >> 3 & 1;
+    const int64_t shape[4] = {qd[0], rows ? qd[2] : qd[1], rows ? qd[1] : qd[2], D};
+    PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, shape, 4, &output));
+    PW_TRY(ORTD_CALL(api, GetTensorMutableData)(output, &written));
+    a.y = pw_att_operand(written, qd, rows);
+    PW_TRY(ORTD_CALL(api, KernelContext_GetOutput)(ctx, 1, qd, 3, &output));
+    PW_TRY(ORTD_CALL(api, GetTensorMutableData)(output, &written));
+    a.y_lse = (float*)written;
+  }
+  if (heads == 0 || a.M == 0) return NULL;
+  if (a.N == 0) { /* no keys: every row masked */
+    if (backward) {
+      memset(a.gq.data, 0, sizeof(float) * (size_t)(heads * a.M * D));
+    } else {
+      memset(a.y.data, 0, sizeof(float) * (size_t)(heads * a.M * D));
+      for (int64_t i = 0; i < heads * a.M; ++i) a.y_lse[i] = -INFINITY;
+    }
+    return NULL;
+  }
+  a.blocks = backward ? 1 : (a.M + PW_ATT_ROWS - 1) / PW_ATT_ROWS;
+  a.items = heads * a.blocks;
+  a.items_per_task = 1;
+  return pw_run_tasks(api, ctx, task, a.items, &a);
+}
+
+/* One op: attention's forward (BACKWARD 0) or backward over heads of D values, CAUSAL or not,
+ * MASK none (0), float (1) or bool (2), scores scaled by SCALE, operands laid out as LAYOUT says
+ * (pw_attention_compute). Defines name_compute and the type
+ * lists; the generated unit's PW_KERNEL line names the op. */
+#define PW_ATTENTION(name, BACKWARD, D, CAUSAL, MASK, SCALE, LAYOUT)                                                 \
+  static void name##_task(void* user, size_t t) {                                                          \
+    pw_att_task((const PwAttention*)user, t, BACKWARD, D, CAUSAL, MASK, SCALE);                            \
+  }                                                                                                        \
+  static OrtStatus* name##_compute(const OrtApiTable* api, OrtKernelContext* ctx, const PwKernelDef* def) { \
+    return pw_attention_compute(api, ctx, def, name##_task, BACKWARD, D, MASK, LAYOUT);                    \
+  }                                                                                                        \
+  static const int name##_types[] = {PW_FLOAT, PW_FLOAT, PW_FLOAT,                                         \
+                                     !(BACKWARD) && (MASK) == 2 ? PW_BOOL : PW_FLOAT, PW_FLOAT, PW_FLOAT,  \
+                                     (BACKWARD) && (MASK) == 2 ? PW_BOOL : PW_FLOAT};                      \
+  static const int name##_none[] = {0, 0, 0, 0, 0, 0, 0}
+
+#endif
