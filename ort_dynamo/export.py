@@ -166,6 +166,10 @@ class ExportedGraph:
     #: while they compile. In memory only (a cached model's kernels are normally on disk),
     #: and only until a session has loaded the kernels.
     unfused: bytes = b""
+    #: Per ONNX output, a key shared by outputs that are one memory in eager (views of one
+    #: tensor, each dense over all of it: a saved ``out`` and its heads merged into rows), or
+    #: None. Read by ``rewrite``: such outputs may come back as views of one ORT output.
+    output_storages: list = dataclasses.field(default_factory=list)
 
     def ort_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """Input ``index`` as the ONNX graph takes it: a permuted view (see
@@ -475,7 +479,7 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
     model.graph.outputs.clear()
     input_index = {n.name: i for i, n in enumerate(placeholders)}
     fx_outputs, returns_tuple = _output_nodes(gm)
-    slots, output_dtypes = [], []
+    slots, output_dtypes, output_storages = [], [], []
     ort_slots: dict[str, OutputSlot] = {}  # FX output name -> its ONNX output, made once
     for out in fx_outputs:
         if out is None or not isinstance(out, torch.fx.Node):
@@ -501,6 +505,7 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
                     value = copy.outputs[0]
                 model.graph.outputs.append(value)
                 output_dtypes.append(out.meta["val"].dtype)
+                output_storages.append(_whole_storage(out.meta["val"]))
                 ort_slots[out.name] = (OutputSlot("ort", index) if order is None else
                                        OutputSlot("permute", index, _inverse(order)))
             slots.append(ort_slots[out.name])
@@ -520,7 +525,25 @@ def export_graph(gm: torch.fx.GraphModule, opset: int = 18) -> ExportedGraph:
         returns_tuple=returns_tuple,
         device="cuda" if "cuda" in devices else "cpu",
         input_permutations=permutations,
+        output_storages=output_storages,
     )
+
+
+def _whole_storage(val) -> tuple | None:
+    """(storage, offset, size, dtype) of a fake tensor laid densely over its elements (contiguous or a
+    permutation of contiguous), static sizes only; else None. Two outputs with one key are one
+    memory in eager."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    try:
+        numel = val.numel()
+        if not isinstance(numel, int) or numel < 2 or not all(isinstance(d, int) for d in (*val.shape, *val.stride())):
+            return None
+        if not val.is_contiguous() and _dense_permutation(val.shape, val.stride()) is None:
+            return None
+        return StorageWeakRef(val.untyped_storage()), val.storage_offset(), numel, val.dtype
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage to name (a functional wrapper)
+        return None
 
 
 def _contiguous_order(val) -> list[int] | None:

@@ -134,15 +134,62 @@ def _reshaped_outputs_as_views(exported: ExportedGraph) -> None:
         if node is None or node.op_type != "Reshape" or node.domain not in ("", "ai.onnx"):
             continue
         source = node.inputs[0]
-        if (source is None or source in claimed or source.is_graph_input() or source.is_graph_output()
+        if (source is None or source in claimed or source.is_graph_input()
                 or not _static(out.shape) or not _static(source.shape)
                 or math.prod(out.shape.dims) != math.prod(source.shape.dims)):
+            continue
+        if source.is_graph_output():
             continue
         claimed.add(source)
         graph.outputs[index] = source
         exported.output_names[index] = source.name
         exported.slots = [OutputSlot("view", slot.index, tuple(out.shape.dims))
                           if slot.kind == "ort" and slot.index == index else slot for slot in exported.slots]
+    _outputs_of_one_memory_as_views(exported)
+
+
+def _outputs_of_one_memory_as_views(exported: ExportedGraph) -> None:
+    """Graph outputs that eager has as one memory (``ExportedGraph.output_storages``: views of
+    one tensor, each dense over all of it, such as attention's saved output and its heads merged
+    into rows for the projection after it): one stays an ORT output, the others come back as
+    views of it, one buffer as in eager where ORT would make each its own. Each ORT output of
+    such a group holds the memory in its order (a contiguous value, a permuted view's buffer, a
+    view's source), so a view of one is the bytes of another. One that PyTorch permutes is the
+    one kept (a view of a view cannot be permuted back); two such stay."""
+    graph, keys = exported.model.graph, exported.output_storages
+    if len(keys) != len(graph.outputs):
+        return
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        if key is not None:
+            groups.setdefault(key, []).append(i)
+    kinds = {i: {slot.kind for slot in exported.slots if slot.kind in ("ort", "view", "permute") and slot.index == i}
+             for members in groups.values() for i in members}
+    dropped: dict[int, int] = {}  # output -> the output it becomes a view of
+    for members in groups.values():
+        permuted = [i for i in members if "permute" in kinds[i]]
+        keep = permuted[0] if permuted else members[0]
+        for i in members:
+            if i != keep and "permute" not in kinds[i] and _static(graph.outputs[i].shape):
+                dropped[i] = keep
+    if not dropped:
+        return
+
+    def moved(i: int) -> int:
+        return i - sum(d < i for d in dropped)
+
+    slots = []
+    for slot in exported.slots:
+        if slot.kind in ("ort", "view") and slot.index in dropped:
+            shape = slot.value if slot.kind == "view" else tuple(graph.outputs[slot.index].shape.dims)
+            slots.append(OutputSlot("view", moved(dropped[slot.index]), tuple(shape)))
+        elif slot.kind in ("ort", "view", "permute"):
+            slots.append(OutputSlot(slot.kind, moved(slot.index), slot.value))
+        else:
+            slots.append(slot)
+    for i in sorted(dropped, reverse=True):
+        del graph.outputs[i], exported.output_names[i], exported.output_dtypes[i], keys[i]
+    exported.slots = slots
 
 
 _REDUCE_OPS = {"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",

@@ -188,3 +188,52 @@ def test_the_kernel_names_operands_of_the_wrong_shape():
     np.testing.assert_allclose(out, want.numpy(), rtol=1e-5, atol=1e-6)
     with pytest.raises(Exception, match="query, key and value must be"):
         session.run(None, {"q": q, "k": k, "v": v[:, :, :4]})
+
+
+def test_a_new_length_under_dynamic_shapes_reuses_the_kernels(tmp_path):
+    """dynamic=True: the kernels read the lengths at run time, so a new sequence length (and a
+    mask of its shape) needs no new export, and the values stay eager's."""
+    torch.manual_seed(0)
+    model = SelfAttention()
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ort", dynamic=True,
+                             options={"fallback_policy": "DISABLE", "save_onnx": True, "save_path": str(tmp_path)})
+    for length in (16, 16, 23, 40):
+        x = torch.randn(2, length, 64)
+        got = [t.clone().requires_grad_() for t in (x,)]
+        out = compiled(*got)
+        out.square().sum().backward()
+        ort_dynamo.wait_for_kernels()
+        want = [x.clone().requires_grad_()]
+        model.zero_grad()
+        expected = model(*want)
+        expected.square().sum().backward()
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[0].grad, want[0].grad, rtol=1e-4, atol=1e-5)
+    graphs = ort_dynamo.report().graphs
+    assert [g.kind for g in graphs] == ["forward", "backward"], graphs
+    assert all(g.exports == g.partitions for g in graphs), graphs  # each partition exported once
+    assert any(op.startswith("TorchAttention_") for op in _ops_run(tmp_path, "backward"))
+
+
+def test_the_saved_output_and_its_heads_merged_into_rows_are_one_memory_as_in_eager():
+    """Backward reads attention's output, and the projection after it reads the same values
+    with the heads merged into rows: eager saves two views of one tensor. ORT hands back one
+    buffer and PyTorch views it twice, instead of an ORT copy per view."""
+    torch.manual_seed(0)
+    model = SelfAttention()
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="ort")
+    x = torch.randn(3, 20, 64)
+    compiled(x).sum().backward()
+    ort_dynamo.wait_for_kernels()
+    saved = []
+    parameters = {p.data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = compiled(x).sum()
+    activations = [t for t in saved if t.data_ptr() not in parameters and t.numel() == 3 * 20 * 64]
+    storages = {t.untyped_storage().data_ptr() for t in activations}
+    assert len(storages) < len(activations), [(tuple(t.shape), t.stride()) for t in activations]
+    loss.backward()

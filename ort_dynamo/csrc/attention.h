@@ -99,30 +99,36 @@ static void pw_att_product(int64_t M, int64_t W, int64_t K, const float* x, int6
   }
 }
 
-/* The lanes pw_att_transpose16 takes from a (0-15) and b (16-31) for blocks of S: low or high half. */
-#define PW_ATT_LANES_8_0 {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}
-#define PW_ATT_LANES_8_1 {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}
-#define PW_ATT_LANES_4_0 {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27}
-#define PW_ATT_LANES_4_1 {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}
-#define PW_ATT_LANES_2_0 {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29}
-#define PW_ATT_LANES_2_1 {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}
-#define PW_ATT_LANES_1_0 {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}
-#define PW_ATT_LANES_1_1 {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}
-#define PW_ATT_LANES(S, HALF) PW_ATT_LANES_##S##_##HALF
+/* Two vectors' lanes picked by constant indices (0-15: a, 16-31: b). */
+#if defined(__clang__) || __GNUC__ >= 12
+#define PW_ATT_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define PW_ATT_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (pw_att_vi){__VA_ARGS__})
+#endif
+
+/* The lanes pw_att_transpose16 takes for blocks of S lanes: the low and the high half. */
+#define PW_ATT_LANES_8_0 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define PW_ATT_LANES_8_1 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define PW_ATT_LANES_4_0 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27
+#define PW_ATT_LANES_4_1 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define PW_ATT_LANES_2_0 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29
+#define PW_ATT_LANES_2_1 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define PW_ATT_LANES_1_0 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30
+#define PW_ATT_LANES_1_1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
 
 /* Transposes 16 rows of 16 floats in place: by blocks of 8, 4, 2, 1 lanes, off-diagonal ones swapped. */
 PW_ATT_INLINE void pw_att_transpose16(pw_att_v* r) {
-#define PW_ATT_SWAP(S, LO, HI)                             \
-  for (int i = 0; i < 16; ++i)                             \
-    if (!(i & (S))) {                                      \
-      const pw_att_v a = r[i], b = r[i + (S)];             \
-      r[i] = __builtin_shuffle(a, b, (pw_att_vi)LO);       \
-      r[i + (S)] = __builtin_shuffle(a, b, (pw_att_vi)HI); \
+#define PW_ATT_SWAP(S)                                                   \
+  for (int i = 0; i < 16; ++i)                                           \
+    if (!(i & (S))) {                                                    \
+      const pw_att_v a = r[i], b = r[i + (S)];                           \
+      r[i] = PW_ATT_SHUFFLE(a, b, PW_ATT_LANES_##S##_0);                 \
+      r[i + (S)] = PW_ATT_SHUFFLE(a, b, PW_ATT_LANES_##S##_1);           \
     }
-  PW_ATT_SWAP(8, PW_ATT_LANES(8, 0), PW_ATT_LANES(8, 1))
-  PW_ATT_SWAP(4, PW_ATT_LANES(4, 0), PW_ATT_LANES(4, 1))
-  PW_ATT_SWAP(2, PW_ATT_LANES(2, 0), PW_ATT_LANES(2, 1))
-  PW_ATT_SWAP(1, PW_ATT_LANES(1, 0), PW_ATT_LANES(1, 1))
+  PW_ATT_SWAP(8)
+  PW_ATT_SWAP(4)
+  PW_ATT_SWAP(2)
+  PW_ATT_SWAP(1)
 #undef PW_ATT_SWAP
 }
 
@@ -141,24 +147,20 @@ static void pw_att_transpose(const float* restrict in, int64_t rs, int64_t n, in
 PW_ATT_INLINE pw_att_v pw_att_select(pw_att_vi m, pw_att_v a, pw_att_v b) {
   return (pw_att_v)(((pw_att_vi)a & m) | ((pw_att_vi)b & ~m));
 }
-/* Lane max and sum by halves. */
+/* Lane max and sum by halves (lane 0 of the last step holds the result). */
+#define PW_ATT_HALVES(v, STEP)                                                                        \
+  STEP(v, PW_ATT_SHUFFLE(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));                \
+  STEP(v, PW_ATT_SHUFFLE(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3));                      \
+  STEP(v, PW_ATT_SHUFFLE(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1));                      \
+  STEP(v, PW_ATT_SHUFFLE(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0))
+#define PW_ATT_MAX_STEP(v, other) v = pw_att_select((other) > v, (other), v)
+#define PW_ATT_SUM_STEP(v, other) v += (other)
 PW_ATT_INLINE float pw_att_max(pw_att_v v) {
-  static const pw_att_vi by[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
-                                  {4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3},
-                                  {2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1},
-                                  {1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}};
-  for (int i = 0; i < 4; ++i) {
-    const pw_att_v other = __builtin_shuffle(v, by[i]);
-    v = pw_att_select(other > v, other, v);
-  }
+  PW_ATT_HALVES(v, PW_ATT_MAX_STEP);
   return v[0];
 }
 PW_ATT_INLINE float pw_att_sum(pw_att_v v) {
-  static const pw_att_vi by[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7},
-                                  {4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3},
-                                  {2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1},
-                                  {1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}};
-  for (int i = 0; i < 4; ++i) v += __builtin_shuffle(v, by[i]);
+  PW_ATT_HALVES(v, PW_ATT_SUM_STEP);
   return v[0];
 }
 static const float pw_att_lanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
