@@ -132,15 +132,19 @@ PW_ATT_INLINE void pw_att_transpose16(pw_att_v* r) {
 #undef PW_ATT_SWAP
 }
 
-/* out[d][j] = in[j * rs + d] for j < n, 0 up to np (a multiple of 16); D a multiple of 16. */
+/* The row stride of a buffer of n columns: whole vectors, and one more, so that rows are not a
+ * multiple of 4 KiB apart (1024 keys: the rows a tile reads at once would share a few cache sets). */
+static inline int64_t pw_att_stride(int64_t n) { return ((n + 15) & ~(int64_t)15) + 16; }
+
+/* out[d * ld + j] = in[j * rs + d] for j < n, 0 up to np (a multiple of 16); D a multiple of 16. */
 static void pw_att_transpose(const float* restrict in, int64_t rs, int64_t n, int64_t D, float* restrict out,
-                             int64_t np) {
+                             int64_t np, int64_t ld) {
   for (int64_t j0 = 0; j0 < np; j0 += 16)
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
       pw_att_v r[16];
       for (int j = 0; j < 16; ++j) r[j] = j0 + j < n ? *(const pw_att_v*)(in + (j0 + j) * rs + d0) : (pw_att_v){0};
       pw_att_transpose16(r);
-      for (int d = 0; d < 16; ++d) *(pw_att_v*)(out + (d0 + d) * np + j0) = r[d];
+      for (int d = 0; d < 16; ++d) *(pw_att_v*)(out + (d0 + d) * ld + j0) = r[d];
     }
 }
 
@@ -224,27 +228,30 @@ PW_ATT_INLINE const void* pw_att_mask_row(const PwAttention* a, int64_t head, in
   return mask_kind == 1 ? (const void*)((const float*)a->mask + at) : (const void*)((const uint8_t*)a->mask + at);
 }
 
-/* Forward of rows [i0, i0 + rows) of one head. kt: D x np, s: PW_ATT_ROWS x np. */
+/* Forward of rows [i0, i0 + rows) of one head. kt: D rows, s: PW_ATT_ROWS rows, of the keys'
+ * pw_att_stride at most. */
 PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int64_t i0, int64_t rows, const int D,
                                         const int causal, const int mask_kind, const float scale, float* kt,
                                         float* s) {
   const int64_t M = a->M, N = a->N, H = a->heads;
   /* Causal: the block's keys stop after its last row's. */
   const int64_t n_block = causal ? (i0 + rows < N ? i0 + rows : N) : N;
-  const int64_t np = (n_block + 15) & ~(int64_t)15;
+  const int64_t np = (n_block + 15) & ~(int64_t)15, ld = pw_att_stride(n_block);
   const int64_t qs = a->q.row, ks = a->k.row, vs = a->v.row, ys = a->y.row;
+  float inverse[PW_ATT_ROWS];
   const float *q = pw_att_rows(&a->q, H, head) + i0 * qs, *k = pw_att_rows(&a->k, H, head);
   const float* v = pw_att_rows(&a->v, H, head);
   float *y = pw_att_rows(&a->y, H, head) + i0 * ys, *lse = a->y_lse + head * M + i0;
-  pw_att_transpose(k, ks, n_block, D, kt, np);
-  pw_att_product(rows, np, D, q, qs, 1, kt, np, s, np, 0);
+  pw_att_transpose(k, ks, n_block, D, kt, np, ld);
+  pw_att_product(rows, np, D, q, qs, 1, kt, ld, s, ld, 0);
   for (int64_t r = 0; r < rows; ++r) {
-    float* row = s + r * np;
+    float* row = s + r * ld;
     const int64_t n = causal ? (i0 + r + 1 < N ? i0 + r + 1 : N) : N;
     const float peak = pw_att_scores(row, np, n, pw_att_mask_row(a, head, i0 + r, mask_kind),
                                      a->mask_strides[3], mask_kind, scale);
     if (peak == -INFINITY) { /* no key to attend to */
       for (int64_t j = 0; j < np; ++j) row[j] = 0.0f;
+      inverse[r] = 0.0f;
       lse[r] = -INFINITY;
       continue;
     }
@@ -255,25 +262,26 @@ PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int6
       row[j] = e;
       sum += e;
     }
-    const float inverse = 1.0f / sum;
-    for (int64_t j = 0; j < np; ++j) row[j] *= inverse;
+    inverse[r] = 1.0f / sum; /* applied to the row's output: D values, not the row's keys */
     lse[r] = peak + logf(sum);
   }
-  pw_att_product(rows, D, n_block, s, np, 1, v, vs, y, ys, 0);
+  pw_att_product(rows, D, n_block, s, ld, 1, v, vs, y, ys, 0);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; ++d) y[r * ys + d] *= inverse[r];
 }
 
-/* Backward of one head. kt, vt: D x np; s, dp: PW_ATT_ROWS x np (np for all N keys). */
+/* Backward of one head. kt, vt: D rows; s, dp: PW_ATT_ROWS rows; of the keys' pw_att_stride. */
 PW_ATT_INLINE void pw_att_backward_head(const PwAttention* a, int64_t head, const int D, const int causal,
                                         const int mask_kind, const float scale, float* kt, float* vt, float* s,
                                         float* dp) {
-  const int64_t M = a->M, N = a->N, H = a->heads, np_all = (N + 15) & ~(int64_t)15;
+  const int64_t M = a->M, N = a->N, H = a->heads, np_all = (N + 15) & ~(int64_t)15, ld_all = pw_att_stride(N);
   const int64_t qs = a->q.row, ks = a->k.row, vs = a->v.row, gs = a->grad.row, os = a->out.row;
   const int64_t gqs = a->gq.row, gks = a->gk.row, gvs = a->gv.row;
   const float *q = pw_att_rows(&a->q, H, head), *k = pw_att_rows(&a->k, H, head), *v = pw_att_rows(&a->v, H, head);
   const float *grad = pw_att_rows(&a->grad, H, head), *out = pw_att_rows(&a->out, H, head), *lse = a->lse + head * M;
   float *gq = pw_att_rows(&a->gq, H, head), *gk = pw_att_rows(&a->gk, H, head), *gv = pw_att_rows(&a->gv, H, head);
-  pw_att_transpose(k, ks, N, D, kt, np_all);
-  pw_att_transpose(v, vs, N, D, vt, np_all);
+  pw_att_transpose(k, ks, N, D, kt, np_all, ld_all);
+  pw_att_transpose(v, vs, N, D, vt, np_all, ld_all);
   for (int64_t j = 0; j < N; ++j) {
     memset(gk + j * gks, 0, sizeof(float) * D);
     memset(gv + j * gvs, 0, sizeof(float) * D);
@@ -281,12 +289,12 @@ PW_ATT_INLINE void pw_att_backward_head(const PwAttention* a, int64_t head, cons
   for (int64_t i0 = 0; i0 < M; i0 += PW_ATT_ROWS) {
     const int64_t rows = M - i0 < PW_ATT_ROWS ? M - i0 : PW_ATT_ROWS;
     const int64_t n_block = causal ? (i0 + rows < N ? i0 + rows : N) : N;
-    const int64_t np = (n_block + 15) & ~(int64_t)15;
-    /* kt and vt hold np_all columns: read the first np of each row. */
-    pw_att_product(rows, np, D, q + i0 * qs, qs, 1, kt, np_all, s, np, 0);
-    pw_att_product(rows, np, D, grad + i0 * gs, gs, 1, vt, np_all, dp, np, 0);
+    const int64_t np = (n_block + 15) & ~(int64_t)15, ld = pw_att_stride(n_block);
+    /* kt and vt hold all keys: read the first np of each row. */
+    pw_att_product(rows, np, D, q + i0 * qs, qs, 1, kt, ld_all, s, ld, 0);
+    pw_att_product(rows, np, D, grad + i0 * gs, gs, 1, vt, ld_all, dp, ld, 0);
     for (int64_t r = 0; r < rows; ++r) {
-      float *row = s + r * np, *drow = dp + r * np;
+      float *row = s + r * ld, *drow = dp + r * ld;
       const int64_t i = i0 + r, n = causal ? (i + 1 < N ? i + 1 : N) : N;
       const float l = lse[i];
       pw_att_scores(row, np, n, pw_att_mask_row(a, head, i, mask_kind), a->mask_strides[3], mask_kind, scale);
@@ -303,27 +311,27 @@ PW_ATT_INLINE void pw_att_backward_head(const PwAttention* a, int64_t head, cons
       }
     }
     /* gv += p^T dO; gk += ds^T q; gq = ds k */
-    pw_att_product(n_block, D, rows, s, 1, np, grad + i0 * gs, gs, gv, gvs, 1);
-    pw_att_product(n_block, D, rows, dp, 1, np, q + i0 * qs, qs, gk, gks, 1);
-    pw_att_product(rows, D, n_block, dp, np, 1, k, ks, gq + i0 * gqs, gqs, 0);
+    pw_att_product(n_block, D, rows, s, 1, ld, grad + i0 * gs, gs, gv, gvs, 1);
+    pw_att_product(n_block, D, rows, dp, 1, ld, q + i0 * qs, qs, gk, gks, 1);
+    pw_att_product(rows, D, n_block, dp, ld, 1, k, ks, gq + i0 * gqs, gqs, 0);
   }
 }
 
 PW_ATT_INLINE void pw_att_task(const PwAttention* a, size_t t, int backward, const int D, const int causal,
                                const int mask_kind, const float scale) {
-  const int64_t np = (a->N + 15) & ~(int64_t)15;
-  float* buffer = (float*)malloc(sizeof(float) * (size_t)np * (backward ? 2 * (D + PW_ATT_ROWS) : D + PW_ATT_ROWS));
+  const int64_t ld = pw_att_stride(a->N);
+  float* buffer = (float*)malloc(sizeof(float) * (size_t)ld * (backward ? 2 * (D + PW_ATT_ROWS) : D + PW_ATT_ROWS));
   if (!buffer) abort(); /* as ORT does when an allocation fails inside a kernel's thread */
   const int64_t first = (int64_t)t * a->items_per_task;
   const int64_t end = first + a->items_per_task < a->items ? first + a->items_per_task : a->items;
   for (int64_t item = first; item < end; ++item) {
     if (backward) {
-      pw_att_backward_head(a, item, D, causal, mask_kind, scale, buffer, buffer + D * np, buffer + 2 * D * np,
-                           buffer + 2 * D * np + PW_ATT_ROWS * np);
+      pw_att_backward_head(a, item, D, causal, mask_kind, scale, buffer, buffer + D * ld, buffer + 2 * D * ld,
+                           buffer + 2 * D * ld + PW_ATT_ROWS * ld);
     } else {
       const int64_t head = item / a->blocks, i0 = item % a->blocks * PW_ATT_ROWS;
       const int64_t rows = a->M - i0 < PW_ATT_ROWS ? a->M - i0 : PW_ATT_ROWS;
-      pw_att_forward_block(a, head, i0, rows, D, causal, mask_kind, scale, buffer, buffer + D * np);
+      pw_att_forward_block(a, head, i0, rows, D, causal, mask_kind, scale, buffer, buffer + D * ld);
     }
   }
   free(buffer);
