@@ -51,9 +51,9 @@ import onnx_ir as ir
 from ._fusions import (_constant_tensor, _initializer, _int64_constant, _named_dims, _op, _remove_if_dead, _scalar,
                        _sole_user, _take_over, element_type)
 
-__all__ = ["DOMAIN", "attentions_as_kernels", "axis_softmaxes_as_kernels", "bf16_matmul_kernel", "bf16_matmuls_as_kernels",
-           "conv_weight_grads_as_kernels", "convs_as_kernels", "f32_matmul_kernel", "f32_matmuls_as_kernels",
-           "gathered_max_pools_as_kernels",
+__all__ = ["DOMAIN", "attentions_as_kernels", "axis_softmaxes_as_kernels", "bf16_matmul_kernel",
+           "bf16_matmuls_as_kernels", "conv_weight_grads_as_kernels", "convs_as_kernels", "f32_matmul_kernel",
+           "f32_matmuls_as_kernels", "gathered_max_pools_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
            "moves_heads", "scatter_adds_along_last_axis", "slow_expands_as_products", "slow_transposes_as_kernels",
            "split_heads_as_kernels", "split_heads_kernel", "transpose_rows_kernel"]
@@ -267,8 +267,8 @@ def attentions_as_kernels(graph: ir.Graph, domain: str) -> list[str]:
                 layout |= 1 << bit
         attributes = node.attributes
         scale = attributes.get_float("scale", 1.0) if attributes.get_int("has_scale", 0) else 1.0 / math.sqrt(head)
-        numbers = [backward, head, attributes.get_int("is_causal", 0), _MASK_KINDS[mask.dtype] if mask else 0,
-                   float(scale), layout]
+        numbers = [backward, head, attributes.get_int("is_causal", 0),
+                   _MASK_KINDS[mask.dtype] if mask is not None else 0, float(scale), layout]
         unit = "\n".join(['#include "attention.h"', f"PW_ATTENTION(@, {', '.join(_c_literal(n) for n in numbers)});",
                           f"PW_KERNEL(@, {len(inputs)}, @_types, @_none, {len(node.outputs)}, @_none, "
                           "0, 0, 0, 0, @_compute, 0, 0);"]) + "\n"
