@@ -344,11 +344,19 @@ def flash_for_cpu_applies(query, key, value, dropout_p=0.0, attn_mask=None, kind
     """Whether flash attention for CPU runs inside ORT for these operands (values or fake
     tensors): float32 [batch, heads, length, head size] operands of one batch and head count, one
     head size, no dropout, and no mask or a float32 or bool one. ``kind`` "own" (ort_dynamo's
-    kernel, csrc/attention.h) also needs a static head size that is a multiple of 16."""
+    kernel, csrc/attention.h) also needs a static head size that is a multiple of 16, and takes
+    fewer key and value heads than query heads where they divide them (grouped-query attention,
+    as torch's flash attention for CPU does)."""
     operands = (query, key, value)
     if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 4 for t in operands):
         return False
-    if not (query.shape[:2] == key.shape[:2] == value.shape[:2] and query.shape[-1] == value.shape[-1]):
+    if kind == "own":  # key and value heads may serve groups of query heads (grouped-query attention)
+        heads, kv_heads = query.shape[1], key.shape[1]
+        grouped = isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads == 0
+        if not (grouped and query.shape[0] == key.shape[0] == value.shape[0] and key.shape[1] == value.shape[1]
+                and query.shape[-1] == value.shape[-1]):
+            return False
+    elif not (query.shape[:2] == key.shape[:2] == value.shape[:2] and query.shape[-1] == value.shape[-1]):
         return False
     head = query.shape[-1]
     if kind == "own" and not (isinstance(head, int) and head > 0 and head % OWN_ATTENTION_HEAD_MULTIPLE == 0):
@@ -361,7 +369,7 @@ def flash_for_cpu_applies(query, key, value, dropout_p=0.0, attn_mask=None, kind
 
 def _sdpa_for_flash_for_cpu(node: torch.fx.Node, kind: str) -> bool:
     """A Dynamo graph's SDPA call that AOTAutograd will trace to flash attention for CPU that
-    ``flash_for_cpu_applies`` takes (its mask needing no gradient, no grouped heads)."""
+    ``flash_for_cpu_applies`` takes (its mask needing no gradient; grouped heads for "own" only)."""
     bound = dict(zip(_SDPA_PARAMETERS, node.args), **node.kwargs)
 
     def value(name, default=None):
@@ -369,7 +377,7 @@ def _sdpa_for_flash_for_cpu(node: torch.fx.Node, kind: str) -> bool:
         return item.meta.get("example_value") if isinstance(item, torch.fx.Node) else item
 
     mask = value("attn_mask")
-    if bound.get("enable_gqa") or (isinstance(mask, torch.Tensor) and mask.requires_grad):
+    if (bound.get("enable_gqa") and kind != "own") or (isinstance(mask, torch.Tensor) and mask.requires_grad):
         return False
     operands = [value(name) for name in ("query", "key", "value")]
     if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in operands):

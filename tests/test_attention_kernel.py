@@ -237,3 +237,24 @@ def test_the_saved_output_and_its_heads_merged_into_rows_are_one_memory_as_in_ea
     storages = {t.untyped_storage().data_ptr() for t in activations}
     assert len(storages) < len(activations), [(tuple(t.shape), t.stride()) for t in activations]
     loss.backward()
+
+
+@pytest.mark.parametrize("is_causal, mask_kind", [(True, None), (False, "padding")])
+def test_grouped_query_attention_reads_each_key_head_for_its_group(tmp_path, is_causal, mask_kind):
+    """enable_gqa (Llama-3's, Mistral's, Qwen2's): 6 query heads over 2 key and value heads.
+    The kernels read each key head for its group of 3 query heads, with no copies of k and v
+    per query head, and backward sums the group's gradients into it, as eager does."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 40, 32), torch.randn(2, 2, 40, 32), torch.randn(2, 2, 40, 32)
+    mask = _mask(mask_kind, 2, 6, 40, 40)
+
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=True)
+
+    got = _compiled_step(attention, (q, k, v), tmp_path)
+    _assert_like_eager(got, _compiled_step(attention, (q, k, v)))
+    assert [g.shape for g in got[1]] == [q.shape, k.shape, v.shape]
+    for kind in ("forward", "backward"):
+        ops = _ops_run(tmp_path, kind)
+        assert any(op.startswith("TorchAttention_") for op in ops), ops
+        assert not {"Expand", "MatMul", "Softmax"} & set(ops), ops

@@ -187,6 +187,7 @@ typedef struct PwAttention {
   float* y_lse;
   const void* mask;
   int64_t heads, M, N, mask_strides[4];
+  int64_t kv_heads, group; /* key and value heads; query heads per key head (grouped-query attention) */
   int64_t blocks, items, items_per_task;
 } PwAttention;
 
@@ -239,8 +240,9 @@ PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int6
   const int64_t np = (n_block + 15) & ~(int64_t)15, ld = pw_att_stride(n_block);
   const int64_t qs = a->q.row, ks = a->k.row, vs = a->v.row, ys = a->y.row;
   float inverse[PW_ATT_ROWS];
-  const float *q = pw_att_rows(&a->q, H, head) + i0 * qs, *k = pw_att_rows(&a->k, H, head);
-  const float* v = pw_att_rows(&a->v, H, head);
+  const int64_t kv_head = head / H * a->kv_heads + head % H / a->group;
+  const float *q = pw_att_rows(&a->q, H, head) + i0 * qs, *k = pw_att_rows(&a->k, a->kv_heads, kv_head);
+  const float* v = pw_att_rows(&a->v, a->kv_heads, kv_head);
   float *y = pw_att_rows(&a->y, H, head) + i0 * ys, *lse = a->y_lse + head * M + i0;
   pw_att_transpose(k, ks, n_block, D, kt, np, ld);
   pw_att_product(rows, np, D, q, qs, 1, kt, ld, s, ld, 0);
@@ -270,50 +272,57 @@ PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int6
     for (int64_t d = 0; d < D; ++d) y[r * ys + d] *= inverse[r];
 }
 
-/* Backward of one head. kt, vt: D rows; s, dp: PW_ATT_ROWS rows; of the keys' pw_att_stride. */
-PW_ATT_INLINE void pw_att_backward_head(const PwAttention* a, int64_t head, const int D, const int causal,
+/* Backward of one key and value head and the query heads that read it (one, or a group):
+ * the key and value gradients summed over them. kt, vt: D rows; s, dp: PW_ATT_ROWS rows; of the
+ * keys' pw_att_stride. */
+PW_ATT_INLINE void pw_att_backward_head(const PwAttention* a, int64_t kv_head, const int D, const int causal,
                                         const int mask_kind, const float scale, float* kt, float* vt, float* s,
                                         float* dp) {
   const int64_t M = a->M, N = a->N, H = a->heads, np_all = (N + 15) & ~(int64_t)15, ld_all = pw_att_stride(N);
   const int64_t qs = a->q.row, ks = a->k.row, vs = a->v.row, gs = a->grad.row, os = a->out.row;
   const int64_t gqs = a->gq.row, gks = a->gk.row, gvs = a->gv.row;
-  const float *q = pw_att_rows(&a->q, H, head), *k = pw_att_rows(&a->k, H, head), *v = pw_att_rows(&a->v, H, head);
-  const float *grad = pw_att_rows(&a->grad, H, head), *out = pw_att_rows(&a->out, H, head), *lse = a->lse + head * M;
-  float *gq = pw_att_rows(&a->gq, H, head), *gk = pw_att_rows(&a->gk, H, head), *gv = pw_att_rows(&a->gv, H, head);
+  const float *k = pw_att_rows(&a->k, a->kv_heads, kv_head), *v = pw_att_rows(&a->v, a->kv_heads, kv_head);
+  float *gk = pw_att_rows(&a->gk, a->kv_heads, kv_head), *gv = pw_att_rows(&a->gv, a->kv_heads, kv_head);
   pw_att_transpose(k, ks, N, D, kt, np_all, ld_all);
   pw_att_transpose(v, vs, N, D, vt, np_all, ld_all);
   for (int64_t j = 0; j < N; ++j) {
     memset(gk + j * gks, 0, sizeof(float) * D);
     memset(gv + j * gvs, 0, sizeof(float) * D);
   }
-  for (int64_t i0 = 0; i0 < M; i0 += PW_ATT_ROWS) {
-    const int64_t rows = M - i0 < PW_ATT_ROWS ? M - i0 : PW_ATT_ROWS;
-    const int64_t n_block = causal ? (i0 + rows < N ? i0 + rows : N) : N;
-    const int64_t np = (n_block + 15) & ~(int64_t)15, ld = pw_att_stride(n_block);
-    /* kt and vt hold all keys: read the first np of each row. */
-    pw_att_product(rows, np, D, q + i0 * qs, qs, 1, kt, ld_all, s, ld, 0);
-    pw_att_product(rows, np, D, grad + i0 * gs, gs, 1, vt, ld_all, dp, ld, 0);
-    for (int64_t r = 0; r < rows; ++r) {
-      float *row = s + r * ld, *drow = dp + r * ld;
-      const int64_t i = i0 + r, n = causal ? (i + 1 < N ? i + 1 : N) : N;
-      const float l = lse[i];
-      pw_att_scores(row, np, n, pw_att_mask_row(a, head, i, mask_kind), a->mask_strides[3], mask_kind, scale);
-      if (l == -INFINITY) {
-        for (int64_t j = 0; j < np; ++j) row[j] = drow[j] = 0.0f;
-        continue;
+  const int64_t first = kv_head / a->kv_heads * H + kv_head % a->kv_heads * a->group;
+  for (int64_t head = first; head < first + a->group; ++head) {
+    const float *q = pw_att_rows(&a->q, H, head), *grad = pw_att_rows(&a->grad, H, head);
+    const float *out = pw_att_rows(&a->out, H, head), *lse = a->lse + head * M;
+    float* gq = pw_att_rows(&a->gq, H, head);
+    for (int64_t i0 = 0; i0 < M; i0 += PW_ATT_ROWS) {
+      const int64_t rows = M - i0 < PW_ATT_ROWS ? M - i0 : PW_ATT_ROWS;
+      const int64_t n_block = causal ? (i0 + rows < N ? i0 + rows : N) : N;
+      const int64_t np = (n_block + 15) & ~(int64_t)15, ld = pw_att_stride(n_block);
+      /* kt and vt hold all keys: read the first np of each row. */
+      pw_att_product(rows, np, D, q + i0 * qs, qs, 1, kt, ld_all, s, ld, 0);
+      pw_att_product(rows, np, D, grad + i0 * gs, gs, 1, vt, ld_all, dp, ld, 0);
+      for (int64_t r = 0; r < rows; ++r) {
+        float *row = s + r * ld, *drow = dp + r * ld;
+        const int64_t i = i0 + r, n = causal ? (i + 1 < N ? i + 1 : N) : N;
+        const float l = lse[i];
+        pw_att_scores(row, np, n, pw_att_mask_row(a, head, i, mask_kind), a->mask_strides[3], mask_kind, scale);
+        if (l == -INFINITY) {
+          for (int64_t j = 0; j < np; ++j) row[j] = drow[j] = 0.0f;
+          continue;
+        }
+        float di = 0.0f;
+        for (int64_t d = 0; d < D; ++d) di += grad[i * gs + d] * out[i * os + d];
+        for (int64_t j = 0; j < np; ++j) {
+          const float p = pw_expf(row[j] - l); /* masked: exp(-inf) = 0 */
+          row[j] = p;
+          drow[j] = p * (drow[j] - di) * scale;
+        }
       }
-      float di = 0.0f;
-      for (int64_t d = 0; d < D; ++d) di += grad[i * gs + d] * out[i * os + d];
-      for (int64_t j = 0; j < np; ++j) {
-        const float p = pw_expf(row[j] - l); /* masked: exp(-inf) = 0 */
-        row[j] = p;
-        drow[j] = p * (drow[j] - di) * scale;
-      }
+      /* gv += p^T dO; gk += ds^T q; gq = ds k */
+      pw_att_product(n_block, D, rows, s, 1, ld, grad + i0 * gs, gs, gv, gvs, 1);
+      pw_att_product(n_block, D, rows, dp, 1, ld, q + i0 * qs, qs, gk, gks, 1);
+      pw_att_product(rows, D, n_block, dp, ld, 1, k, ks, gq + i0 * gqs, gqs, 0);
     }
-    /* gv += p^T dO; gk += ds^T q; gq = ds k */
-    pw_att_product(n_block, D, rows, s, 1, ld, grad + i0 * gs, gs, gv, gvs, 1);
-    pw_att_product(n_block, D, rows, dp, 1, ld, q + i0 * qs, qs, gk, gks, 1);
-    pw_att_product(rows, D, n_block, dp, ld, 1, k, ks, gq + i0 * gqs, gqs, 0);
   }
 }
 
@@ -377,8 +386,11 @@ static inline __attribute__((always_inline)) OrtStatus* pw_attention_compute(
   }
   const int qi = backward ? 1 : 0; /* q, k, v at qi, qi + 1, qi + 2 */
   const int64_t* qd = dims[qi];
+  /* k and v: one batch, one head count that divides q's (each key head serves a group of query
+   * heads), one length. */
   for (int i = 1; fits && i < 3; ++i)
-    fits = dims[qi + i][0] == qd[0] && dims[qi + i][1] == qd[1] && dims[qi + i][2] == dims[qi + 1][2];
+    fits = dims[qi + i][0] == qd[0] && dims[qi + i][1] == dims[qi + 1][1] && dims[qi + i][1] > 0 &&
+           qd[1] % dims[qi + i][1] == 0 && dims[qi + i][2] == dims[qi + 1][2];
   if (backward)
     for (int i = 0; fits && i < 5; i += 4) /* grad_out and out: q's shape */
       fits = dims[i][0] == qd[0] && dims[i][1] == qd[1] && dims[i][2] == qd[2];
@@ -387,12 +399,16 @@ static inline __attribute__((always_inline)) OrtStatus* pw_attention_compute(
   if (!fits) {
     char message[200];
     snprintf(message, sizeof message,
-             "query, key and value must be [batch, heads, length, %lld] of one batch and head count%s", (long long)D,
+             "query, key and value must be [batch, heads, length, %lld] of one batch, key and value of one head "
+             "count that divides the query's%s",
+             (long long)D,
              backward ? ", the gradient and output the query's shape, the logsumexp [batch, heads, length]" : "");
     return pw_error(&kernel, message);
   }
   PwAttention a = {0};
   a.heads = qd[1];
+  a.kv_heads = dims[qi + 1][1];
+  a.group = a.kv_heads ? a.heads / a.kv_heads : 1;
   a.M = qd[2];
   a.N = dims[qi + 1][2];
   if (mask_kind) { /* right-aligned against [B, H, M, N]; an axis of 1 broadcasts */
@@ -439,7 +455,14 @@ static inline __attribute__((always_inline)) OrtStatus* pw_attention_compute(
     PW_TRY(ORTD_CALL(api, GetTensorMutableData)(output, &written));
     a.y_lse = (float*)written;
   }
-  if (heads == 0 || a.M == 0) return NULL;
+  if (heads == 0) return NULL;
+  if (a.M == 0) { /* no queries: nothing reads the keys */
+    if (backward) {
+      memset(a.gk.data, 0, sizeof(float) * (size_t)(qd[0] * a.kv_heads * a.N * D));
+      memset(a.gv.data, 0, sizeof(float) * (size_t)(qd[0] * a.kv_heads * a.N * D));
+    }
+    return NULL;
+  }
   if (a.N == 0) { /* no keys: every row masked */
     if (backward) {
       memset(a.gq.data, 0, sizeof(float) * (size_t)(heads * a.M * D));
@@ -450,7 +473,7 @@ static inline __attribute__((always_inline)) OrtStatus* pw_attention_compute(
     return NULL;
   }
   a.blocks = backward ? 1 : (a.M + PW_ATT_ROWS - 1) / PW_ATT_ROWS;
-  a.items = heads * a.blocks;
+  a.items = backward ? qd[0] * a.kv_heads : heads * a.blocks; /* backward: per key head */
   a.items_per_task = 1;
   return pw_run_tasks(api, ctx, task, a.items, &a);
 }
