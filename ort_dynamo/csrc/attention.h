@@ -2,18 +2,19 @@
  * custom ops (float32): torch's flash attention for CPU (out and each row's logsumexp; the
  * gradients from those), computed by ort_dynamo's own kernels.
  *
- * Written out, attention is batched products of a head's 128 x 64 blocks, which ORT's GEMM runs
- * at half this CPU's peak (each product packs its operands for one small matrix), plus softmax
- * passes over [batch, heads, q, kv] in memory. Here one task takes a head (backward) or a block
- * of its query rows (forward) and does every step in cache: the products are register tiles of
+ * Written out, attention is batched products of a head's blocks (128 x 64 at the benchmark
+ * models' sizes) on ORT's GEMM, plus softmax passes over [batch, heads, q, kv] in memory. Here
+ * one task takes a key head and the query heads it serves (backward: one, or a group under
+ * grouped-query attention) or a block of a head's query rows (forward) and does every step in
+ * cache: the products are register tiles of
  * 6 rows x 64 columns that read one operand in rows and broadcast the other's elements (so
  * either operand may be read transposed), the key and value blocks transposed once per task;
  * the probabilities of a block of rows never leave the task. Backward recomputes them from the
  * logsumexp, as flash attention's does. The arithmetic: s = q k^T * scale (+ mask), p = exp(s -
  * max) / sum; dp = dO v^T, ds = p (dp - rowsum(dO * out)) * scale. A row with every key masked
  * gives zeros (out, its gradients) and a logsumexp of -inf. A generated unit
- * (ort_dynamo/_op_kernels.py) instantiates PW_ATTENTION per head size, causality, mask type and
- * scale.
+ * (ort_dynamo/_op_kernels.py) instantiates PW_ATTENTION per head size, causality, mask type,
+ * scale and the operands' layout.
  *
  * Part of ort_dynamo; MIT licensed.
  */
