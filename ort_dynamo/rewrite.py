@@ -134,12 +134,10 @@ def _reshaped_outputs_as_views(exported: ExportedGraph) -> None:
         if node is None or node.op_type != "Reshape" or node.domain not in ("", "ai.onnx"):
             continue
         source = node.inputs[0]
-        if (source is None or source in claimed or source.is_graph_input()
+        if (source is None or source in claimed or source.is_graph_input() or source.is_graph_output()
                 or not _static(out.shape) or not _static(source.shape)
                 or math.prod(out.shape.dims) != math.prod(source.shape.dims)):
-            continue
-        if source.is_graph_output():
-            continue
+            continue  # a source that is an output itself: _outputs_of_one_memory_as_views
         claimed.add(source)
         graph.outputs[index] = source
         exported.output_names[index] = source.name
