@@ -51,7 +51,7 @@ import onnx_ir as ir
 from ._fusions import (_constant_tensor, _initializer, _int64_constant, _named_dims, _op, _remove_if_dead, _scalar,
                        _sole_user, _take_over, element_type)
 
-__all__ = ["DOMAIN", "attentions_as_kernels", "axis_softmaxes_as_kernels", "bf16_matmul_kernel",
+__all__ = ["ATTENTION_HEAD_MULTIPLE", "DOMAIN", "attentions_as_kernels", "axis_softmaxes_as_kernels", "bf16_matmul_kernel",
            "bf16_matmuls_as_kernels", "conv_weight_grads_as_kernels", "convs_as_kernels", "f32_matmul_kernel",
            "f32_matmuls_as_kernels", "gathered_max_pools_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
@@ -231,6 +231,9 @@ def max_pools_as_kernels(graph: ir.Graph) -> list[str]:
 #: op type -> (backward, the count of its operands before the optional mask).
 _FLASH_OPS = {"FlashAttentionCpu": (0, 3), "FlashAttentionCpuGrad": (1, 6)}
 _MASK_KINDS = {ir.DataType.FLOAT: 1, ir.DataType.BOOL: 2}  # attention.h
+#: Head sizes csrc/attention.h takes: whole vectors of 16 floats (``lower`` keeps attention whole
+#: for the kernels only then).
+ATTENTION_HEAD_MULTIPLE = 16
 
 
 def attentions_as_kernels(graph: ir.Graph, domain: str) -> list[str]:
@@ -248,7 +251,7 @@ def attentions_as_kernels(graph: ir.Graph, domain: str) -> list[str]:
         query = node.inputs[operands - 3]
         head = query.shape[-1] if query.shape is not None and len(query.shape) == 4 else None
         mask = node.inputs[operands] if len(node.inputs) > operands else None
-        if not (isinstance(head, int) and head > 0 and head % 16 == 0) \
+        if not (isinstance(head, int) and head > 0 and head % ATTENTION_HEAD_MULTIPLE == 0) \
                 or not all(_is_float32(v) for v in node.inputs[:operands]) \
                 or (mask is not None and mask.dtype not in _MASK_KINDS):
             continue
@@ -293,9 +296,7 @@ def _heads_in_rows(value: ir.Value) -> ir.Value | None:
     """x where ``value`` is Transpose(x, [0, 2, 1, 3]) of float32 x (attention's heads taken out
     of a projection's rows, [B, S, H, D] -> [B, H, S, D]), else None."""
     node = value.producer()
-    if not _op(node, "Transpose") or list(node.attributes.get_ints("perm", [])) != _HEADS_TO_ROWS:
-        return None
-    return node.inputs[0] if _is_float32(node.inputs[0]) else None
+    return node.inputs[0] if _swaps_heads(node) and _is_float32(node.inputs[0]) else None
 
 
 def _all_move_heads(value: ir.Value) -> bool:
@@ -303,7 +304,7 @@ def _all_move_heads(value: ir.Value) -> bool:
     them a graph output."""
     readers = [use.node for use in value.uses()]
     return bool(readers) and not value.is_graph_output() \
-        and all(_op(n, "Transpose") and list(n.attributes.get_ints("perm", [])) == _HEADS_TO_ROWS for n in readers) \
+        and all(_swaps_heads(n) for n in readers) \
         and sum(n.outputs[0].is_graph_output() for n in readers) <= 1
 
 
@@ -1033,6 +1034,11 @@ def moves_heads(dims: list, perm: list[int]) -> bool:
         and isinstance(dims[3], int) and dims[3] >= _MIN_BLOCK
 
 
+def _swaps_heads(node: ir.Node | None) -> bool:
+    """Whether ``node`` is a Transpose [0, 2, 1, 3]: attention's heads into rows or out of them."""
+    return _op(node, "Transpose") and list(node.attributes.get_ints("perm", [])) == _HEADS_TO_ROWS
+
+
 def _heads_to_rows(transpose: ir.Node | None) -> ir.Value | None:
     """x where ``transpose`` is ``MergeHeads``' Transpose (``moves_heads``) of float32 or bfloat16
     x; else None."""
@@ -1129,9 +1135,7 @@ def _part_into_heads(part: ir.Value, batch, seq) -> tuple[int, int, ir.Value | N
                 or not _is_float32(other):
             return None
         chain, bias, moved = chain + [moved], other, _sole_user(moved.outputs[0])
-    if not _op(moved, "Transpose") or list(moved.attributes.get_ints("perm", [])) != _HEADS_TO_ROWS:
-        return None
-    return heads, depth, bias, chain + [moved]
+    return (heads, depth, bias, chain + [moved]) if _swaps_heads(moved) else None
 
 
 def _whole_bias(graph: ir.Graph, before: ir.Node, parts: list[ir.Value]) -> ir.Value:

@@ -28,6 +28,7 @@ from torch._decomp import _core_aten_decompositions_post_autograd, decomposition
 from torch._export.utils import _is_preservable_cia_op
 from torch.export.decomp_utils import PRESERVED_ATEN_CIA_OPS
 
+from ._op_kernels import ATTENTION_HEAD_MULTIPLE
 from .decompositions import (_hint, _known, attention_backward, attention_forward, attention_inputs, attention_operands,
                              masked_scores, own_decompositions, pointwise_decompositions, product_decompositions,
                              zero_rows)
@@ -336,10 +337,6 @@ FLASH_FOR_CPU = frozenset({aten._scaled_dot_product_flash_attention_for_cpu.defa
 _SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-#: Head sizes csrc/attention.h takes: whole vectors of 16 floats.
-OWN_ATTENTION_HEAD_MULTIPLE = 16
-
-
 def flash_for_cpu_applies(query, key, value, dropout_p=0.0, attn_mask=None, kind: str = "torch") -> bool:
     """Whether flash attention for CPU runs inside ORT for these operands (values or fake
     tensors): float32 [batch, heads, length, head size] operands of one batch and head count, one
@@ -350,16 +347,15 @@ def flash_for_cpu_applies(query, key, value, dropout_p=0.0, attn_mask=None, kind
     operands = (query, key, value)
     if not all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 4 for t in operands):
         return False
-    if kind == "own":  # key and value heads may serve groups of query heads (grouped-query attention)
-        heads, kv_heads = query.shape[1], key.shape[1]
-        grouped = isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads == 0
-        if not (grouped and query.shape[0] == key.shape[0] == value.shape[0] and key.shape[1] == value.shape[1]
-                and query.shape[-1] == value.shape[-1]):
-            return False
-    elif not (query.shape[:2] == key.shape[:2] == value.shape[:2] and query.shape[-1] == value.shape[-1]):
+    if not (query.shape[0] == key.shape[0] == value.shape[0] and key.shape[1] == value.shape[1]
+            and query.shape[-1] == value.shape[-1]):
         return False
-    head = query.shape[-1]
-    if kind == "own" and not (isinstance(head, int) and head > 0 and head % OWN_ATTENTION_HEAD_MULTIPLE == 0):
+    heads, kv_heads, head = query.shape[1], key.shape[1], query.shape[-1]
+    if kind == "own":  # key and value heads may serve groups of query heads (grouped-query attention)
+        if not (isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads > 0 and heads % kv_heads == 0
+                and isinstance(head, int) and head > 0 and head % ATTENTION_HEAD_MULTIPLE == 0):
+            return False
+    elif heads != kv_heads:
         return False
     if attn_mask is not None and not (isinstance(attn_mask, torch.Tensor) and attn_mask.dim() <= 4
                                       and attn_mask.dtype in (torch.float32, torch.bool)):

@@ -370,8 +370,9 @@ def _cheap_cuts(heads: list[torch.fx.Node], size: int) -> set[int]:
         readers = [r for u in node.users for r in (u.users if u.target is operator.getitem else [u])]
         last = max((at[r] for r in readers if r in at), default=i)
         if last > i:
-            crossing[i + 1] += _bytes(node)
-            crossing[last + 1] -= _bytes(node)
+            made = _bytes(node)
+            crossing[i + 1] += made
+            crossing[last + 1] -= made
     for i in range(1, len(crossing)):
         crossing[i] += crossing[i - 1]
     cuts, previous, slack = set(), 0, size // 3

@@ -135,7 +135,10 @@ PW_ATT_INLINE void pw_att_transpose16(pw_att_v* r) {
 
 /* The row stride of a buffer of n columns: whole vectors, and one more, so that rows are not a
  * multiple of 4 KiB apart (1024 keys: the rows a tile reads at once would share a few cache sets). */
-static inline int64_t pw_att_stride(int64_t n) { return ((n + 15) & ~(int64_t)15) + 16; }
+static inline int64_t pw_att_whole(int64_t n) { return (n + 15) & ~(int64_t)15; } /* whole vectors */
+static inline int64_t pw_att_stride(int64_t n) { return pw_att_whole(n) + 16; }
+/* The keys rows up to `end` (exclusive) attend to: causal, the first `end`; else all N. */
+static inline int64_t pw_att_keys(int causal, int64_t end, int64_t N) { return causal && end < N ? end : N; }
 
 /* out[d * ld + j] = in[j * rs + d] for j < n, 0 up to np (a multiple of 16); D a multiple of 16. */
 static void pw_att_transpose(const float* restrict in, int64_t rs, int64_t n, int64_t D, float* restrict out,
@@ -237,8 +240,8 @@ PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int6
                                         float* s) {
   const int64_t M = a->M, N = a->N, H = a->heads;
   /* Causal: the block's keys stop after its last row's. */
-  const int64_t n_block = causal ? (i0 + rows < N ? i0 + rows : N) : N;
-  const int64_t np = (n_block + 15) & ~(int64_t)15, ld = pw_att_stride(n_block);
+  const int64_t n_block = pw_att_keys(causal, i0 + rows, N);
+  const int64_t np = pw_att_whole(n_block), ld = pw_att_stride(n_block);
   const int64_t qs = a->q.row, ks = a->k.row, vs = a->v.row, ys = a->y.row;
   float inverse[PW_ATT_ROWS];
   const int64_t kv_head = head / H * a->kv_heads + head % H / a->group;
@@ -249,7 +252,7 @@ PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int6
   pw_att_product(rows, np, D, q, qs, 1, kt, ld, s, ld, 0);
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s + r * ld;
-    const int64_t n = causal ? (i0 + r + 1 < N ? i0 + r + 1 : N) : N;
+    const int64_t n = pw_att_keys(causal, i0 + r + 1, N);
     const float peak = pw_att_scores(row, np, n, pw_att_mask_row(a, head, i0 + r, mask_kind),
                                      a->mask_strides[3], mask_kind, scale);
     if (peak == -INFINITY) { /* no key to attend to */
@@ -279,7 +282,7 @@ PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int6
 PW_ATT_INLINE void pw_att_backward_head(const PwAttention* a, int64_t kv_head, const int D, const int causal,
                                         const int mask_kind, const float scale, float* kt, float* vt, float* s,
                                         float* dp) {
-  const int64_t M = a->M, N = a->N, H = a->heads, np_all = (N + 15) & ~(int64_t)15, ld_all = pw_att_stride(N);
+  const int64_t M = a->M, N = a->N, H = a->heads, np_all = pw_att_whole(N), ld_all = pw_att_stride(N);
   const int64_t qs = a->q.row, ks = a->k.row, vs = a->v.row, gs = a->grad.row, os = a->out.row;
   const int64_t gqs = a->gq.row, gks = a->gk.row, gvs = a->gv.row;
   const float *k = pw_att_rows(&a->k, a->kv_heads, kv_head), *v = pw_att_rows(&a->v, a->kv_heads, kv_head);
@@ -297,14 +300,14 @@ PW_ATT_INLINE void pw_att_backward_head(const PwAttention* a, int64_t kv_head, c
     float* gq = pw_att_rows(&a->gq, H, head);
     for (int64_t i0 = 0; i0 < M; i0 += PW_ATT_ROWS) {
       const int64_t rows = M - i0 < PW_ATT_ROWS ? M - i0 : PW_ATT_ROWS;
-      const int64_t n_block = causal ? (i0 + rows < N ? i0 + rows : N) : N;
-      const int64_t np = (n_block + 15) & ~(int64_t)15, ld = pw_att_stride(n_block);
+      const int64_t n_block = pw_att_keys(causal, i0 + rows, N);
+      const int64_t np = pw_att_whole(n_block), ld = pw_att_stride(n_block);
       /* kt and vt hold all keys: read the first np of each row. */
       pw_att_product(rows, np, D, q + i0 * qs, qs, 1, kt, ld_all, s, ld, 0);
       pw_att_product(rows, np, D, grad + i0 * gs, gs, 1, vt, ld_all, dp, ld, 0);
       for (int64_t r = 0; r < rows; ++r) {
         float *row = s + r * ld, *drow = dp + r * ld;
-        const int64_t i = i0 + r, n = causal ? (i + 1 < N ? i + 1 : N) : N;
+        const int64_t i = i0 + r, n = pw_att_keys(causal, i + 1, N);
         const float l = lse[i];
         pw_att_scores(row, np, n, pw_att_mask_row(a, head, i, mask_kind), a->mask_strides[3], mask_kind, scale);
         if (l == -INFINITY) {
@@ -409,7 +412,7 @@ static inline __attribute__((always_inline)) OrtStatus* pw_attention_compute(
   PwAttention a = {0};
   a.heads = qd[1];
   a.kv_heads = dims[qi + 1][1];
-  a.group = a.kv_heads ? a.heads / a.kv_heads : 1;
+  a.group = a.heads / a.kv_heads; /* kv_heads > 0: checked above */
   a.M = qd[2];
   a.N = dims[qi + 1][2];
   if (mask_kind) { /* right-aligned against [B, H, M, N]; an axis of 1 broadcasts */
