@@ -58,6 +58,7 @@ CASES = {
     "scaled": ((1, 2, 24, 24, 32), None, False, 0.3),
     # rows beyond one block of 64 and a remainder of 6, keys not a multiple of 16
     "cross, padding mask": ((2, 4, 133, 37, 64), "padding", False, None),
+    # SDPA makes a bool mask additive before the flash op: the kernel's bool path is tested below
     "boolean mask": ((2, 2, 20, 20, 16), "boolean", False, None),
     "mask per head": ((2, 3, 9, 40, 48), "per head", False, None),
     "causal cross": ((1, 2, 12, 30, 16), None, True, None),
@@ -258,3 +259,32 @@ def test_grouped_query_attention_reads_each_key_head_for_its_group(tmp_path, is_
         ops = _ops_run(tmp_path, kind)
         assert any(op.startswith("TorchAttention_") for op in ops), ops
         assert not {"Expand", "MatMul", "Softmax"} & set(ops), ops
+
+
+def test_the_kernel_reads_a_bool_mask_where_the_op_is_given_one():
+    """The flash op may carry a bool mask (True: attend), which SDPA itself turns additive before
+    it: the kernel's bool path against eager, a row with no key to attend to included."""
+    q_value = ir.Value(name="q", shape=ir.Shape([2, 3, 5, 16]), type=ir.TensorType(ir.DataType.FLOAT))
+    k_value = ir.Value(name="k", shape=ir.Shape([2, 3, 7, 16]), type=ir.TensorType(ir.DataType.FLOAT))
+    v_value = ir.Value(name="v", shape=ir.Shape([2, 3, 7, 16]), type=ir.TensorType(ir.DataType.FLOAT))
+    m_value = ir.Value(name="mask", shape=ir.Shape([5, 7]), type=ir.TensorType(ir.DataType.BOOL))
+    inputs = [q_value, k_value, v_value, m_value]
+    node = ir.node("FlashAttentionCpu", inputs, attributes={"is_causal": 0, "has_scale": 0},
+                   domain=_torch_attention.DOMAIN, num_outputs=2)
+    for value, name in zip(node.outputs, ("out", "logsumexp")):
+        value.name, value.dtype = name, ir.DataType.FLOAT
+    graph = ir.Graph(inputs, node.outputs, nodes=[node], opset_imports={"": 18, _torch_attention.DOMAIN: 1})
+    model = ir.Model(graph, ir_version=10)
+    kernels = _pointwise.fuse_pointwise(model)
+    assert [n.op_type.startswith("TorchAttention_") for n in model.graph] == [True]
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library(kernels))
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    q, k, v = (np.random.randn(*shape).astype(np.float32) for shape in ((2, 3, 5, 16), (2, 3, 7, 16), (2, 3, 7, 16)))
+    mask = np.random.rand(5, 7) > 0.4
+    mask[2] = False
+    out, _ = session.run(None, {"q": q, "k": k, "v": v, "mask": mask})
+    want = F.scaled_dot_product_attention(*(torch.from_numpy(t) for t in (q, k, v)), attn_mask=torch.from_numpy(mask))
+    np.testing.assert_allclose(out, want.numpy(), rtol=1e-5, atol=1e-6)
+    assert np.all(out[:, :, 2] == 0)
