@@ -5,6 +5,7 @@ shapes of the benchmark models' training steps, one process, same threads.
     .venv/bin/python benchmarks/gemm.py --cold   # operands not in cache, as in a training step
     .venv/bin/python benchmarks/gemm.py --bfloat16 [--cold]   # CPU autocast's products
     .venv/bin/python benchmarks/gemm.py --ours --attention [--cold]   # attention's batched products
+    .venv/bin/python benchmarks/gemm.py --blas [--cold]   # torch's BLAS inside ORT (cpu_matmul)
 
 ``--bfloat16``: bfloat16 operands and result, as under CPU autocast: ort_dynamo's bfloat16
 product (csrc/bf16_gemm.h, AVX512-BF16) against torch.mm on bfloat16 tensors (oneDNN), and
@@ -12,6 +13,9 @@ against ORT's float32 FusedMatMul of the same values, which is what ran before i
 
 ``--attention`` (with ``--ours``): attention's batched products instead, the six of a layer's
 forward and backward at the models' sizes (batch 8 x 4 heads, 128 positions, head size 64).
+
+``--blas``: the product option ``cpu_matmul="torch_blas"`` puts in the models (csrc/torch_blas.c:
+torch's sgemm inside an ORT session) against ORT's FusedMatMul and torch.mm, calls interleaved.
 
 ``--cold``: each call gets operands from a rotation of 6 copies and, before it (not timed), a
 32 MB write evicts the caches. In a training step most operands come from memory: saved
@@ -146,6 +150,8 @@ def main() -> None:
     parser.add_argument("--ours", action="store_true",
                         help="float32: ort_dynamo's own product (what the rewrite uses where K >= 512) against "
                              "ORT's, the calls interleaved")
+    parser.add_argument("--blas", action="store_true",
+                        help="float32: torch's BLAS inside ORT (cpu_matmul) against ORT's, the calls interleaved")
     parser.add_argument("--attention", action="store_true",
                         help="with --ours: attention's batched products (see above)")
     args = parser.parse_args()
@@ -153,6 +159,8 @@ def main() -> None:
         return bfloat16_products(args)
     if args.ours:
         return our_float32_products(args)
+    if args.blas:
+        return blas_products(args)
     copies = _header(args)
     ratios = []
     for m, k, n, trans_a, trans_b, a_shape, b_shape in _cases():
@@ -210,6 +218,49 @@ def our_float32_products(args) -> None:
         _row((m, k, n, trans_a, trans_b), {"ours": ours_ms, "ORT": ort_ms, "torch": torch_ms},
              f"ours/ORT {ours_ms / ort_ms:.2f}  error {error:.1e}", a_shape[0] if len(a_shape) > 2 else 1)
     print(f"geometric mean ours/ORT: {statistics.geometric_mean(ratios):.2f}")
+
+
+def _blas_session(trans_a: int, trans_b: int) -> ort.InferenceSession:
+    """The product ``cpu_matmul="torch_blas"`` puts in a model, as one op."""
+    from ort_dynamo import _torch_blas
+
+    node = helper.make_node("MatMul", ["a", "b"], ["y"], domain=_torch_blas.DOMAIN, trans_a=trans_a, trans_b=trans_b)
+    graph = helper.make_graph([node], "blas", [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["r", "c"])
+                                               for n in "ab"],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", "n"])])
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18),
+                                                                    helper.make_opsetid(_torch_blas.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.register_custom_ops_library(_torch_blas.library())
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def blas_products(args) -> None:
+    from ort_dynamo import _torch_blas
+
+    if _torch_blas.problem():
+        raise SystemExit(f"torch's BLAS cannot run inside ORT here: {_torch_blas.problem()}")
+    copies = _header(args, ", float32, torch's BLAS inside ORT against ORT's (MLAS), calls interleaved")
+    ratios, to_torch = [], []
+    for m, k, n, trans_a, trans_b, a_shape, b_shape in _cases():
+        a, b, ta, tb = _operands(lambda shape: torch.randn(*shape), a_shape, b_shape, trans_a, trans_b, copies)
+        blas = _blas_session(trans_a, trans_b)
+        feeds = list(zip(_ort_values(a), _ort_values(b)))
+        theirs = _session(a_shape, b_shape, trans_a, trans_b)
+        got = blas.run_with_ort_values(["y"], dict(zip("ab", feeds[0])))[0].numpy()
+        error = float(np.abs(got - torch.matmul(ta[0], tb[0]).numpy()).max())
+        blas_ms, ort_ms, torch_ms = _interleaved_ms(
+            [lambda i: blas.run_with_ort_values(["y"], dict(zip("ab", feeds[i % copies]))),
+             lambda i: theirs.run(None, {"a": a[i % copies].numpy(), "b": b[i % copies].numpy()}),
+             lambda i: torch.matmul(ta[i % copies], tb[i % copies])], args.repeats, args.cold)
+        ratios.append(blas_ms / ort_ms)
+        to_torch.append(blas_ms / torch_ms)
+        _row((m, k, n, trans_a, trans_b), {"blas": blas_ms, "ORT": ort_ms, "torch": torch_ms},
+             f"blas/ORT {blas_ms / ort_ms:.2f}  blas/torch {blas_ms / torch_ms:.2f}  vs torch.mm {error:.0e}")
+    print(f"geometric mean blas/ORT: {statistics.geometric_mean(ratios):.2f}, "
+          f"blas/torch: {statistics.geometric_mean(to_torch):.2f}")
 
 
 def bfloat16_products(args) -> None:

@@ -52,6 +52,7 @@ from ._fusions import (_constant_tensor, _initializer, _int64_constant, _named_d
                        _sole_user, _take_over, element_type)
 
 __all__ = ["ATTENTION_HEAD_MULTIPLE", "DOMAIN", "attentions_as_kernels", "axis_softmaxes_as_kernels", "bf16_matmul_kernel",
+           "blas_products",
            "bf16_matmuls_as_kernels", "conv_weight_grads_as_kernels", "convs_as_kernels", "f32_matmul_kernel",
            "f32_matmuls_as_kernels", "gathered_max_pools_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
@@ -1419,6 +1420,60 @@ def f32_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
         product.outputs[0].dtype = ir.DataType.FLOAT
         _remove_if_dead(graph, [node, *_chain_before(b)])
     return list(kernels.values())
+
+
+def blas_products(graph: ir.Graph, domain: str) -> int:
+    """Each float32 MatMul whose second operand is one matrix, and each Gemm (alpha 1, a bias of
+    one value per output column if any) -> ``domain``'s MatMul (csrc/torch_blas.c: torch's
+    BLAS): Transposes of the operands' last two axes folded in, and a Transpose of the result's
+    (a weight gradient's) done by multiplying the operands the other way round. Products of
+    bfloat16 values (CPU autocast's) stay for their own kernels. Returns the count."""
+    count = 0
+    for node in list(graph):
+        if _op(node, "MatMul") and len(node.inputs) == 2:
+            a, b = node.inputs
+            bias, trans, alpha = None, (False, False), 1.0
+        elif _op(node, "Gemm") and len(node.inputs) >= 2:
+            a, b = node.inputs[:2]
+            bias = node.inputs[2] if len(node.inputs) > 2 else None
+            trans = (bool(node.attributes.get_int("transA", 0)), bool(node.attributes.get_int("transB", 0)))
+            alpha = node.attributes.get_float("alpha", 1.0)
+            if bias is not None and (node.attributes.get_float("beta", 1.0) != 1.0 or not _per_column(bias, b, trans[1])):
+                continue
+        else:
+            continue
+        if alpha != 1.0 or not all(_is_float32(v) for v in (a, b, bias) if v is not None) \
+                or _rank(a) is None or _rank(a) < 2 or _rank(b) != 2 \
+                or _bfloat16_source(a) is not None or _bfloat16_source(b) is not None:
+            continue
+        operands, transposed = [], []
+        for value, flag in zip((a, b), trans):
+            operand, swapped = _without_transposes(value, _rank(value))
+            operands.append(operand)
+            transposed.append(flag != swapped)
+        target = node.outputs[0]
+        if bias is None and _rank(a) == 2:
+            value, swapped = _through_transposes(target, 2)
+            if swapped:  # (A B)^T = B^T A^T
+                target = value
+                operands, transposed = operands[::-1], [not t for t in transposed[::-1]]
+        replaced = [*_chain_before(target), node, *(n for v in (a, b) for n in _chain_before(v))]
+        product = ir.node("MatMul", [*operands, *([bias] if bias is not None else [])], domain=domain,
+                          attributes={"trans_a": int(transposed[0]), "trans_b": int(transposed[1])})
+        product.metadata_props.update(node.metadata_props)  # where in the model it came from (save_onnx)
+        graph.insert_before(node, product)
+        _take_over(target, product.outputs[0])
+        product.outputs[0].dtype = ir.DataType.FLOAT
+        _remove_if_dead(graph, replaced)
+        count += 1
+    return count
+
+
+def _per_column(bias: ir.Value, b: ir.Value, b_transposed: bool) -> bool:
+    """Whether a Gemm's ``bias`` is known to be one value per column of its result ([N], [1, N])."""
+    columns = b.shape[0 if b_transposed else 1] if _rank(b) == 2 else None
+    dims = list(bias.shape.dims) if bias.shape is not None else None
+    return isinstance(columns, int) and dims in ([columns], [1, columns])
 
 
 def bf16_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:

@@ -23,6 +23,7 @@ import torch
 from torch.fx._lazy_graph_module import _LazyGraphModule
 import torch.fx
 
+from . import _torch_blas
 from .export import ExportedGraph, OutputSlot
 from .options import OrtOptions
 
@@ -66,8 +67,10 @@ def _describe(val) -> str:
 
 def cache_key(gm: torch.fx.GraphModule, options: OrtOptions) -> str:
     inputs = [_describe(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
+    # save_onnx keeps provenance; the others pick ops the traced graph does not show.
     relevant = (options.opset, options.enable_compute_optimizer, options.deterministic_compute,
-                options.pointwise_kernels, options.save_onnx)  # save_onnx keeps provenance
+                options.pointwise_kernels, options.save_onnx, options.cpu_torch_attention,
+                _torch_blas.applies(options, "cpu"))
     text = "\n".join([_versions(), repr(relevant), ";".join(inputs), _source(gm)])
     return hashlib.sha256(text.encode()).hexdigest()
 

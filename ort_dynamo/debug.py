@@ -248,7 +248,8 @@ def _first_bad_node(runner, args: tuple, atol: float, rtol: float) -> NodeDiverg
     model_bytes, producers = _onnx_with_intermediates(runner.model_bytes, {n.name for n in compute})
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     library = runner.kernel_library.result() if runner.kernel_library else ""  # the model's custom ops
-    session = ort.InferenceSession(model_bytes, run_stage.session_options(runner.options, device.type, library),
+    session = ort.InferenceSession(model_bytes, run_stage.session_options(runner.options, device.type, library,
+                                                                           model=model_bytes),
                                    providers=run_stage.providers_for(device, runner.options))
     feeds = {}
     exported = runner.exported

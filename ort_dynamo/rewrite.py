@@ -8,7 +8,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from . import _fusions, _kernels, _pointwise
+from . import _fusions, _kernels, _op_kernels, _pointwise, _torch_blas
 from .export import ExportedGraph, OutputSlot
 from .options import OrtOptions
 
@@ -87,6 +87,8 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
             _fusions.fuse(model)
     if exported.device == "cuda":
         _integer_pads_as_concat(model.graph)
+    if _torch_blas.applies(options, exported.device) and _op_kernels.blas_products(model.graph, _torch_blas.DOMAIN):
+        model.opset_imports[_torch_blas.DOMAIN] = 1
     _reshaped_outputs_as_views(exported)
     if not options.save_onnx:
         _drop_provenance(model)

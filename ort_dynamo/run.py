@@ -16,7 +16,7 @@ import onnxruntime as ort
 import torch
 from onnxruntime.capi import _pybind_state as C
 
-from . import _cuda_allocator, _kernels, _torch_attention
+from . import _cuda_allocator, _kernels, _torch_attention, _torch_blas
 from .errors import OrtRuntimeError
 from .export import ExportedGraph, _dense_permutation, _is_dense
 from .options import FallbackPolicy, OrtOptions
@@ -47,14 +47,16 @@ _OPT_LEVELS = {
 
 
 def session_options(options: OrtOptions, device_type: str = "cpu", kernel_library: str = "",
-                    device_index: int = 0, torch_attention: bool = False) -> ort.SessionOptions:
+                    device_index: int = 0, model: bytes = b"") -> ort.SessionOptions:
     """``kernel_library``: a compiled ``_kernels`` library the model's custom ops come from;
-    ``torch_attention``: the model has ``_torch_attention``'s ops (torch's flash attention)."""
+    ``model``: the model, whose ops of torch's kernels (``_torch_attention``'s flash attention,
+    ``_torch_blas``'s products) get their libraries."""
     so = ort.SessionOptions()
     if kernel_library:
         so.register_custom_ops_library(kernel_library)
-    if torch_attention:
-        so.register_custom_ops_library(_torch_attention.library(options.cache_dir))
+    for torch_ops in (_torch_attention, _torch_blas):
+        if torch_ops.DOMAIN.encode() in model:
+            so.register_custom_ops_library(torch_ops.library(options.cache_dir))
     # Spinning ORT threads would starve PyTorch's own threads between our runs.
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.add_session_config_entry("session.inter_op.allow_spinning", "0")
@@ -245,18 +247,17 @@ class OrtRunner:
                     model, library = self._with_kernels()
                 else:
                     model, interim = self.exported.unfused, True
-            torch_attention = _torch_attention.DOMAIN.encode() in model
             with self.report.stage("session"):
                 try:
                     sess = ort.InferenceSession(model, session_options(self.options, device.type, library,
-                                                                       device.index or 0, torch_attention),
+                                                                       device.index or 0, model),
                                                 providers=providers_for(device, self.options))
                 except Exception as exc:  # noqa: BLE001 - a library ORT refuses: run without it
                     if not library or not self.exported.unfused:
                         raise
                     model, library = self._without_kernels(exc), ""
                     sess = ort.InferenceSession(model, session_options(self.options, device.type, "",
-                                                                       device.index or 0, torch_attention),
+                                                                       device.index or 0, model),
                                                 providers=providers_for(device, self.options))
             if library:
                 # The kernels loaded: the model without them (MBs per partition) is done with.

@@ -41,6 +41,10 @@ def test_info_prints_versions_real_providers_and_gpu_verdict():
 
     attention_line = next(line for line in out.splitlines() if line.startswith("PyTorch's CPU attention inside ORT"))
     assert attention_line.endswith(_torch_attention.problem() or ": available")
+    from ort_dynamo import _torch_blas
+
+    products_line = next(line for line in out.splitlines() if line.startswith("CPU float32 products"))
+    assert ("torch's BLAS" in products_line) == _torch_blas.applies(ort_dynamo.OrtOptions(), "cpu")
 
 
 def test_info_tells_two_onnxruntime_wheels_in_one_folder_from_two_in_different_folders():

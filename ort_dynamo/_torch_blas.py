@@ -1,0 +1,92 @@
+"""PyTorch's BLAS for float32 products inside ORT sessions (option ``cpu_matmul``).
+
+``csrc/torch_blas.c`` is a custom-op library (domain ``ort_dynamo.blas``) whose ``MatMul`` calls
+the ``sgemm_`` torch exports (MKL in its x86 builds): eager's own product, inside the partition.
+Built once per machine with the C compiler (kept on disk by the hash of ``csrc``'s files) and
+handed torch's function when first loaded."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import platform
+import warnings
+
+from . import _kernels
+from .options import OrtOptions
+
+__all__ = ["DOMAIN", "applies", "describe", "library", "problem"]
+
+DOMAIN = "ort_dynamo.blas"
+_SOURCE = os.path.join(_kernels._CSRC, "torch_blas.c")
+_SGEMM = "sgemm_"
+#: MKL's: a product kept to the calling thread, so it runs on ORT's threads (absent: OpenMP's).
+_THREADS_LOCAL = "MKL_Set_Num_Threads_Local"  # by value (the lowercase names are Fortran's)
+
+
+@functools.lru_cache(None)
+def problem() -> str:
+    """Why torch's BLAS cannot run inside ORT here, or "" if it can."""
+    return _kernels.torch_shim_problem("libtorch_cpu.so", (_SGEMM,), "its BLAS products' custom-op library")
+
+
+@functools.lru_cache(None)
+def _intel_with_mkl() -> bool:
+    import torch
+
+    if not torch.backends.mkl.is_available():
+        return False
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return "GenuineIntel" in fh.read(4096)
+    except OSError:
+        return "Intel" in platform.processor()
+
+
+def applies(options: OrtOptions, device: str) -> bool:
+    """Whether a graph on ``device`` gets torch's BLAS for its float32 products."""
+    if device != "cpu" or options.cpu_matmul == "ort" or options.deterministic_compute:
+        return False
+    if options.cpu_matmul == "auto" and not _intel_with_mkl():
+        return False
+    if problem():
+        if options.cpu_matmul == "torch_blas":
+            _warn_once(f"ort_dynamo: cpu_matmul='torch_blas' cannot apply, ORT multiplies instead: {problem()}")
+        return False
+    try:
+        library(options.cache_dir)  # built once per machine: a model must not name ops nothing registers
+    except _kernels.KernelBuildError as exc:
+        _warn_once(f"ort_dynamo: torch's BLAS products could not be built, ORT multiplies instead: {exc}")
+        return False
+    return True
+
+
+@functools.lru_cache(None)
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+
+
+def describe() -> str:
+    """One line for ``python -m ort_dynamo info``: who multiplies float32 matrices by default."""
+    if problem():
+        return f"ORT's (torch's BLAS cannot run inside ORT: {problem()})"
+    if _intel_with_mkl():
+        return "torch's BLAS (MKL, an Intel CPU)"
+    return "ORT's (torch's BLAS is taken by default only on Intel CPUs with MKL; cpu_matmul=torch_blas forces it)"
+
+
+@functools.lru_cache(None)
+def library(cache_dir: str = "") -> str:
+    """Path of the custom-op library, built here if no earlier process left it, and handed
+    torch's ``sgemm_`` (the same loaded copy ORT registers: one path, one handle)."""
+    if reason := problem():
+        raise _kernels.KernelBuildError(reason)
+    path = _kernels.built_host_library("torch_blas", [_SOURCE], cache_dir)
+    loaded = ctypes.CDLL(path)
+    torch_cpu = _kernels.torch_library("libtorch_cpu.so")
+    sgemm = ctypes.cast(getattr(torch_cpu, _SGEMM), ctypes.c_void_p)
+    threads_local = ctypes.cast(getattr(torch_cpu, _THREADS_LOCAL, None) or 0, ctypes.c_void_p)
+    loaded.ortd_torch_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    loaded.ortd_torch_blas_init(sgemm, threads_local, os.cpu_count() or 1)
+    return path

@@ -1,0 +1,116 @@
+"""Option cpu_matmul: on CPU, float32 matrix products run on the BLAS eager's own products run on
+(torch's `sgemm_`, MKL in its x86 builds) inside the ORT session, with their transposes folded
+in; "auto" picks it on Intel CPUs, "ort" keeps ORT's products."""
+
+import glob
+
+import onnx
+import pytest
+import torch
+
+import ort_dynamo
+from ort_dynamo import _kernels, _torch_blas
+from ort_dynamo.errors import OptionsError
+
+pytestmark = pytest.mark.skipif(bool(_torch_blas.problem()), reason="needs a C compiler and torch's sgemm_")
+
+
+def _products(save_path) -> list[tuple[str, str]]:
+    """(domain, op) of every product in the models the compile saved."""
+    return [(node.domain, node.op_type) for path in sorted(glob.glob(f"{save_path}/*.onnx"))
+            for node in onnx.load(path).graph.node if node.op_type in ("MatMul", "Gemm", "FusedMatMul")]
+
+
+def _train_step(fn, inputs, tmp_path=None, matmul="torch_blas"):
+    """Output and every input's gradient, eager without ``tmp_path``, else compiled with
+    ``cpu_matmul=matmul`` and its models saved under ``tmp_path``."""
+    args = [t.clone().requires_grad_() for t in inputs]
+    if tmp_path is not None:
+        ort_dynamo.reset()
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend="ort", options={"cpu_matmul": matmul, "fallback_policy": "DISABLE",
+                                                       "save_onnx": True, "save_path": str(tmp_path)})
+    out = fn(*args)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return [out.detach(), *(a.grad for a in args)]
+
+
+def _assert_like_eager(got, want):
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+CASES = {
+    # a Linear: addmm forward (bias), weight gradient from x^T, input gradient by w
+    "linear": (lambda x, w, b: torch.nn.functional.linear(x, w, b), [(8, 12, 32), (24, 32), (24,)]),
+    "linear without bias": (lambda x, w: x @ w.t(), [(5, 7, 16), (9, 16)]),
+    "transposed first operand": (lambda a, b: a.t() @ b, [(33, 20), (33, 18)]),
+    "both transposed": (lambda a, b: a.t() @ b.t(), [(17, 6), (11, 17)]),
+    "transposed result": (lambda a, b: (a @ b).t() * 2, [(6, 40), (40, 30)]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_products_run_on_torchs_blas_with_eagers_values(case, tmp_path):
+    fn, shapes = CASES[case]
+    torch.manual_seed(0)
+    inputs = [torch.randn(s) for s in shapes]
+    got = _train_step(fn, inputs, tmp_path)
+    _assert_like_eager(got, _train_step(fn, inputs))
+    products = _products(tmp_path)
+    assert products and all(p == (_torch_blas.DOMAIN, "MatMul") for p in products), products
+
+
+def test_a_transformer_trains_like_eager_with_every_product_on_torchs_blas(tmp_path):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    x = torch.randn(2, 10, 64)
+    compiled = torch.compile(layer, backend="ort", options={"cpu_matmul": "torch_blas", "save_onnx": True,
+                                                             "save_path": str(tmp_path)})
+    eager = [layer(x)]
+    eager[0].sum().backward()
+    eager += [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    got = [compiled(x)]
+    got[0].sum().backward()
+    got += [p.grad for p in layer.parameters()]
+    for a, b in zip(got, eager, strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-4, atol=1e-5)
+    products = _products(tmp_path)
+    # Attention's batched products (both operands batched) stay ORT's.
+    assert products.count((_torch_blas.DOMAIN, "MatMul")) >= 8 and ("", "Gemm") not in products
+
+
+def test_ort_keeps_its_own_products(tmp_path):
+    fn, shapes = CASES["linear"]
+    inputs = [torch.randn(s) for s in shapes]
+    _assert_like_eager(_train_step(fn, inputs, tmp_path, matmul="ort"), _train_step(fn, inputs))
+    assert all(domain != _torch_blas.DOMAIN for domain, _ in _products(tmp_path))
+
+
+def test_a_new_batch_size_runs_the_same_product():
+    fn = torch.compile(lambda x, w: x @ w, backend="ort", dynamic=True, options={"cpu_matmul": "torch_blas"})
+    w = torch.randn(16, 8)
+    for rows in (3, 11, 0):
+        x = torch.randn(rows, 5, 16)
+        torch.testing.assert_close(fn(x, w), x @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_library_that_does_not_build_leaves_the_products_to_ort(monkeypatch, tmp_path):
+    def failing_compiler(command, cwd):
+        raise _kernels.KernelBuildError("cc failed")
+
+    monkeypatch.setattr(_kernels, "_run", failing_compiler)
+    fn, shapes = CASES["linear"]
+    inputs = [torch.randn(s) for s in shapes]
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="ort", options={"cpu_matmul": "torch_blas", "pointwise_kernels": False,
+                                                         "cache_dir": str(tmp_path), "fallback_policy": "DISABLE"})
+    with pytest.warns(UserWarning, match="torch's BLAS products could not be built, ORT multiplies instead"):
+        torch.testing.assert_close(compiled(*inputs), fn(*inputs))
+
+
+def test_unknown_choice_is_refused():
+    with pytest.raises(OptionsError, match="cpu_matmul must be one of"):
+        ort_dynamo.OrtOptions(cpu_matmul="mkl")
