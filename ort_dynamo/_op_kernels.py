@@ -1422,12 +1422,13 @@ def f32_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
     return list(kernels.values())
 
 
-def blas_products(graph: ir.Graph, domain: str) -> int:
-    """Each float32 MatMul whose second operand is one matrix, and each Gemm (alpha 1, a bias of
-    one value per output column if any) -> ``domain``'s MatMul (csrc/torch_blas.c: torch's
-    BLAS): Transposes of the operands' last two axes folded in, and a Transpose of the result's
-    (a weight gradient's) done by multiplying the operands the other way round. Products of
-    bfloat16 values (CPU autocast's) stay for their own kernels. Returns the count."""
+def blas_products(graph: ir.Graph, domain: str, bfloat16: bool) -> int:
+    """Each MatMul whose second operand is one matrix, and each Gemm (alpha 1, a bias of one
+    value per output column if any), of float32 values -> ``domain``'s MatMul (csrc/torch_blas.c:
+    torch's BLAS); of two bfloat16 values widened (CPU autocast's products), where ``bfloat16``,
+    -> its Bf16MatMul, which reads them as bfloat16 and writes the float32 sums the MatMul did.
+    Transposes of the operands' last two axes are folded in, and a Transpose of the result's (a
+    weight gradient's) done by multiplying the operands the other way round. Returns the count."""
     count = 0
     for node in list(graph):
         if _op(node, "MatMul") and len(node.inputs) == 2:
@@ -1443,14 +1444,22 @@ def blas_products(graph: ir.Graph, domain: str) -> int:
         else:
             continue
         if alpha != 1.0 or not all(_is_float32(v) for v in (a, b, bias) if v is not None) \
-                or _rank(a) is None or _rank(a) < 2 or _rank(b) != 2 \
-                or _bfloat16_source(a) is not None or _bfloat16_source(b) is not None:
+                or _rank(a) is None or _rank(a) < 2 or _rank(b) != 2:
             continue
-        operands, transposed = [], []
+        operands, transposed, sources = [], [], []
         for value, flag in zip((a, b), trans):
             operand, swapped = _without_transposes(value, _rank(value))
+            source = _bfloat16_source(operand)
+            if source is not None and not source[1]:  # widened where it is read: its Transposes are bfloat16's
+                base, swapped_before = _without_transposes(source[0], _rank(value))
+                source, swapped = (base, []), swapped != swapped_before
             operands.append(operand)
             transposed.append(flag != swapped)
+            sources.append(source)
+        if any(sources) and not (bfloat16 and all(sources)):
+            continue  # one bfloat16 operand: the bfloat16 kernels' case
+        if all(sources):
+            operands = [_in_bfloat16(graph, source, node) for source in sources]
         target = node.outputs[0]
         if bias is None and _rank(a) == 2:
             value, swapped = _through_transposes(target, 2)
@@ -1458,8 +1467,8 @@ def blas_products(graph: ir.Graph, domain: str) -> int:
                 target = value
                 operands, transposed = operands[::-1], [not t for t in transposed[::-1]]
         replaced = [*_chain_before(target), node, *(n for v in (a, b) for n in _chain_before(v))]
-        product = ir.node("MatMul", [*operands, *([bias] if bias is not None else [])], domain=domain,
-                          attributes={"trans_a": int(transposed[0]), "trans_b": int(transposed[1])})
+        product = ir.node("Bf16MatMul" if all(sources) else "MatMul", [*operands, *([bias] if bias is not None else [])],
+                          domain=domain, attributes={"trans_a": int(transposed[0]), "trans_b": int(transposed[1])})
         product.metadata_props.update(node.metadata_props)  # where in the model it came from (save_onnx)
         graph.insert_before(node, product)
         _take_over(target, product.outputs[0])

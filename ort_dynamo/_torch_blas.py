@@ -16,11 +16,14 @@ import warnings
 from . import _kernels
 from .options import OrtOptions
 
-__all__ = ["DOMAIN", "applies", "describe", "library", "problem"]
+__all__ = ["DOMAIN", "applies", "bfloat16_products", "describe", "library", "problem"]
 
 DOMAIN = "ort_dynamo.blas"
 _SOURCE = os.path.join(_kernels._CSRC, "torch_blas.c")
 _SGEMM = "sgemm_"
+#: MKL's product of bfloat16 matrices into float32 (Fortran's interface, as sgemm_): CPU
+#: autocast's products, on AMX where the CPU has it. Other BLAS lack it.
+_BF16_GEMM = "gemm_bf16bf16f32_"
 #: MKL's: a product kept to the calling thread, so it runs on ORT's threads (absent: OpenMP's).
 _THREADS_LOCAL = "MKL_Set_Num_Threads_Local"  # by value (the lowercase names are Fortran's)
 
@@ -63,6 +66,16 @@ def applies(options: OrtOptions, device: str) -> bool:
 
 
 @functools.lru_cache(None)
+def bfloat16_products() -> bool:
+    """Whether torch's BLAS multiplies bfloat16 matrices too (MKL's gemm_bf16bf16f32)."""
+    try:
+        getattr(_kernels.torch_library("libtorch_cpu.so"), _BF16_GEMM)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+@functools.lru_cache(None)
 def _warn_once(message: str) -> None:
     warnings.warn(message, stacklevel=3)
 
@@ -72,7 +85,7 @@ def describe() -> str:
     if problem():
         return f"ORT's (torch's BLAS cannot run inside ORT: {problem()})"
     if _intel_with_mkl():
-        return "torch's BLAS (MKL, an Intel CPU)"
+        return "torch's BLAS (MKL, an Intel CPU" + ("; bfloat16 ones too)" if bfloat16_products() else ")")
     return "ORT's (torch's BLAS is taken by default only on Intel CPUs with MKL; cpu_matmul=torch_blas forces it)"
 
 
@@ -86,7 +99,7 @@ def library(cache_dir: str = "") -> str:
     loaded = ctypes.CDLL(path)
     torch_cpu = _kernels.torch_library("libtorch_cpu.so")
     sgemm = ctypes.cast(getattr(torch_cpu, _SGEMM), ctypes.c_void_p)
-    threads_local = ctypes.cast(getattr(torch_cpu, _THREADS_LOCAL, None) or 0, ctypes.c_void_p)
-    loaded.ortd_torch_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    loaded.ortd_torch_blas_init(sgemm, threads_local, os.cpu_count() or 1)
+    optional = [ctypes.cast(getattr(torch_cpu, name, None) or 0, ctypes.c_void_p) for name in (_BF16_GEMM, _THREADS_LOCAL)]
+    loaded.ortd_torch_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    loaded.ortd_torch_blas_init(sgemm, *optional, os.cpu_count() or 1)
     return path

@@ -183,14 +183,14 @@ class OrtOptions:
         "torch's flash attention in their place); without them attention runs written out. "
         "`cpu_torch_attention` takes precedence.", "")
     cpu_matmul: str = _field(
-        "auto", "Who multiplies float32 matrices on CPU (MatMul, Gemm and their folded transposes; a "
-        "Linear's bias is added by the product). `torch_blas`: the BLAS eager's own products run on "
-        "(MKL in PyTorch's x86 builds), called from inside the ORT session as a custom op (needs a C "
-        "compiler, built once); its results are eager's. `ort`: ORT's MLAS, and ort_dynamo's own "
-        "products where they were faster (`pointwise_kernels`). `auto`: `torch_blas` on Intel CPUs "
-        "when this torch uses MKL (on the Xeon measured MKL ran the benchmark models' products 1.2x "
-        "faster than MLAS; on AMD Zen 4 they were even), else `ort`. CPU autocast's bfloat16 "
-        "products keep their own kernels either way.", "")
+        "auto", "Who multiplies matrices on CPU (float32 MatMul and Gemm, their folded transposes, a "
+        "Gemm's bias; and CPU autocast's bfloat16 products). `torch_blas`: the BLAS eager's own "
+        "products run on (MKL in PyTorch's x86 builds, its bfloat16 product on AMX where the CPU has "
+        "it), called from inside the ORT session as a custom op (needs a C compiler, built once). "
+        "`ort`: ORT's MLAS, and ort_dynamo's own products where they were faster "
+        "(`pointwise_kernels`). `auto`: `torch_blas` on Intel CPUs when this torch uses MKL (on the "
+        "Xeon measured: steps 6-14% faster in float32, 42-49% under autocast; docs/performance.md), "
+        "else `ort` (on AMD Zen 4 MKL and MLAS were even).", "")
     cuda_memory_pattern: bool = _field(
         True, "On CUDA, ORT's memory pattern (`SessionOptions.enable_mem_pattern`): after a run, each "
         "later run of the same shapes allocates its intermediates as one block of the run's planned "

@@ -87,7 +87,8 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
             _fusions.fuse(model)
     if exported.device == "cuda":
         _integer_pads_as_concat(model.graph)
-    if _torch_blas.applies(options, exported.device) and _op_kernels.blas_products(model.graph, _torch_blas.DOMAIN):
+    if _torch_blas.applies(options, exported.device) and _op_kernels.blas_products(
+            model.graph, _torch_blas.DOMAIN, _torch_blas.bfloat16_products()):
         model.opset_imports[_torch_blas.DOMAIN] = 1
     _reshaped_outputs_as_views(exported)
     if not options.save_onnx:

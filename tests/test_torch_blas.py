@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(bool(_torch_blas.problem()), reason="needs a C c
 def _products(save_path) -> list[tuple[str, str]]:
     """(domain, op) of every product in the models the compile saved."""
     return [(node.domain, node.op_type) for path in sorted(glob.glob(f"{save_path}/*.onnx"))
-            for node in onnx.load(path).graph.node if node.op_type in ("MatMul", "Gemm", "FusedMatMul")]
+            for node in onnx.load(path).graph.node if node.op_type in ("MatMul", "Gemm", "FusedMatMul", "Bf16MatMul")]
 
 
 def _train_step(fn, inputs, tmp_path=None, matmul="torch_blas"):
@@ -79,6 +79,35 @@ def test_a_transformer_trains_like_eager_with_every_product_on_torchs_blas(tmp_p
     products = _products(tmp_path)
     # Attention's batched products (both operands batched) stay ORT's.
     assert products.count((_torch_blas.DOMAIN, "MatMul")) >= 8 and ("", "Gemm") not in products
+
+
+@pytest.mark.skipif(not _torch_blas.bfloat16_products(), reason="this torch's BLAS has no bfloat16 product")
+def test_autocast_products_read_bfloat16_on_torchs_blas(tmp_path):
+    """CPU autocast's products: MKL's bfloat16 product (AMX where the CPU has it) reads the
+    operands as bfloat16, transposes folded in, and gives what ort_dynamo's own products give."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32))
+    x = torch.randn(4, 10, 64)
+
+    def step(matmul, save_path):
+        ort_dynamo.reset()
+        torch._dynamo.reset()
+        model.zero_grad()
+        compiled = torch.compile(model, backend="ort", options={"cpu_matmul": matmul, "save_onnx": True,
+                                                                "save_path": str(save_path)})
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = compiled(x)
+        out.float().square().sum().backward()
+        return [out.float(), *(p.grad.clone() for p in model.parameters())]
+
+    got, theirs = step("torch_blas", tmp_path / "blas"), step("ort", tmp_path / "ort")
+    for a, b in zip(got, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-2 * b.abs().max().item())
+    products = _products(tmp_path / "blas")
+    assert products.count((_torch_blas.DOMAIN, "Bf16MatMul")) == 5, products
+    transposes = [n for path in glob.glob(str(tmp_path / "blas" / "*.onnx"))
+                  for n in onnx.load(path).graph.node if n.op_type == "Transpose"]
+    assert not transposes
 
 
 def test_ort_keeps_its_own_products(tmp_path):
