@@ -110,6 +110,36 @@ def test_autocast_products_read_bfloat16_on_torchs_blas(tmp_path):
     assert not transposes
 
 
+@pytest.mark.skipif(not _torch_blas.bfloat16_products(), reason="this torch's BLAS has no bfloat16 product")
+def test_autocast_attention_written_out_multiplies_its_heads_on_torchs_blas(tmp_path):
+    """Under autocast attention is written out: its batched products of bfloat16 heads are MKL's too."""
+    torch.manual_seed(0)
+    projection = torch.nn.Linear(32, 96)
+    x = torch.randn(2, 20, 32)
+
+    def attention(x):
+        q, k, v = (t.view(2, 20, 4, 8).transpose(1, 2) for t in projection(x).split(32, dim=-1))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def step(fn, matmul=None):
+        projection.zero_grad()
+        if matmul:
+            ort_dynamo.reset()
+            torch._dynamo.reset()
+            fn = torch.compile(fn, backend="ort", options={"cpu_matmul": matmul, "save_onnx": True,
+                                                           "save_path": str(tmp_path / matmul)})
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(x)
+        out.float().square().sum().backward()
+        return [out.float(), *(p.grad.clone() for p in projection.parameters())]
+
+    got, theirs = step(attention, "torch_blas"), step(attention, "ort")
+    for a, b in zip(got, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-2 * b.abs().max().item())
+    # The projection's 3 (forward, two gradients), attention's 2 forward and 4 backward.
+    assert _products(tmp_path / "torch_blas") == [(_torch_blas.DOMAIN, "Bf16MatMul")] * 9
+
+
 def test_ort_keeps_its_own_products(tmp_path):
     fn, shapes = CASES["linear"]
     inputs = [torch.randn(s) for s in shapes]

@@ -9,8 +9,9 @@
  *   MatMul(a, b[, bias]) -> y    y[..., M, N] = op(a)[..., M, K] op(b)[K, N] (+ bias[N])
  *   Bf16MatMul(a, b[, bias]) -> y    the same of bfloat16 a and b (CPU autocast's operands), y
  *                                    float32: MKL's gemm_bf16bf16f32 (AMX where the CPU has it)
- * Attributes trans_a, trans_b (int): a held as [..., K, M], b as [N, K]. b is one matrix; a's
- * leading axes are a batch (rows of one product where a is not transposed). y and bias are
+ * Attributes trans_a, trans_b (int): a held as [..., K, M], b as [..., N, K]. a's leading axes
+ * are a batch (rows of one product where a is not transposed and b one matrix); b is one matrix
+ * or, for Bf16MatMul, a batch of a's leading axes (attention's products). y and bias are
  * float32. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -82,7 +83,7 @@ static int fits(int64_t n) { return n >= 0 && n <= INT32_MAX; }
 typedef struct Product {
   const void *a, *b;
   float* y;
-  int64_t rows, n, k, trans_a, trans_b, bf16;
+  int64_t rows, n, k, trans_a, trans_b, bf16, b_step; /* b_step: elements from one b to the next */
   float beta;
   int64_t parts, per;
 } Product;
@@ -97,11 +98,11 @@ static void multiply(const Product* g, int64_t p, int64_t r0, int64_t r1) {
   const int64_t a_at = p * g->rows * g->k + r0 * (g->trans_a ? 1 : g->k);
   float* y = g->y + (p * g->rows + r0) * g->n;
   if (g->bf16)
-    blas_bf16_gemm(&ta, &tb, &im, &in, &ik, &one, (const uint16_t*)g->b, &lda, (const uint16_t*)g->a + a_at, &ldb,
-                   &g->beta, y, &ldc);
+    blas_bf16_gemm(&ta, &tb, &im, &in, &ik, &one, (const uint16_t*)g->b + p * g->b_step, &lda,
+                   (const uint16_t*)g->a + a_at, &ldb, &g->beta, y, &ldc);
   else
-    blas_sgemm(&ta, &tb, &im, &in, &ik, &one, (const float*)g->b, &lda, (const float*)g->a + a_at, &ldb, &g->beta, y,
-               &ldc);
+    blas_sgemm(&ta, &tb, &im, &in, &ik, &one, (const float*)g->b + p * g->b_step, &lda, (const float*)g->a + a_at,
+               &ldb, &g->beta, y, &ldc);
 }
 
 /* One piece on one of ORT's threads, the BLAS kept to that thread: its own threads (OpenMP's)
@@ -129,9 +130,12 @@ static OrtStatus* compute(void* state, OrtKernelContext* ctx) {
   if (!status) status = tensor(api, ctx, 1, b_dims, &b_rank, &b);
   if (!status && count > 2) status = tensor(api, ctx, 2, bias_dims, &bias_rank, &bias);
   if (status) return status;
-  if (a_rank < 2 || b_rank != 2) return fail(api, "ort_dynamo.blas MatMul: a needs 2 or more axes, b exactly 2");
+  if (a_rank < 2 || b_rank < 2 || (b_rank > 2 && (b_rank != a_rank || !k->bf16)))
+    return fail(api, "ort_dynamo.blas MatMul: a needs 2 or more axes, b 2 (Bf16MatMul: or a's)");
+  for (size_t i = 0; i + 2 < b_rank; i++)
+    if (b_dims[i] != a_dims[i]) return fail(api, "ort_dynamo.blas MatMul: a's and b's batches differ");
   int64_t m = a_dims[a_rank - (k->trans_a ? 1 : 2)], ka = a_dims[a_rank - (k->trans_a ? 2 : 1)];
-  int64_t n = b_dims[k->trans_b ? 0 : 1], kb = b_dims[k->trans_b ? 1 : 0];
+  int64_t n = b_dims[b_rank - (k->trans_b ? 2 : 1)], kb = b_dims[b_rank - (k->trans_b ? 1 : 2)];
   if (ka != kb) return fail(api, "ort_dynamo.blas MatMul: the operands' inner dimensions differ");
   int64_t batch = 1;
   for (size_t i = 0; i + 2 < a_rank; i++) batch *= a_dims[i];
@@ -148,8 +152,10 @@ static OrtStatus* compute(void* state, OrtKernelContext* ctx) {
   status = ORTD_CALL(api, KernelContext_GetOutput)(ctx, 0, y_dims, a_rank, &out);
   if (!status) status = ORTD_CALL(api, GetTensorMutableData)(out, (void**)&y);
   if (status) return status;
-  /* Rows of one product: a's batch where a is not transposed, else one product per matrix. */
-  int64_t rows = k->trans_a ? m : batch * m, products = k->trans_a ? batch : 1;
+  /* Rows of one product: a's batch where a is not transposed and b one matrix, else one product
+   * per matrix. */
+  int one_product = !k->trans_a && b_rank == 2;
+  int64_t rows = one_product ? batch * m : m, products = one_product ? 1 : batch;
   if (!fits(rows) || !fits(n) || !fits(ka)) return fail(api, "ort_dynamo.blas MatMul: a dimension past 2^31");
   if (rows == 0 || n == 0) return NULL;
   if (bias)
@@ -157,7 +163,7 @@ static OrtStatus* compute(void* state, OrtKernelContext* ctx) {
   else if (ka == 0)
     memset(y, 0, sizeof(float) * (size_t)(rows * products * n));
   if (ka == 0) return NULL;
-  Product g = {a, b, y, rows, n, ka, k->trans_a, k->trans_b, k->bf16, bias ? 1.0f : 0.0f, 1, 0};
+  Product g = {a, b, y, rows, n, ka, k->trans_a, k->trans_b, k->bf16, b_rank > 2 ? n * ka : 0, bias ? 1.0f : 0.0f, 1, 0};
   if (blas_threads_local == NULL) { /* not MKL: the BLAS threads the product itself */
     for (int64_t p = 0; p < products; p++) multiply(&g, p, 0, rows);
     return NULL;
