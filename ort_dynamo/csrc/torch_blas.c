@@ -173,8 +173,8 @@ static OrtStatus* compute(void* state, OrtKernelContext* ctx) {
   g.parts = parts;
   g.per = (rows + parts - 1) / parts;
   int64_t tasks = products * parts;
-  if (tasks == 1) {
-    part_task(&g, 0);
+  if (tasks == 1) { /* too few rows to cut (a narrow weight's gradient): MKL threads it itself */
+    multiply(&g, 0, 0, rows);
     return NULL;
   }
   return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, part_task, (size_t)tasks, 0, &g);
