@@ -194,30 +194,39 @@ def _interleaved_ms(fns, repeats: int, cold: bool) -> list[float]:
     return [statistics.median(t) * 1e3 for t in times]
 
 
+def _one_op_against_ort(args, label: str, make, what: str) -> None:
+    """``make(trans_a, trans_b, rank)``'s one-op session (``label``) against ORT's FusedMatMul and
+    torch.matmul on each case, the calls interleaved; its error against a float64 product."""
+    copies = _header(args, what)
+    ratios, to_torch = [], []
+    for m, k, n, trans_a, trans_b, a_shape, b_shape in _cases(args.attention):
+        a, b, ta, tb = _operands(lambda shape: torch.randn(*shape), a_shape, b_shape, trans_a, trans_b, copies)
+        op, theirs = make(trans_a, trans_b, len(a_shape)), _session(a_shape, b_shape, trans_a, trans_b)
+        feeds = list(zip(_ort_values(a), _ort_values(b)))
+        got = op.run_with_ort_values(["y"], dict(zip("ab", feeds[0])))[0].numpy()
+        want = torch.matmul(ta[0].double(), tb[0].double()).numpy()
+        error = float(np.abs(got - want).max() / np.abs(want).max())
+        op_ms, ort_ms, torch_ms = _interleaved_ms(
+            [lambda i: op.run_with_ort_values(["y"], dict(zip("ab", feeds[i % copies]))),
+             lambda i: theirs.run(None, {"a": a[i % copies].numpy(), "b": b[i % copies].numpy()}),
+             lambda i: torch.matmul(ta[i % copies], tb[i % copies])], args.repeats, args.cold)
+        ratios.append(op_ms / ort_ms)
+        to_torch.append(op_ms / torch_ms)
+        _row((m, k, n, trans_a, trans_b), {label: op_ms, "ORT": ort_ms, "torch": torch_ms},
+             f"{label}/ORT {op_ms / ort_ms:.2f}  {label}/torch {op_ms / torch_ms:.2f}  error {error:.1e}",
+             a_shape[0] if len(a_shape) > 2 else 1)
+    print(f"geometric mean {label}/ORT: {statistics.geometric_mean(ratios):.2f}, "
+          f"{label}/torch: {statistics.geometric_mean(to_torch):.2f}")
+
+
 def our_float32_products(args) -> None:
     from ort_dynamo import _kernels
 
     if not (_kernels.available() and _kernels.bfloat16_products()):
         raise SystemExit("ort_dynamo's float32 product is built with its bfloat16 one: no C compiler targeting "
                          "AVX512-BF16 here")
-    copies = _header(args, ", float32, ours against ORT's (MLAS), calls interleaved")
-    ratios = []
-    for m, k, n, trans_a, trans_b, a_shape, b_shape in _cases(args.attention):
-        a, b, ta, tb = _operands(lambda shape: torch.randn(*shape), a_shape, b_shape, trans_a, trans_b, copies)
-        ours = _our_session(trans_a, trans_b, float32=True, rank=len(a_shape))
-        feeds = list(zip(_ort_values(a), _ort_values(b)))
-        theirs = _session(a_shape, b_shape, trans_a, trans_b)
-        got = ours.run_with_ort_values(["y"], dict(zip("ab", feeds[0])))[0].numpy()
-        want = torch.matmul(ta[0].double(), tb[0].double()).numpy()
-        error = float(np.abs(got - want).max() / np.abs(want).max())
-        ours_ms, ort_ms, torch_ms = _interleaved_ms(
-            [lambda i: ours.run_with_ort_values(["y"], dict(zip("ab", feeds[i % copies]))),
-             lambda i: theirs.run(None, {"a": a[i % copies].numpy(), "b": b[i % copies].numpy()}),
-             lambda i: torch.matmul(ta[i % copies], tb[i % copies])], args.repeats, args.cold)
-        ratios.append(ours_ms / ort_ms)
-        _row((m, k, n, trans_a, trans_b), {"ours": ours_ms, "ORT": ort_ms, "torch": torch_ms},
-             f"ours/ORT {ours_ms / ort_ms:.2f}  error {error:.1e}", a_shape[0] if len(a_shape) > 2 else 1)
-    print(f"geometric mean ours/ORT: {statistics.geometric_mean(ratios):.2f}")
+    _one_op_against_ort(args, "ours", lambda trans_a, trans_b, rank: _our_session(trans_a, trans_b, True, rank),
+                        ", float32, ours against ORT's (MLAS), calls interleaved")
 
 
 def _blas_session(trans_a: int, trans_b: int) -> ort.InferenceSession:
@@ -242,25 +251,10 @@ def blas_products(args) -> None:
 
     if _torch_blas.problem():
         raise SystemExit(f"torch's BLAS cannot run inside ORT here: {_torch_blas.problem()}")
-    copies = _header(args, ", float32, torch's BLAS inside ORT against ORT's (MLAS), calls interleaved")
-    ratios, to_torch = [], []
-    for m, k, n, trans_a, trans_b, a_shape, b_shape in _cases():
-        a, b, ta, tb = _operands(lambda shape: torch.randn(*shape), a_shape, b_shape, trans_a, trans_b, copies)
-        blas = _blas_session(trans_a, trans_b)
-        feeds = list(zip(_ort_values(a), _ort_values(b)))
-        theirs = _session(a_shape, b_shape, trans_a, trans_b)
-        got = blas.run_with_ort_values(["y"], dict(zip("ab", feeds[0])))[0].numpy()
-        error = float(np.abs(got - torch.matmul(ta[0], tb[0]).numpy()).max())
-        blas_ms, ort_ms, torch_ms = _interleaved_ms(
-            [lambda i: blas.run_with_ort_values(["y"], dict(zip("ab", feeds[i % copies]))),
-             lambda i: theirs.run(None, {"a": a[i % copies].numpy(), "b": b[i % copies].numpy()}),
-             lambda i: torch.matmul(ta[i % copies], tb[i % copies])], args.repeats, args.cold)
-        ratios.append(blas_ms / ort_ms)
-        to_torch.append(blas_ms / torch_ms)
-        _row((m, k, n, trans_a, trans_b), {"blas": blas_ms, "ORT": ort_ms, "torch": torch_ms},
-             f"blas/ORT {blas_ms / ort_ms:.2f}  blas/torch {blas_ms / torch_ms:.2f}  vs torch.mm {error:.0e}")
-    print(f"geometric mean blas/ORT: {statistics.geometric_mean(ratios):.2f}, "
-          f"blas/torch: {statistics.geometric_mean(to_torch):.2f}")
+    if args.attention:
+        raise SystemExit("--blas multiplies one matrix by another (float32 batches stay ORT's): no --attention")
+    _one_op_against_ort(args, "blas", lambda trans_a, trans_b, rank: _blas_session(trans_a, trans_b),
+                        ", float32, torch's BLAS inside ORT against ORT's (MLAS), calls interleaved")
 
 
 def bfloat16_products(args) -> None:

@@ -52,8 +52,7 @@ from ._fusions import (_constant_tensor, _initializer, _int64_constant, _named_d
                        _sole_user, _take_over, element_type)
 
 __all__ = ["ATTENTION_HEAD_MULTIPLE", "DOMAIN", "attentions_as_kernels", "axis_softmaxes_as_kernels", "bf16_matmul_kernel",
-           "blas_products",
-           "bf16_matmuls_as_kernels", "conv_weight_grads_as_kernels", "convs_as_kernels", "f32_matmul_kernel",
+           "bf16_matmuls_as_kernels", "blas_products", "conv_weight_grads_as_kernels", "convs_as_kernels", "f32_matmul_kernel",
            "f32_matmuls_as_kernels", "gathered_max_pools_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
            "moves_heads", "scatter_adds_along_last_axis", "slow_expands_as_products", "slow_transposes_as_kernels",

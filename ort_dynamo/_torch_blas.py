@@ -1,7 +1,8 @@
-"""PyTorch's BLAS for float32 products inside ORT sessions (option ``cpu_matmul``).
+"""PyTorch's BLAS for matrix products inside ORT sessions (option ``cpu_matmul``).
 
 ``csrc/torch_blas.c`` is a custom-op library (domain ``ort_dynamo.blas``) whose ``MatMul`` calls
-the ``sgemm_`` torch exports (MKL in its x86 builds): eager's own product, inside the partition.
+the ``sgemm_`` torch exports (MKL in its x86 builds): eager's own product, inside the partition;
+its ``Bf16MatMul``, MKL's bfloat16 product (CPU autocast's; AMX where the CPU has it).
 Built once per machine with the C compiler (kept on disk by the hash of ``csrc``'s files) and
 handed torch's function when first loaded."""
 
@@ -48,7 +49,7 @@ def _intel_with_mkl() -> bool:
 
 
 def applies(options: OrtOptions, device: str) -> bool:
-    """Whether a graph on ``device`` gets torch's BLAS for its float32 products."""
+    """Whether a graph on ``device`` gets torch's BLAS for its products."""
     if device != "cpu" or options.cpu_matmul == "ort" or options.deterministic_compute:
         return False
     if options.cpu_matmul == "auto" and not _intel_with_mkl():
@@ -81,7 +82,7 @@ def _warn_once(message: str) -> None:
 
 
 def describe() -> str:
-    """One line for ``python -m ort_dynamo info``: who multiplies float32 matrices by default."""
+    """One line for ``python -m ort_dynamo info``: who multiplies matrices by default."""
     if problem():
         return f"ORT's (torch's BLAS cannot run inside ORT: {problem()})"
     if _intel_with_mkl():

@@ -145,7 +145,7 @@ def _info(args: argparse.Namespace) -> int:
     print("PyTorch's CPU attention inside ORT (cpu_torch_attention): " + (problem or "available"))
     from . import _torch_blas
 
-    print("CPU float32 products (cpu_matmul=auto): " + _torch_blas.describe())
+    print("CPU matrix products (cpu_matmul=auto): " + _torch_blas.describe())
 
     usable, lines = _cuda_verdict(torch, providers, ort_wheels, os.path.dirname(os.path.dirname(onnxruntime.__file__)))
     print(f"CUDA GPU usable: {'yes' if usable else 'no'}")

@@ -43,7 +43,7 @@ def test_info_prints_versions_real_providers_and_gpu_verdict():
     assert attention_line.endswith(_torch_attention.problem() or ": available")
     from ort_dynamo import _torch_blas
 
-    products_line = next(line for line in out.splitlines() if line.startswith("CPU float32 products"))
+    products_line = next(line for line in out.splitlines() if line.startswith("CPU matrix products"))
     assert ("torch's BLAS" in products_line) == _torch_blas.applies(ort_dynamo.OrtOptions(), "cpu")
 
 

@@ -133,9 +133,9 @@ def test_fused_adam_reads_training_arguments(tmp_path):
 
 def test_trainer_with_bf16_on_a_cpu_trains_on_ort_with_eagers_losses(tmp_path, monkeypatch):
     """``bf16=True`` on a CPU is torch.autocast(cpu, bfloat16) around each step: the products
-    are bfloat16 ones (ort_dynamo's own where the CPU has AVX512-BF16, as eager's oneDNN ones),
-    every other op as eager computes it, so the losses stay within bfloat16's rounding of eager's."""
-    from ort_dynamo import _kernels
+    are bfloat16 ones (MKL's where cpu_matmul picks torch's BLAS, else ort_dynamo's own where the
+    CPU has AVX512-BF16, as eager's oneDNN ones), every other op as eager computes it, so the losses stay within bfloat16's rounding of eager's."""
+    from ort_dynamo import _kernels, _torch_blas
 
     ort_hf.enable()
     eager_losses, _, _ = train(training_args(tmp_path, optim="sgd", learning_rate=0.1, bf16=True))
@@ -149,7 +149,9 @@ def test_trainer_with_bf16_on_a_cpu_trains_on_ort_with_eagers_losses(tmp_path, m
     import onnx
 
     ops = {n.op_type.split("_")[0] for p in (tmp_path / "onnx").glob("*.onnx") for n in onnx.load(p).graph.node}
-    if _kernels.available() and _kernels.bfloat16_products():
+    if _torch_blas.applies(ort_dynamo.OrtOptions(), "cpu") and _torch_blas.bfloat16_products():
+        assert "Bf16MatMul" in ops and not {"MatMul", "Gemm"} & ops, ops  # MKL's (cpu_matmul="auto" on Intel)
+    elif _kernels.available() and _kernels.bfloat16_products():
         assert {"Bf16MatMulNN", "Bf16MatMulNT", "Bf16MatMulTN"} <= ops, ops
     else:
         assert "MatMul" in ops or "Gemm" in ops
