@@ -90,6 +90,15 @@ def describe() -> str:
     return "ORT's (torch's BLAS is taken by default only on Intel CPUs with MKL; cpu_matmul=torch_blas forces it)"
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on (a container's share, not the host's count): the pieces a
+    product is cut into, one per thread of ORT's pool."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @functools.lru_cache(None)
 def library(cache_dir: str = "") -> str:
     """Path of the custom-op library, built here if no earlier process left it, and handed
@@ -102,5 +111,5 @@ def library(cache_dir: str = "") -> str:
     sgemm = ctypes.cast(getattr(torch_cpu, _SGEMM), ctypes.c_void_p)
     optional = [ctypes.cast(getattr(torch_cpu, name, None) or 0, ctypes.c_void_p) for name in (_BF16_GEMM, _THREADS_LOCAL)]
     loaded.ortd_torch_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    loaded.ortd_torch_blas_init(sgemm, *optional, os.cpu_count() or 1)
+    loaded.ortd_torch_blas_init(sgemm, *optional, _usable_cpus())
     return path
