@@ -1,4 +1,4 @@
-/* Float32 matrix products by the BLAS eager's own products run on (torch's: MKL in PyTorch's x86
+/* Matrix products by the BLAS eager's own products run on (torch's: MKL in PyTorch's x86
  * builds), as an ONNX Runtime custom op. On Intel CPUs MKL's sgemm ran 1.2x faster than ORT's
  * MLAS on the benchmark models' shapes (benchmarks/gemm.py), and the step is its products.
  * torch exports the Fortran symbol `sgemm_`; ort_dynamo/_torch_blas.py hands its address in
