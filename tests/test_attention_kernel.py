@@ -164,11 +164,11 @@ def test_attention_the_kernel_does_not_take_is_written_out(tmp_path, options, he
     assert not any(op.startswith(("TorchAttention_", "FlashAttention")) for op in ops), ops
 
 
-def test_the_kernel_names_operands_of_the_wrong_shape():
-    """The kernel checks at run time what the graph promised: the head size it was built for,
-    one batch and head count, key and value of one length."""
-    dims = {"q": [2, 3, "m", 16], "k": [2, 3, "n", 16], "v": [2, 3, "n", 16]}
-    inputs = [ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
+def _flash_op_as_kernel(dims, mask_type=None):
+    """(model, session) of one FlashAttentionCpu node over inputs of ``dims`` (name: shape; a
+    "mask" of ``mask_type``), after the pointwise stage made it ort_dynamo's attention kernel."""
+    inputs = [ir.Value(name=name, shape=ir.Shape(shape),
+                       type=ir.TensorType(mask_type if name == "mask" else ir.DataType.FLOAT))
               for name, shape in dims.items()]
     node = ir.node("FlashAttentionCpu", inputs, attributes={"is_causal": 0, "has_scale": 0},
                    domain=_torch_attention.DOMAIN, num_outputs=2)
@@ -178,11 +178,18 @@ def test_the_kernel_names_operands_of_the_wrong_shape():
     model = ir.Model(graph, ir_version=10)
     kernels = _pointwise.fuse_pointwise(model)
     assert [n.op_type.startswith("TorchAttention_") for n in model.graph] == [True]
-    assert _torch_attention.DOMAIN not in model.opset_imports  # torch's library is not needed
     so = ort.SessionOptions()
     so.register_custom_ops_library(_kernels.library(kernels))
     session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
                                    providers=["CPUExecutionProvider"])
+    return model, session
+
+
+def test_the_kernel_names_operands_of_the_wrong_shape():
+    """The kernel checks at run time what the graph promised: the head size it was built for,
+    one batch and head count, key and value of one length."""
+    model, session = _flash_op_as_kernel({"q": [2, 3, "m", 16], "k": [2, 3, "n", 16], "v": [2, 3, "n", 16]})
+    assert _torch_attention.DOMAIN not in model.opset_imports  # torch's library is not needed
     q, k, v = (np.random.randn(2, 3, 5, 16).astype(np.float32) for _ in range(3))
     out, lse = session.run(None, {"q": q, "k": k, "v": v})
     want = F.scaled_dot_product_attention(*(torch.from_numpy(t) for t in (q, k, v)))
@@ -264,23 +271,8 @@ def test_grouped_query_attention_reads_each_key_head_for_its_group(tmp_path, is_
 def test_the_kernel_reads_a_bool_mask_where_the_op_is_given_one():
     """The flash op may carry a bool mask (True: attend), which SDPA itself turns additive before
     it: the kernel's bool path against eager, a row with no key to attend to included."""
-    q_value = ir.Value(name="q", shape=ir.Shape([2, 3, 5, 16]), type=ir.TensorType(ir.DataType.FLOAT))
-    k_value = ir.Value(name="k", shape=ir.Shape([2, 3, 7, 16]), type=ir.TensorType(ir.DataType.FLOAT))
-    v_value = ir.Value(name="v", shape=ir.Shape([2, 3, 7, 16]), type=ir.TensorType(ir.DataType.FLOAT))
-    m_value = ir.Value(name="mask", shape=ir.Shape([5, 7]), type=ir.TensorType(ir.DataType.BOOL))
-    inputs = [q_value, k_value, v_value, m_value]
-    node = ir.node("FlashAttentionCpu", inputs, attributes={"is_causal": 0, "has_scale": 0},
-                   domain=_torch_attention.DOMAIN, num_outputs=2)
-    for value, name in zip(node.outputs, ("out", "logsumexp")):
-        value.name, value.dtype = name, ir.DataType.FLOAT
-    graph = ir.Graph(inputs, node.outputs, nodes=[node], opset_imports={"": 18, _torch_attention.DOMAIN: 1})
-    model = ir.Model(graph, ir_version=10)
-    kernels = _pointwise.fuse_pointwise(model)
-    assert [n.op_type.startswith("TorchAttention_") for n in model.graph] == [True]
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(_kernels.library(kernels))
-    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
-                                   providers=["CPUExecutionProvider"])
+    _, session = _flash_op_as_kernel({"q": [2, 3, 5, 16], "k": [2, 3, 7, 16], "v": [2, 3, 7, 16], "mask": [5, 7]},
+                                     mask_type=ir.DataType.BOOL)
     q, k, v = (np.random.randn(*shape).astype(np.float32) for shape in ((2, 3, 5, 16), (2, 3, 7, 16), (2, 3, 7, 16)))
     mask = np.random.rand(5, 7) > 0.4
     mask[2] = False
