@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import platform
 import warnings
 
 from . import _kernels
@@ -39,13 +38,7 @@ def problem() -> str:
 def _intel_with_mkl() -> bool:
     import torch
 
-    if not torch.backends.mkl.is_available():
-        return False
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return "GenuineIntel" in fh.read(4096)
-    except OSError:
-        return "Intel" in platform.processor()
+    return torch.backends.mkl.is_available() and "GenuineIntel" in _kernels._target()
 
 
 def applies(options: OrtOptions, device: str) -> bool:
@@ -76,9 +69,12 @@ def bfloat16_products() -> bool:
     return True
 
 
-@functools.lru_cache(None)
 def _warn_once(message: str) -> None:
-    warnings.warn(message, stacklevel=3)
+    from .partition import _WARNED  # the package's once-per-cause record, cleared by ort_dynamo.reset()
+
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def describe() -> str:
