@@ -7,6 +7,7 @@ forward and backward, eager against ``backend="ort"``, on the shapes those model
     .venv/bin/python benchmarks/layer_ops.py --profile max_pool2d          # and ORT's heaviest nodes
     .venv/bin/python benchmarks/layer_ops.py --first-step lstm_64          # and aot_eager's first step
     .venv/bin/python benchmarks/layer_ops.py --dynamic depthwise_conv      # compiled with dynamic=True
+    .venv/bin/python benchmarks/layer_ops.py --variant backward_segments=8 lstm_16  # and ort with these options
 
 Each case is ``(op(x) * 1.5).square().sum()`` and its backward, timed interleaved with eager
 after the generated kernels are built, with glibc malloc's thresholds fixed as in
@@ -15,11 +16,14 @@ train_step.py; prints the median ms of 20 steps, ort/eager and ort's first step 
 case again into profiled sessions and prints the heaviest ORT nodes, each its median ms over
 10 steps (ORT's profiler; the sessions the kernels replaced left out). ``--first-step`` also
 times the case's first step under ``aot_eager`` (before ort's, after one warm-up compile of
-each backend) and prints ort/aot_eager.
+each backend) and prints ort/aot_eager. ``--variant KEY=VALUE[,KEY=VALUE...]`` adds a second
+ort copy compiled with those options (values as JSON, else strings), its steps interleaved
+with the others, and prints its ms and its time over the default ort's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -150,7 +154,36 @@ def aot_eager_first_step(op, x) -> float:
     return time.perf_counter() - start
 
 
+def _variant(text: str) -> dict:
+    """``KEY=VALUE,...`` as ORT options: each value JSON where it parses (8, true), else a string."""
+    options = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--variant takes KEY=VALUE[,KEY=VALUE...], got {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    try:  # a misspelt option is refused here, not after the warm-up
+        ort_dynamo.OrtOptions.from_mapping(options)
+    except ort_dynamo.OptionsError as exc:
+        raise SystemExit(f"--variant: {exc}") from None
+    return options
+
+
+def _options_text(options: dict) -> str:
+    return ",".join(f"{key}={value}" for key, value in options.items())
+
+
 def main(names: list[str]) -> None:
+    variant = None
+    if "--variant" in names:
+        at = names.index("--variant")
+        if at + 1 == len(names):
+            raise SystemExit("--variant takes KEY=VALUE[,KEY=VALUE...]")
+        variant = _variant(names[at + 1])
+        names = names[:at] + names[at + 2:]
     profile, first_steps, dynamic = "--profile" in names, "--first-step" in names, "--dynamic" in names
     names = [name for name in names if name not in ("--profile", "--first-step", "--dynamic")]
     warnings.simplefilter("ignore")
@@ -171,10 +204,14 @@ def main(names: list[str]) -> None:
         x = torch.randn(*shape, requires_grad=True)
         if first_steps:
             aot_first = aot_eager_first_step(op, x)
-        e, o, first = interleaved_ms(lambda t, op=op: (op(t) * 1.5).square().sum(), (x,), 20, dynamic=dynamic)
+        e, o, first, *other = interleaved_ms(lambda t, op=op: (op(t) * 1.5).square().sum(), (x,), 20,
+                                             dynamic=dynamic, variant=variant)
         print(f"{name:20s} {str(tuple(shape)):19s} eager {e:7.2f} ms  ort {o:7.2f} ms  ort/eager {o / e:5.2f}  "
               f"ort first step {first:5.1f} s  fallback nodes {ort_dynamo.report().fallback_nodes}  ({where})",
               flush=True)
+        if other:
+            print(f"{'':40s} with {_options_text(variant)}: {other[0]:7.2f} ms, {other[0] / e:5.2f} of eager's, "
+                  f"{other[0] / o:5.2f} of the default ort's", flush=True)
         if first_steps:
             print(f"{'':40s} first step: aot_eager {aot_first:5.1f} s, ort {first:5.1f} s, "
                   f"ort/aot_eager {first / aot_first:.2f}", flush=True)

@@ -356,11 +356,12 @@ def _child_first_step(name, backend, cache_dir, args) -> None:
 
 
 def interleaved_ms(function, inputs, steps: int, loss=lambda out: out,
-                   dynamic: bool = False) -> tuple[float, float, float]:
+                   dynamic: bool = False, variant: dict | None = None) -> tuple[float, ...]:
     """Median ms of ``loss(function(*inputs)).backward()`` in eager and with ``function``
     compiled on ORT (with ``dynamic=True`` where ``dynamic``), steps interleaved, after three
     warm-up steps and the kernels' build; and the seconds of ORT's first step (compile
-    included; the kernels build in the background)."""
+    included; the kernels build in the background). With ``variant`` (ORT options), a fourth
+    figure: the median ms of a second compiled copy with those options, interleaved too."""
     def step(fn) -> float:
         start = time.perf_counter()
         loss(fn(*inputs)).backward()
@@ -370,15 +371,20 @@ def interleaved_ms(function, inputs, steps: int, loss=lambda out: out,
     torch._dynamo.reset()
     compiled = torch.compile(function, backend="ort", dynamic=dynamic or None)
     first = step(compiled)
+    fns = [function, compiled]
+    if variant is not None:
+        fns.append(torch.compile(function, backend="ort", dynamic=dynamic or None, options=variant))
+        step(fns[-1])
     for _ in range(3):
-        step(function)
-        step(compiled)
+        for fn in fns:
+            step(fn)
     ort_dynamo.wait_for_kernels()
-    eager, ort = [], []
+    times = [[] for _ in fns]
     for _ in range(steps):
-        eager.append(step(function))
-        ort.append(step(compiled))
-    return statistics.median(eager) * 1e3, statistics.median(ort) * 1e3, first
+        for fn, record in zip(fns, times):
+            record.append(step(fn))
+    medians = [statistics.median(record) * 1e3 for record in times]
+    return (medians[0], medians[1], first, *medians[2:])
 
 
 def _steady_malloc() -> bool:

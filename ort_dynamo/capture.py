@@ -26,6 +26,7 @@ from . import lower as lower_stage
 from . import partition as partition_stage
 from . import rewrite as rewrite_stage
 from . import run as run_stage
+from .decompositions import size_hint
 from .errors import ExportFailedError, OptionsError
 from .options import FallbackPolicy, OrtOptions, resolve_options
 from .report import FallbackNode, current_report
@@ -326,7 +327,7 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOpti
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     graph_report.outputs = len(output_node.args[0]) if isinstance(output_node.args[0], (tuple, list)) else 1
     with graph_report.stage("partition"):
-        segments = _backward_segments(options, device) if kind == "backward" else 1
+        segments = _backward_segments(options, device, example_inputs) if kind == "backward" else 1
         kept = lower_stage.TORCH_ATTENTION if options.cuda_torch_attention else frozenset()
         parts = partition_stage.partition(gm, registry, options.fallback_policy, graph_report, known, segments,
                                           kept, bool(_cpu_flash(options, device)))
@@ -344,10 +345,22 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOpti
     return watch(_boxed(split))
 
 
-def _backward_segments(options: OrtOptions, device: str) -> int:
-    """How many ORT runs a backward partition is cut into: the option, or by device. On CUDA one
-    run: GPT-2's step is the host's there, and 8 runs held 2.2 GB more than one (H200)."""
-    return options.backward_segments or (1 if device == "cuda" else 8)
+#: On CPU a backward gets one run per this many bytes of what it reads (saved activations and
+#: weights), up to 8. A run costs host time and cuts the chains the pointwise kernels fuse
+#: (an unrolled LSTM's cells: 1.29x eager's step in 8 runs, 1.08x in one); freeing a few MB
+#: early is not worth that, freeing a transformer's 70-90 MB is (peak memory below eager's).
+_SEGMENT_BYTES = 8 << 20
+_MAX_CPU_SEGMENTS = 8
+
+
+def _backward_segments(options: OrtOptions, device: str, example_inputs) -> int:
+    """How many ORT runs a backward partition is cut into: the option, or by device and size. On
+    CUDA one run: GPT-2's step is the host's there, and 8 runs held 2.2 GB more than one (H200)."""
+    if options.backward_segments or device == "cuda":
+        return options.backward_segments or 1
+    read = sum(math.prod(size_hint(d) for d in t.shape) * t.element_size()
+               for t in example_inputs if isinstance(t, torch.Tensor))
+    return max(1, min(_MAX_CPU_SEGMENTS, read // _SEGMENT_BYTES))
 
 
 class _ArgumentListCodeGen(torch.fx.graph.CodeGen):

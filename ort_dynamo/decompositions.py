@@ -14,7 +14,7 @@ from torch._decomp import decomposition_table as _torch_decompositions
 
 aten = torch.ops.aten
 
-__all__ = ["own_decompositions", "pointwise_decompositions", "product_decompositions"]
+__all__ = ["own_decompositions", "pointwise_decompositions", "product_decompositions", "size_hint"]
 
 
 # ---- decompositions torch lacks -------------------------------------------------------------
@@ -36,7 +36,7 @@ def _conv_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation, gr
         return _patch_weight_grad(read, grad_out, weight_shape)
     # The kernel packs the columns a row of output positions at a time: rows shorter than 8
     # cost more to pack than to multiply (ResNet's 4x4 and 2x2 maps: 0.36 ms against 0.1).
-    own_product = own_product and _hint(grad_out.shape[-1]) >= 8
+    own_product = own_product and size_hint(grad_out.shape[-1]) >= 8
     if groups == 1 and math.prod(kernel) < 32 and inp.device.type == "cpu" and not own_product:  # measured on CPU only
         return _columns_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation)
     spatial = len(weight_shape) - 2
@@ -89,7 +89,7 @@ def _columns_weight_grad(inp, grad_out, weight_shape, stride, padding, dilation)
     x = x.transpose(0, 1)  # [cin, n, ...]: each tap's rows, channel by channel
     gy = grad_out.transpose(0, 1).reshape(cout, -1)
     taps = math.prod(kernel)
-    pixels = math.prod(_hint(size) for size in (inp.shape[0], *outs))  # of this example: no guard
+    pixels = math.prod(size_hint(size) for size in (inp.shape[0], *outs))  # of this example: no guard
     per_turn = max(1, _COLUMN_BYTES // max(1, taps * pixels * inp.element_size()))
     parts = []
     for first in range(0, cin, per_turn):
@@ -164,7 +164,7 @@ def _patch_weight_grad(inp, grad_out, weight_shape):
         # Each image's product, summed (nothing transposed), unless it outgrows the operands.
         # Either is right at every size: a symbolic pixel count picks by its value now, without
         # a guard (which would recompile where the choice flips).
-        if _hint(cout) * _hint(cin) <= _hint(x.shape[-1]) * (_hint(cin) + _hint(cout)):
+        if size_hint(cout) * size_hint(cin) <= size_hint(x.shape[-1]) * (size_hint(cin) + size_hint(cout)):
             return torch.bmm(gy, x.transpose(1, 2)).sum(0).reshape(weight_shape)
         return (gy.transpose(0, 1).reshape(cout, -1) @ x.transpose(0, 1).reshape(cin, -1).t()).reshape(weight_shape)
     x = inp
@@ -313,7 +313,7 @@ def _holds(condition) -> bool:
         return False
 
 
-def _hint(size) -> int:
+def size_hint(size) -> int:
     """A size's value in the example being traced, read without a guard (an unbacked size,
     which has none: 0)."""
     if isinstance(size, int):
@@ -721,7 +721,7 @@ def _whole_repeat(in_size, out_size, scale):
     now, with a guard that they keep it, so another ratio compiles anew; powers of two only, as
     torch's float ratio is then exact at every size."""
     if not _static(in_size, out_size):
-        n, m = _hint(in_size), _hint(out_size)
+        n, m = size_hint(in_size), size_hint(out_size)
         repeat = m // n if n > 0 and m % n == 0 else 0
         if repeat < 1 or repeat & (repeat - 1) or (scale is not None and scale > 0 and scale != repeat):
             return None
@@ -878,7 +878,7 @@ def _as_product(size, limit: int, guarded: bool) -> bool:
     recompile if it grows past); where it is the phases' sums, no: they serve any size."""
     if _static(size):
         return size <= limit
-    return guarded and _hint(size) <= limit and size <= limit
+    return guarded and size_hint(size) <= limit and size <= limit
 
 
 def _linear_matrix(lower, upper, weight, size):

@@ -29,7 +29,7 @@ from torch._export.utils import _is_preservable_cia_op
 from torch.export.decomp_utils import PRESERVED_ATEN_CIA_OPS
 
 from ._op_kernels import ATTENTION_HEAD_MULTIPLE
-from .decompositions import (_hint, _known, attention_backward, attention_forward, attention_inputs, attention_operands,
+from .decompositions import (size_hint, _known, attention_backward, attention_forward, attention_inputs, attention_operands,
                              masked_scores, own_decompositions, pointwise_decompositions, product_decompositions,
                              zero_rows)
 
@@ -872,7 +872,7 @@ def _thin(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     if not isinstance(left, torch.Tensor) or not isinstance(right, torch.Tensor) or left.dim() != 2 \
             or right.dim() != 2:
         return False
-    (m, k), n = (_hint(d) for d in left.shape), _hint(right.shape[1])  # a choice of speed: no guard
+    (m, k), n = (size_hint(d) for d in left.shape), size_hint(right.shape[1])  # a choice of speed: no guard
     return m * n > k * (m + n)
 
 

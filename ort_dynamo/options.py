@@ -138,9 +138,10 @@ class OrtOptions:
     backward_segments: int = _field(
         0, "Split each backward partition into up to this many ORT runs, so each saved activation "
         "is freed once its last user has run (as eager's autograd frees it) instead of when the "
-        "whole backward ends; 1 = one run. 0 = by device: 8 on CPU, 1 on CUDA, where each run costs "
-        "host time the GPU waits for, and GPT-2 held more memory in 8 runs than in one "
-        "(docs/performance.md, GPU).", "")
+        "whole backward ends; 1 = one run. 0 = by device: on CPU one run per 8 MB the backward reads "
+        "(saved activations, weights), up to 8, since a run costs host time and splits the chains "
+        "pointwise kernels fuse; on CUDA 1, where each run costs host time the GPU waits for, and "
+        "GPT-2 held more memory in 8 runs than in one (docs/performance.md, GPU).", "")
     pointwise_kernels: bool = _field(
         True, "On CPU, fuse chains of elementwise ops into C kernels generated and compiled (with the "
         "machine's C compiler, once, cached on disk) as an ORT custom-op library; without a compiler "
