@@ -47,6 +47,10 @@ CASES = {
     "transposed first operand": (lambda a, b: a.t() @ b, [(33, 20), (33, 18)]),
     "both transposed": (lambda a, b: a.t() @ b.t(), [(17, 6), (11, 17)]),
     "transposed result": (lambda a, b: (a @ b).t() * 2, [(6, 40), (40, 30)]),
+    # too few rows to cut: pieces of columns (an RNN's step), b held transposed or not, uneven
+    "short and wide, cut into columns": (lambda h, w, b: torch.nn.functional.linear(h, w, b),
+                                         [(16, 64), (512, 64), (512,)]),
+    "short and wide, transposed first operand": (lambda a, b: a.t() @ b, [(40, 16), (40, 301)]),
 }
 
 

@@ -79,13 +79,17 @@ static int fits(int64_t n) { return n >= 0 && n <= INT32_MAX; }
 /* Each piece of a product at least this many rows: the BLAS packs b again for each. Pieces of
  * columns instead (of the longer side) were 3% slower on gemm.py's shapes. */
 #define MIN_ROWS 64
+/* A product too short to cut into rows (an unrolled RNN's step: 16 rows) is cut into pieces of
+ * at least this many columns: on ORT's threads they took 33-49 us where MKL's own two threads
+ * took 71-75 (OpenMP waking its sleeping thread for each). */
+#define MIN_COLS 128
 
 typedef struct Product {
   const void *a, *b;
   float* y;
   int64_t rows, n, k, trans_a, trans_b, bf16, b_step; /* b_step: elements from one b to the next */
   float beta;
-  int64_t parts, per;
+  int64_t parts, per, by_columns; /* pieces of per rows, or (by_columns) of per columns */
 } Product;
 
 /* Rows [r0, r1) of product p. Row-major y = op(a) op(b) is column-major y^T = op(b)^T op(a)^T:
@@ -105,15 +109,34 @@ static void multiply(const Product* g, int64_t p, int64_t r0, int64_t r1) {
                &ldb, &g->beta, y, &ldc);
 }
 
+/* Columns [c0, c1) of a single product: y^T's rows c0.. are op(b)^T's rows c0.. times op(a)^T. */
+static void multiply_columns(const Product* g, int64_t c0, int64_t c1) {
+  const int im = (int)(c1 - c0), in = (int)g->rows, ik = (int)g->k;
+  const int lda = (int)(g->trans_b ? g->k : g->n), ldb = (int)(g->trans_a ? g->rows : g->k), ldc = (int)g->n;
+  const char ta = g->trans_b ? 'T' : 'N', tb = g->trans_a ? 'T' : 'N';
+  const float one = 1.0f;
+  const int64_t b_at = c0 * (g->trans_b ? g->k : 1);
+  if (g->bf16)
+    blas_bf16_gemm(&ta, &tb, &im, &in, &ik, &one, (const uint16_t*)g->b + b_at, &lda, (const uint16_t*)g->a, &ldb,
+                   &g->beta, g->y + c0, &ldc);
+  else
+    blas_sgemm(&ta, &tb, &im, &in, &ik, &one, (const float*)g->b + b_at, &lda, (const float*)g->a, &ldb, &g->beta,
+               g->y + c0, &ldc);
+}
+
 /* One piece on one of ORT's threads, the BLAS kept to that thread: its own threads (OpenMP's)
  * would spin, once done, against ORT's next op on the same cores. */
 static void part_task(void* user, size_t t) {
   const Product* g = (const Product*)user;
-  int64_t p = (int64_t)t / g->parts, r0 = ((int64_t)t % g->parts) * g->per;
-  int64_t r1 = r0 + g->per < g->rows ? r0 + g->per : g->rows;
-  if (r0 >= r1) return;
+  int64_t p = (int64_t)t / g->parts, at = ((int64_t)t % g->parts) * g->per;
+  int64_t end = g->by_columns ? g->n : g->rows;
+  end = at + g->per < end ? at + g->per : end;
+  if (at >= end) return;
   int before = blas_threads_local(1);
-  multiply(g, p, r0, r1);
+  if (g->by_columns)
+    multiply_columns(g, at, end);
+  else
+    multiply(g, p, at, end);
   blas_threads_local(before);
 }
 
@@ -163,7 +186,7 @@ static OrtStatus* compute(void* state, OrtKernelContext* ctx) {
   else if (ka == 0)
     memset(y, 0, sizeof(float) * (size_t)(rows * products * n));
   if (ka == 0) return NULL;
-  Product g = {a, b, y, rows, n, ka, k->trans_a, k->trans_b, k->bf16, b_rank > 2 ? n * ka : 0, bias ? 1.0f : 0.0f, 1, 0};
+  Product g = {a, b, y, rows, n, ka, k->trans_a, k->trans_b, k->bf16, b_rank > 2 ? n * ka : 0, bias ? 1.0f : 0.0f, 1, 0, 0};
   if (blas_threads_local == NULL) { /* not MKL: the BLAS threads the product itself */
     for (int64_t p = 0; p < products; p++) multiply(&g, p, 0, rows);
     return NULL;
@@ -173,7 +196,13 @@ static OrtStatus* compute(void* state, OrtKernelContext* ctx) {
   g.parts = parts;
   g.per = (rows + parts - 1) / parts;
   int64_t tasks = products * parts;
-  if (tasks == 1) { /* too few rows to cut (a narrow weight's gradient): MKL threads it itself */
+  if (tasks == 1 && blas_parts > 1 && n >= 2 * MIN_COLS) { /* too few rows: pieces of columns */
+    g.by_columns = 1;
+    g.parts = blas_parts < n / MIN_COLS ? blas_parts : n / MIN_COLS;
+    g.per = (n + g.parts - 1) / g.parts;
+    tasks = g.parts;
+  }
+  if (tasks == 1) { /* too small to cut (a narrow weight's gradient): MKL threads it itself */
     multiply(&g, 0, 0, rows);
     return NULL;
   }
