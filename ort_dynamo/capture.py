@@ -347,8 +347,9 @@ def _compile_graph(gm: torch.fx.GraphModule, example_inputs, *, options: OrtOpti
 
 #: On CPU a backward gets one run per this many bytes of what it reads (saved activations and
 #: weights), up to 8. A run costs host time and cuts the chains the pointwise kernels fuse
-#: (an unrolled LSTM's cells: 1.29x eager's step in 8 runs, 1.08x in one); freeing a few MB
-#: early is not worth that, freeing a transformer's 70-90 MB is (peak memory below eager's).
+#: (an unrolled LSTM's cells: lstm_16's step 1.15x as long in 8 runs, benchmarks/layer_ops.py
+#: --variant backward_segments=8); freeing a few MB early is not worth that, freeing a
+#: transformer's 70-90 MB is (peak memory below eager's).
 _SEGMENT_BYTES = 8 << 20
 _MAX_CPU_SEGMENTS = 8
 
