@@ -89,6 +89,9 @@ def build(name: str, device: str, attention_dropout: float = 0.0):
         if attention_dropout:
             raise SystemExit("nanogpt has no attention dropout")
         model = _NanoGPT(s["layers"], s["hidden"], s["heads"], s["seq"])
+    elif name == "lstm":
+        torch._dynamo.config.allow_rnn = True  # Dynamo captures nn.LSTM only with it
+        model = _LstmLM(s["vocab"], s["hidden"], layers=2)
     elif name == "llama":
         cfg = tf.LlamaConfig(num_hidden_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
                              num_key_value_heads=s["heads"], intermediate_size=4 * s["hidden"],
@@ -99,7 +102,7 @@ def build(name: str, device: str, attention_dropout: float = 0.0):
         raise SystemExit(f"unknown model {name!r}")
     if hasattr(model, "config"):
         model.config.use_cache = False
-    seq, batch = (512, 8) if name == "gpt2-124m" else (s["seq"], s["batch"])
+    seq, batch = {"gpt2-124m": (512, 8), "lstm": (64, 16)}.get(name, (s["seq"], s["batch"]))
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (batch, seq), generator=gen)
@@ -124,7 +127,24 @@ class _NanoGPT(torch.nn.Module):
         return argparse.Namespace(loss=self.gpt(input_ids, labels))
 
 
-MODELS = ("gpt2", "bert", "llama", "nanogpt")
+class _LstmLM(torch.nn.Module):
+    """A 2-layer LSTM language model, 16 sequences of 64 tokens: ORT runs it unrolled, so its
+    step is many small nodes and products of 16 rows, unlike the transformers'."""
+
+    def __init__(self, vocab: int, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.lstm = torch.nn.LSTM(hidden, hidden, num_layers=layers, batch_first=True)
+        self.head = torch.nn.Linear(hidden, vocab)
+        self.config = argparse.Namespace(vocab_size=vocab)
+
+    def forward(self, input_ids, labels):
+        hidden, _ = self.lstm(self.embed(input_ids))
+        logits = self.head(hidden)
+        return argparse.Namespace(loss=torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()))
+
+
+MODELS = ("gpt2", "bert", "llama", "nanogpt", "lstm")
 
 
 def compiled_copy(model, backend: str, cache_dir: str = "", copy_model: bool = True):
