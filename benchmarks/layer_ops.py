@@ -17,13 +17,12 @@ case again into profiled sessions and prints the heaviest ORT nodes, each its me
 10 steps (ORT's profiler; the sessions the kernels replaced left out). ``--first-step`` also
 times the case's first step under ``aot_eager`` (before ort's, after one warm-up compile of
 each backend) and prints ort/aot_eager. ``--variant KEY=VALUE[,KEY=VALUE...]`` adds a second
-ort copy compiled with those options (values as JSON, else strings), its steps interleaved
-with the others, and prints its ms and its time over the default ort's.
+ort copy compiled with those options, its steps interleaved with the others, and prints its ms
+and its time over the default ort's.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from train_step import _steady_malloc, interleaved_ms  # noqa: E402
+from train_step import _steady_malloc, interleaved_ms, key_values  # noqa: E402
 
 import ort_dynamo  # noqa: E402
 
@@ -155,19 +154,11 @@ def aot_eager_first_step(op, x) -> float:
 
 
 def _variant(text: str) -> dict:
-    """``KEY=VALUE,...`` as ORT options: each value JSON where it parses (8, true), else a string."""
-    options = {}
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--variant takes KEY=VALUE[,KEY=VALUE...], got {item!r}")
-        try:
-            options[key] = json.loads(value)
-        except json.JSONDecodeError:
-            options[key] = value
-    try:  # a misspelt option is refused here, not after the warm-up
+    """``KEY=VALUE,...`` as ORT options (train_step.py's parser), checked before any training."""
+    try:
+        options = key_values(text)
         ort_dynamo.OrtOptions.from_mapping(options)
-    except ort_dynamo.OptionsError as exc:
+    except (ValueError, ort_dynamo.OptionsError) as exc:
         raise SystemExit(f"--variant: {exc}") from None
     return options
 

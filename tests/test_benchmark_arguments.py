@@ -65,3 +65,16 @@ def test_hf_models_dynamic_batch_is_smaller_contiguous_and_keeps_a_shared_tensor
     assert batch["pixel_values"].shape == (3, 3, 64, 64) and batch["input_values"].shape == (3, 4000)
     masks = _smaller({"labels": torch.zeros(8, 64, 64, dtype=torch.int64)})  # a label per pixel: sizes kept
     assert masks["labels"].shape == (7, 64, 64)
+
+
+@pytest.mark.parametrize("variant, message", [
+    ("backward_segmnts=8", r"--variant: unknown ort_dynamo option\(s\) \['backward_segmnts'\]"),
+    ("backward_segments", "--variant: 'backward_segments' is not KEY=VALUE"),
+])
+def test_layer_ops_refuses_a_bad_variant_before_training(variant, message):
+    import re
+
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "layer_ops.py"), "--variant", variant, "lstm_16"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and re.search(message, result.stderr), result.stderr[-1000:]
+    assert "eager" not in result.stdout  # nothing was timed
