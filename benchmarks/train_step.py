@@ -156,8 +156,8 @@ def compiled_copy(model, backend: str, cache_dir: str = "", copy_model: bool = T
     or "ort_arena" (ort with ``cuda_allocator="shared_arena"``: on CUDA, ORT's own arena beside
     PyTorch's pool instead of PyTorch's allocator; on CPU the same as ort) or "ort_whole_backward"
     (ort with ``backward_segments=1``: each backward partition one ORT run, fewer runs per step;
-    the default on CUDA) or "ort_segmented" (``backward_segments=8``, the CPU's default for a backward that reads 64 MB or more)
-    or "ort_torch_attention" (ort with ``cpu_torch_attention=True``: on CPU, PyTorch's flash
+    the default on CUDA) or "ort_segmented" (``backward_segments=8``, the CPU's default for a
+    backward that reads 64 MB or more) or "ort_torch_attention" (ort with ``cpu_torch_attention=True``: on CPU, PyTorch's flash
     attention inside the ORT session; on CUDA the same as ort) or "ort_written_attention" (ort with
     ``cpu_attention_kernel=False``: on CPU, attention as ORT's products and softmax kernels instead
     of ort_dynamo's attention kernels; on CUDA the same as ort) or "ort_mlas" / "ort_torch_blas" (ort

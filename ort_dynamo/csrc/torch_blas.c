@@ -186,7 +186,8 @@ static OrtStatus* compute(void* state, OrtKernelContext* ctx) {
   else if (ka == 0)
     memset(y, 0, sizeof(float) * (size_t)(rows * products * n));
   if (ka == 0) return NULL;
-  Product g = {a, b, y, rows, n, ka, k->trans_a, k->trans_b, k->bf16, b_rank > 2 ? n * ka : 0, bias ? 1.0f : 0.0f, 1, 0, 0};
+  Product g = {a, b, y, rows, n, ka, k->trans_a, k->trans_b, k->bf16, b_rank > 2 ? n * ka : 0, bias ? 1.0f : 0.0f,
+               1, 0, 0};
   if (blas_threads_local == NULL) { /* not MKL: the BLAS threads the product itself */
     for (int64_t p = 0; p < products; p++) multiply(&g, p, 0, rows);
     return NULL;
