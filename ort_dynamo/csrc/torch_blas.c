@@ -92,36 +92,22 @@ typedef struct Product {
   int64_t parts, per, by_columns; /* pieces of per rows, or (by_columns) of per columns */
 } Product;
 
-/* Rows [r0, r1) of product p. Row-major y = op(a) op(b) is column-major y^T = op(b)^T op(a)^T:
- * b first. */
-static void multiply(const Product* g, int64_t p, int64_t r0, int64_t r1) {
-  const int im = (int)g->n, in = (int)(r1 - r0), ik = (int)g->k;
+/* Rows [r0, r1) and columns [c0, c1) of product p. Row-major y = op(a) op(b) is column-major
+ * y^T = op(b)^T op(a)^T: b first; its columns c0.. are op(b)^T's rows c0... */
+static void multiply(const Product* g, int64_t p, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  const int im = (int)(c1 - c0), in = (int)(r1 - r0), ik = (int)g->k;
   const int lda = (int)(g->trans_b ? g->k : g->n), ldb = (int)(g->trans_a ? g->rows : g->k), ldc = (int)g->n;
   const char ta = g->trans_b ? 'T' : 'N', tb = g->trans_a ? 'T' : 'N';
   const float one = 1.0f;
   const int64_t a_at = p * g->rows * g->k + r0 * (g->trans_a ? 1 : g->k);
-  float* y = g->y + (p * g->rows + r0) * g->n;
+  const int64_t b_at = p * g->b_step + c0 * (g->trans_b ? g->k : 1);
+  float* y = g->y + (p * g->rows + r0) * g->n + c0;
   if (g->bf16)
-    blas_bf16_gemm(&ta, &tb, &im, &in, &ik, &one, (const uint16_t*)g->b + p * g->b_step, &lda,
-                   (const uint16_t*)g->a + a_at, &ldb, &g->beta, y, &ldc);
+    blas_bf16_gemm(&ta, &tb, &im, &in, &ik, &one, (const uint16_t*)g->b + b_at, &lda, (const uint16_t*)g->a + a_at,
+                   &ldb, &g->beta, y, &ldc);
   else
-    blas_sgemm(&ta, &tb, &im, &in, &ik, &one, (const float*)g->b + p * g->b_step, &lda, (const float*)g->a + a_at,
-               &ldb, &g->beta, y, &ldc);
-}
-
-/* Columns [c0, c1) of a single product: y^T's rows c0.. are op(b)^T's rows c0.. times op(a)^T. */
-static void multiply_columns(const Product* g, int64_t c0, int64_t c1) {
-  const int im = (int)(c1 - c0), in = (int)g->rows, ik = (int)g->k;
-  const int lda = (int)(g->trans_b ? g->k : g->n), ldb = (int)(g->trans_a ? g->rows : g->k), ldc = (int)g->n;
-  const char ta = g->trans_b ? 'T' : 'N', tb = g->trans_a ? 'T' : 'N';
-  const float one = 1.0f;
-  const int64_t b_at = c0 * (g->trans_b ? g->k : 1);
-  if (g->bf16)
-    blas_bf16_gemm(&ta, &tb, &im, &in, &ik, &one, (const uint16_t*)g->b + b_at, &lda, (const uint16_t*)g->a, &ldb,
-                   &g->beta, g->y + c0, &ldc);
-  else
-    blas_sgemm(&ta, &tb, &im, &in, &ik, &one, (const float*)g->b + b_at, &lda, (const float*)g->a, &ldb, &g->beta,
-               g->y + c0, &ldc);
+    blas_sgemm(&ta, &tb, &im, &in, &ik, &one, (const float*)g->b + b_at, &lda, (const float*)g->a + a_at, &ldb,
+               &g->beta, y, &ldc);
 }
 
 /* One piece on one of ORT's threads, the BLAS kept to that thread: its own threads (OpenMP's)
@@ -134,9 +120,9 @@ static void part_task(void* user, size_t t) {
   if (at >= end) return;
   int before = blas_threads_local(1);
   if (g->by_columns)
-    multiply_columns(g, at, end);
+    multiply(g, p, 0, g->rows, at, end);
   else
-    multiply(g, p, at, end);
+    multiply(g, p, at, end, 0, g->n);
   blas_threads_local(before);
 }
 
@@ -189,7 +175,7 @@ static OrtStatus* compute(void* state, OrtKernelContext* ctx) {
   Product g = {a, b, y, rows, n, ka, k->trans_a, k->trans_b, k->bf16, b_rank > 2 ? n * ka : 0, bias ? 1.0f : 0.0f,
                1, 0, 0};
   if (blas_threads_local == NULL) { /* not MKL: the BLAS threads the product itself */
-    for (int64_t p = 0; p < products; p++) multiply(&g, p, 0, rows);
+    for (int64_t p = 0; p < products; p++) multiply(&g, p, 0, rows, 0, n);
     return NULL;
   }
   int64_t parts = blas_parts < 1 ? 1 : blas_parts;
@@ -204,7 +190,7 @@ static OrtStatus* compute(void* state, OrtKernelContext* ctx) {
     tasks = g.parts;
   }
   if (tasks == 1) { /* too small to cut (a narrow weight's gradient): MKL threads it itself */
-    multiply(&g, 0, 0, rows);
+    multiply(&g, 0, 0, rows, 0, n);
     return NULL;
   }
   return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, part_task, (size_t)tasks, 0, &g);
