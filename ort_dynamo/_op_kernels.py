@@ -56,7 +56,7 @@ __all__ = ["ATTENTION_HEAD_MULTIPLE", "DOMAIN", "attentions_as_kernels", "axis_s
            "f32_matmuls_as_kernels", "gathered_max_pools_as_kernels",
            "group_convs_as_kernels", "max_pools_as_kernels", "merge_heads_kernel", "merged_heads_as_kernels",
            "moves_heads", "scatter_adds_along_last_axis", "slow_expands_as_products", "slow_transposes_as_kernels",
-           "split_heads_as_kernels", "split_heads_kernel", "transpose_rows_kernel", "transposes_in_fewest_axes"]
+           "split_heads_as_kernels", "split_heads_kernel", "transpose_rows_kernel", "transposes_without_unit_axes"]
 
 #: The domain of the custom-op library (csrc/pointwise_runtime.c): these ops' and ``_pointwise``'s.
 DOMAIN = "ort_dynamo.pointwise"
@@ -881,12 +881,12 @@ def _fewest_axes(dims: list[int], perm: list[int]) -> tuple[list[int], list[int]
 
 def _moves_elementwise(dims: list[int], perm: list[int]) -> bool:
     """Whether ORT's Transpose is slower than ``TransposeRows`` here (benchmarks/transposes.py).
-    Over the fewest axes (``_fewest_axes``; ORT's Transpose sees them so after
-    ``transposes_in_fewest_axes``): the innermost axis moves and so does more than one; or one
-    axis moves and the output's rows are short (ORT's single-axis paths write those slowly); or
-    the innermost axis stays but is shorter than ``_MIN_BLOCK`` and more than one of the others
-    moves (ORT copies it block by block; with one axis moving, its single-axis path copies even
-    short blocks well)."""
+    Over the fewest axes (``_fewest_axes``: ORT's Transpose merges neighbours itself, and
+    ``transposes_without_unit_axes`` takes out the axes of size 1): the innermost axis moves and
+    so does more than one; or one axis moves and the output's rows are short (ORT's single-axis
+    paths write those slowly); or the innermost axis stays but is shorter than ``_MIN_BLOCK``
+    and more than one of the others moves (ORT copies it block by block; with one axis moving,
+    its single-axis path copies even short blocks well)."""
     merged_dims, merged = _fewest_axes(dims, perm)
     if len(merged) < 3:
         return False
@@ -942,35 +942,35 @@ def slow_transposes_as_kernels(graph: ir.Graph) -> list[str]:
     return list(dict.fromkeys(units))
 
 
-#: Elements from which a Transpose is worth two Reshapes around it: ORT's element-by-element
-#: path took 8.1 us for 256 floats against 8.5 as two Reshapes around a 3-D one, 15.6 against
-#: 12.3 for 2048 (one-node sessions; a Reshape costs ORT about 0.4 us).
-_MIN_FEWER_AXES = 1024
+#: Elements from which a Transpose is worth a Squeeze and an Unsqueeze around it: ORT's
+#: element-by-element path took 8.1 us for 256 floats against 8.5 as a 3-D Transpose between
+#: two views, 15.6 against 12.3 for 2048 (one-node sessions; a view costs ORT about 0.4 us).
+_MIN_UNIT_FREE = 1024
 
 
-def transposes_in_fewest_axes(graph: ir.Graph, add_nodes: bool = True) -> int:
-    """Transposes of static sizes -> the same move over the fewest axes (``_fewest_axes``)
-    between two Reshapes; one Reshape where no axis of size above 1 moves (no copy then). ORT's
-    Transpose moves element by element whenever its innermost axis moves, even one of size 1,
-    as torch's einsum leaves them (XLNet's [4, 4, 64, 1, 32] by [2, 0, 1, 4, 3]: 238 us, against
-    48 us as [16, 64, 32] by [1, 0, 2]). Run last: the passes before match Transposes by their
-    perm. Left as they are: Transposes a product reads (ORT folds those into FusedMatMul) and,
-    unless ``add_nodes``, those that would need the two Reshapes. Returns how many changed."""
+def transposes_without_unit_axes(graph: ir.Graph, add_nodes: bool = True) -> int:
+    """Transposes that move an axis of size 1 -> a Squeeze of such axes, the Transpose of the
+    rest, and an Unsqueeze putting them back (symbolic sizes too); one Reshape where only axes
+    of size 1 move (static sizes: no copy then). ORT's Transpose moves element by element
+    whenever its innermost axis moves, even one of size 1, as torch's einsum leaves them
+    (XLNet's [4, 4, 64, 1, 32] by [2, 0, 1, 4, 3]: 238 us, 48 us without the axis of size 1).
+    Run last: the passes before match Transposes by their perm. Left as they are: Transposes a
+    product reads (ORT folds those into FusedMatMul) and, unless ``add_nodes``, those that
+    would become more nodes. Returns how many changed."""
     count = 0
     for node in list(graph):
         x = node.inputs[0] if _op(node, "Transpose") and node.inputs else None
-        if x is None or x.shape is None or not all(isinstance(d, int) for d in x.shape.dims):
-            continue
-        dims, perm = list(x.shape.dims), list(node.attributes.get_ints("perm", []))
-        if sorted(perm) != list(range(len(dims))) \
+        dims = _dims_for_choice(x)
+        perm = list(node.attributes.get_ints("perm", [])) if x is not None else []
+        if dims is None or sorted(perm) != list(range(len(dims))) or 1 not in dims \
                 or any(use.node.op_type in _READS_TRANSPOSED for use in node.outputs[0].uses()):
             continue
-        merged_dims, merged = _fewest_axes(dims, perm)
-        moves = merged != sorted(merged)
-        if len(merged) == len(dims) or moves and (not add_nodes or math.prod(dims) < _MIN_FEWER_AXES):
+        kept = [axis for axis in perm if dims[axis] != 1]
+        moves = kept != sorted(kept)
+        static = all(isinstance(d, int) for d in x.shape.dims)
+        if (moves or not static) and (not add_nodes or math.prod(dims) < _MIN_UNIT_FREE):
             continue
         name = node.outputs[0].name
-        value = x
 
         def add(op_type, inputs, attributes=None):
             new = ir.node(op_type, inputs, attributes=attributes or {})
@@ -978,10 +978,15 @@ def transposes_in_fewest_axes(graph: ir.Graph, add_nodes: bool = True) -> int:
             new.outputs[0].dtype = x.dtype
             return new.outputs[0]
 
-        if moves:
-            value = add("Reshape", [value, _int64_constant(graph, f"{name}_merged", merged_dims)])
-            value = add("Transpose", [value], {"perm": merged})
-        value = add("Reshape", [value, _int64_constant(graph, f"{name}_dims", [dims[axis] for axis in perm])])
+        if static and not moves:
+            value = add("Reshape", [x, _int64_constant(graph, f"{name}_dims", [dims[axis] for axis in perm])])
+        else:
+            units = [axis for axis, d in enumerate(dims) if d == 1]
+            value = add("Squeeze", [x, _int64_constant(graph, f"{name}_units", units)])
+            if moves:
+                value = add("Transpose", [value], {"perm": [sorted(kept).index(axis) for axis in kept]})
+            at = [i for i, axis in enumerate(perm) if dims[axis] == 1]
+            value = add("Unsqueeze", [value, _int64_constant(graph, f"{name}_unit_at", at)])
         _take_over(node.outputs[0], value)
         graph.remove(node, safe=True)
         count += 1

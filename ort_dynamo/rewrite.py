@@ -113,7 +113,7 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
     if optimize:
         # After the kernels, whose passes match Transposes by their perm. On CUDA only where a
         # Reshape replaces the Transpose: more nodes cost host time there (not measured).
-        _op_kernels.transposes_in_fewest_axes(model.graph, add_nodes=exported.device == "cpu")
+        _op_kernels.transposes_without_unit_axes(model.graph, add_nodes=exported.device == "cpu")
     return ir.serde.serialize_model(model).SerializeToString()
 
 
