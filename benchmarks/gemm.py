@@ -33,9 +33,10 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
-# (M, K, N) of the CPU benchmark models: tokens 1024, hidden 256, MLP 1024, GPT-2's QKV 768.
+# (M, K, N) of the CPU benchmark models: tokens 1024, hidden 256, MLP 1024, GPT-2's QKV 768
+# (M 256 and K 1024: weight gradients, the MLP's first one 256 x 1024).
 SHAPES = [(1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (256, 1024, 256),
-          (1024, 256, 768), (256, 1024, 768)]
+          (1024, 256, 768), (256, 1024, 768), (256, 1024, 1024)]
 
 
 #: Attention's batched products, per head: (what, M, K, N, trans_a, trans_b), and the heads.

@@ -51,6 +51,9 @@ CASES = {
     "short and wide, cut into columns": (lambda h, w, b: torch.nn.functional.linear(h, w, b),
                                          [(16, 64), (512, 64), (512,)]),
     "short and wide, transposed first operand": (lambda a, b: a.t() @ b, [(40, 16), (40, 301)]),
+    # more columns than rows (an MLP's weight gradient): pieces of columns too
+    "wider than tall": (lambda a, b: a @ b, [(130, 24), (24, 300)]),
+    "wider than tall, transposed first operand": (lambda a, b: a.t() @ b, [(24, 130), (24, 300)]),
 }
 
 

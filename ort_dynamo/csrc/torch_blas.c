@@ -76,12 +76,13 @@ static OrtStatus* tensor(const OrtApiTable* api, OrtKernelContext* ctx, size_t i
 
 static int fits(int64_t n) { return n >= 0 && n <= INT32_MAX; }
 
-/* Each piece of a product at least this many rows: the BLAS packs b again for each. Pieces of
- * columns instead (of the longer side) were 3% slower on gemm.py's shapes. */
+/* Each piece of a product at least this many rows: the BLAS packs b again for each. */
 #define MIN_ROWS 64
-/* A product too short to cut into rows (an unrolled RNN's step: 16 rows) is cut into pieces of
- * at least this many columns, not left to MKL's own threads, which OpenMP wakes for each call:
- * LSTM steps 6-8% faster (benchmarks/layer_ops.py --variant cpu_matmul=ort lstm_16 lstm_64). */
+/* A product with more columns than rows (a weight's gradient, 256 x 1024 for the models' MLPs)
+ * is cut into pieces of at least this many columns: 10-20% faster than rows for those shapes,
+ * the models' steps 1-8% faster. So is one too short to cut into rows (an unrolled RNN's step:
+ * 16 rows), not left to MKL's own threads, which OpenMP wakes for each call: LSTM steps 6-8%
+ * faster (benchmarks/layer_ops.py --variant cpu_matmul=ort lstm_16 lstm_64). */
 #define MIN_COLS 128
 
 typedef struct Product {
@@ -178,17 +179,17 @@ static OrtStatus* compute(void* state, OrtKernelContext* ctx) {
     for (int64_t p = 0; p < products; p++) multiply(&g, p, 0, rows, 0, n);
     return NULL;
   }
-  int64_t parts = blas_parts < 1 ? 1 : blas_parts;
-  if (parts > (rows + MIN_ROWS - 1) / MIN_ROWS) parts = (rows + MIN_ROWS - 1) / MIN_ROWS;
-  g.parts = parts;
-  g.per = (rows + parts - 1) / parts;
-  int64_t tasks = products * parts;
-  if (tasks == 1 && blas_parts > 1 && n >= 2 * MIN_COLS) { /* too few rows: pieces of columns */
-    g.by_columns = 1;
-    g.parts = blas_parts < n / MIN_COLS ? blas_parts : n / MIN_COLS;
+  int64_t parts = blas_parts < 1 ? 1 : blas_parts, row_parts = (rows + MIN_ROWS - 1) / MIN_ROWS;
+  if (row_parts > parts) row_parts = parts;
+  g.by_columns = products == 1 && parts > 1 && n >= 2 * MIN_COLS && (n > rows || row_parts == 1);
+  if (g.by_columns) {
+    g.parts = parts < n / MIN_COLS ? parts : n / MIN_COLS;
     g.per = (n + g.parts - 1) / g.parts;
-    tasks = g.parts;
+  } else {
+    g.parts = row_parts;
+    g.per = (rows + row_parts - 1) / row_parts;
   }
+  int64_t tasks = products * g.parts;
   if (tasks == 1) { /* too small to cut (a narrow weight's gradient): MKL threads it itself */
     multiply(&g, 0, 0, rows, 0, n);
     return NULL;
