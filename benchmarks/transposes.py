@@ -5,7 +5,8 @@ attention's heads back into rows). Then ORT's Transpose against ``MergeHeads``, 
 Transposes and a Concat (GPT-2's q, k and v gradients) against ``ConcatHeads3``, on attention's
 output as the CPU benchmark models have it, and GPT-2's projection split into q, k and v heads
 (ORT's Split and a bias kernel per part) against ``SplitHeads3Bias``: warm and with the caches
-evicted before each call.
+evicted before each call. Last, Transposes that move an axis of size 1 (torch's einsum's, XLNet's
+attention) before and after ``_op_kernels.transposes_without_unit_axes``, the same two ways.
 
     .venv/bin/python benchmarks/transposes.py
     .venv/bin/python benchmarks/transposes.py --bfloat16   # bfloat16 tensors (CPU autocast's)
@@ -192,7 +193,35 @@ def split_session(kernel: bool) -> ort.InferenceSession:
                                 providers=["CPUExecutionProvider"])
 
 
-def _alternating(sessions, feeds, label: str) -> None:
+#: XLNet's einsums ("ibnd,jbnd->bnij" and kin, batch 4, 4 heads of 32, 64 and 128 positions) as
+#: torch decomposes them; the last is small enough to stay as it is.
+UNIT_AXES = [((4, 4, 64, 1, 32), (2, 0, 1, 4, 3)), ((128, 4, 4, 32, 1), (1, 2, 4, 0, 3)),
+             ((4, 4, 1, 128, 32), (0, 1, 4, 3, 2)), ((64, 4, 1, 4, 32), (0, 1, 3, 4, 2)),
+             ((2, 2, 8, 1, 8), (2, 0, 1, 4, 3))]
+
+
+def unit_axes_session(dims, perm, rewritten: bool) -> ort.InferenceSession:
+    """One Transpose of x, as exported or after ``transposes_without_unit_axes`` (``rewritten``)."""
+    x = ir.Value(name="x", shape=ir.Shape(list(dims)), type=ir.TensorType(ir.DataType.FLOAT))
+    node = ir.node("Transpose", [x], attributes={"perm": list(perm)})
+    node.outputs[0].name, node.outputs[0].dtype = "y", ir.DataType.FLOAT
+    model = ir.Model(ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 18}), ir_version=10)
+    if rewritten:
+        _op_kernels.transposes_without_unit_axes(model.graph)
+    return ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), _options([]),
+                                providers=["CPUExecutionProvider"])
+
+
+def unit_axes_main() -> None:
+    rng = np.random.default_rng(0)
+    for dims, perm in UNIT_AXES:
+        feeds = [{"x": rng.standard_normal(dims, dtype=np.float32)} for _ in range(6)]
+        sessions = unit_axes_session(dims, perm, False), unit_axes_session(dims, perm, True)
+        np.testing.assert_array_equal(sessions[0].run(None, feeds[0])[0], feeds[0]["x"].transpose(perm))
+        _alternating(sessions, feeds, f"{dims} {perm}", ("ORT", "without size-1 axes"))
+
+
+def _alternating(sessions, feeds, label: str, names=("before", "kernel")) -> None:
     """Checks that ``sessions`` agree, then prints the median ms of 200 calls of each, alternating,
     warm and with the caches evicted before each call (not timed), as in a training step."""
     for want, got in zip(*(s.run(None, feeds[0]) for s in sessions)):
@@ -200,8 +229,8 @@ def _alternating(sessions, feeds, label: str) -> None:
     calls = [lambda i, s=s: s.run(None, feeds[i % len(feeds)]) for s in sessions]
     for cold in (False, True):
         theirs, ours = _interleaved_ms(calls, 200, cold)
-        print(f"{label:62s} {'cold' if cold else 'warm'}  before {theirs:6.3f} ms  kernel {ours:6.3f} ms  "
-              f"before/kernel {theirs / ours:5.2f}")
+        print(f"{label:62s} {'cold' if cold else 'warm'}  {names[0]} {theirs:6.3f} ms  {names[1]} {ours:6.3f} ms  "
+              f"{names[0]}/{names[1]} {theirs / ours:5.2f}")
 
 
 def _taken_by(dims, perm, slow=_op_kernels._moves_elementwise) -> str:
@@ -221,6 +250,8 @@ def main() -> None:
               f"ORT/kernel {theirs / ours:5.2f}  taken by: {_taken_by(dims, perm):10s} ({what})")
     print("attention's heads back into rows: median ms of 200 calls, alternating")
     heads_main()
+    print("Transposes that move an axis of size 1 (torch's einsum), as exported and after the rewrite")
+    unit_axes_main()
 
 
 if __name__ == "__main__":
