@@ -6,7 +6,7 @@ graphs use.
     .venv/bin/python benchmarks/hf_models.py gptj t5      # some
     .venv/bin/python benchmarks/hf_models.py --backend inductor segformer   # another backend's ratio
     .venv/bin/python benchmarks/hf_models.py --float64 mobilenet_v2  # each side against float64
-    .venv/bin/python benchmarks/hf_models.py --profile 12 segformer  # and ORT's 12 heaviest nodes
+    .venv/bin/python benchmarks/hf_models.py --profile 12 segformer  # and ORT's 12 heaviest nodes, ms per op type
     .venv/bin/python benchmarks/hf_models.py --dynamic      # dynamic=True, and a second batch of other sizes
 
 Each model (random weights from a config: nothing is downloaded; 2 layers, hidden 128, 4 heads,
@@ -23,6 +23,7 @@ tools/idiom_scan.py). A model whose compile fails prints FAILED and the error.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import glob
 import os
@@ -253,8 +254,8 @@ def measure(name: str, build, make_batch, steps: int, backend: str = "ort", floa
             f"{'indexed ops and products' if autocast else 'indexed ops'}: {indexed}")
 
 
-def heaviest_model_nodes(build, make_batch, top: int, dynamic: bool = False) -> list[tuple[float, str]]:
-    """ORT's ``top`` heaviest nodes in a forward and backward of the model (profile_step.py's),
+def heaviest_model_nodes(build, make_batch, top: int | None, dynamic: bool = False) -> list[tuple[float, str]]:
+    """ORT's ``top`` heaviest nodes (None: all) in a forward and backward of the model (profile_step.py's),
     compiled with ``dynamic=True`` where ``dynamic``."""
     from profile_step import heaviest_ort_nodes
 
@@ -276,7 +277,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--backend", default="ort", help="the compiled side (default ort; e.g. inductor)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="also print ORT's N heaviest nodes in a training step (ORT's profiler)")
+                        help="also print ORT's kernel ms per op type and its N heaviest nodes in a training "
+                             "step (ORT's profiler)")
     parser.add_argument("--float64", action="store_true",
                         help="also compare both sides' gradients with a float64 eager run's, and eager's "
                              "on inputs moved by 1e-6 (how sensitive the model's gradient is)")
@@ -299,7 +301,13 @@ def main() -> None:
             print(measure(name, *configs[name], args.steps, args.backend, args.float64, args.autocast, args.dynamic),
                   flush=True)
             if args.profile:
-                for ms, node in heaviest_model_nodes(*configs[name], args.profile, args.dynamic):
+                nodes = heaviest_model_nodes(*configs[name], None, args.dynamic)  # every node, heaviest first
+                by_op = collections.Counter()
+                for ms, node in nodes:
+                    by_op[node.split()[0]] += ms
+                print(f"      ORT's kernels {sum(by_op.values()):.2f} ms a step; by op type: "
+                      + ", ".join(f"{op} {ms:.2f}" for op, ms in by_op.most_common(6)), flush=True)
+                for ms, node in nodes[:args.profile]:
                     print(f"      {ms:6.2f} ms  {node[:150]}", flush=True)
         except Exception as exc:  # noqa: BLE001 - one model's failure is a result, not the end
             print(f"{name:11s} FAILED {type(exc).__name__}: {' '.join(str(exc).split())[:200]}", flush=True)

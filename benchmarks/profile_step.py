@@ -97,10 +97,10 @@ def profiled_sessions(folder: str):
         run_stage.session_options, run_stage.OrtRunner.__init__ = make_options, make_runner
 
 
-def heaviest_ort_nodes(make_step, steps: int = 10, top: int = 6) -> list[tuple[float, str]]:
-    """(median ms, "op output-shape") of ORT's heaviest nodes over ``steps`` calls of the step
-    ``make_step()`` returns, compiled afresh into profiled sessions after a first call and the
-    kernels' build (the sessions the kernels replaced left out)."""
+def heaviest_ort_nodes(make_step, steps: int = 10, top: int | None = 6) -> list[tuple[float, str]]:
+    """(median ms, "op output-shape") of ORT's ``top`` heaviest nodes (None: all) over ``steps``
+    calls of the step ``make_step()`` returns, compiled afresh into profiled sessions after a
+    first call and the kernels' build (the sessions the kernels replaced left out)."""
     with tempfile.TemporaryDirectory() as folder, profiled_sessions(folder) as runners:
         ort_dynamo.reset()
         torch._dynamo.reset()
