@@ -3,7 +3,7 @@
  * MLAS on the benchmark models' shapes (benchmarks/gemm.py), and the step is its products.
  * torch exports the Fortran symbol `sgemm_`; ort_dynamo/_torch_blas.py hands its address in
  * (torch's libraries are not global) before any session runs, with MKL's thread-local thread
- * count: a product is cut into pieces of rows, each multiplied on one of ORT's threads.
+ * count: a product is cut into pieces of rows (or of columns), each multiplied on one of ORT's threads.
  *
  * Domain ort_dynamo.blas:
  *   MatMul(a, b[, bias]) -> y    y[..., M, N] = op(a)[..., M, K] op(b)[K, N] (+ bias[N])
