@@ -809,29 +809,47 @@ def scatter_adds_along_last_axis(graph: ir.Graph, constant_zeros, replace_node) 
     """``ScatterElements(zeros, index, updates, axis=-1, reduction=add)``, float32, with
     ``index`` and ``updates`` shaped as the zeros but along the last axis (max pooling's
     gradient as ``decompositions`` writes it) -> ``ScatterAddLastAxis(shape, index, updates)``.
-    ORT's ScatterElements takes each index through a generic loop on one thread."""
+    ORT's ScatterElements takes each index through a generic loop on one thread. Zeros of
+    symbolic shape (``dynamic=True``: an Expand of a zero, or a ConstantOfShape of zeros) hand
+    the kernel the shape they are made from, read at run time."""
     count = 0
     for node in list(graph):
         if not _op(node, "ScatterElements") or len(node.inputs) != 3:
             continue
         data, index, updates = node.inputs
-        shape = _static_dims(data)
-        if shape is None or index is None or updates is None:
+        if data is None or data.shape is None or index is None or updates is None:
             continue
-        rank = len(shape)
+        shape, rank = list(data.shape.dims), len(data.shape)
         if node.attributes.get_string("reduction", "none") != "add" or \
                 node.attributes.get_int("axis", 0) not in (-1, rank - 1) or rank < 1 \
                 or data.dtype != ir.DataType.FLOAT or updates.dtype != ir.DataType.FLOAT \
                 or index.dtype != ir.DataType.INT64 or index.shape is None or updates.shape is None \
                 or list(index.shape.dims) != list(updates.shape.dims) or list(index.shape.dims[:-1]) != shape[:-1]:
             continue
-        zeros = constant_zeros(data)
-        if zeros is None:
-            continue
-        dims = _int64_constant(graph, f"{node.outputs[0].name}_zeros_shape", shape)
+        if _static_dims(data) is not None:
+            if constant_zeros(data) is None:
+                continue
+            dims = _int64_constant(graph, f"{node.outputs[0].name}_zeros_shape", shape)
+        else:
+            dims = _symbolic_zeros_shape(data)
+            if dims is None:
+                continue
         replace_node(graph, node, [ir.node("ScatterAddLastAxis", [dims, index, updates], domain=DOMAIN)], "elements")
         count += 1
     return count
+
+
+def _symbolic_zeros_shape(zeros: ir.Value) -> ir.Value | None:
+    """The shape ``zeros`` is made from, if it is an Expand of a zero that only ``shape`` sizes
+    (its rank no higher) or a ConstantOfShape of zeros; else None."""
+    node = zeros.producer()
+    if _op(node, "ConstantOfShape") and len(node.inputs) == 1:
+        fill = node.attributes["value"].value.numpy() if "value" in node.attributes else np.zeros(1)
+        return node.inputs[0] if not fill.any() else None
+    if _op(node, "Expand") and len(node.inputs) == 2 and _scalar(node.inputs[0]) == 0.0 \
+            and len(_constant_tensor(node.inputs[0]).shape) <= len(zeros.shape):
+        return node.inputs[1]
+    return None
 
 
 def _static_dims(value: ir.Value | None) -> list[int] | None:
