@@ -73,6 +73,17 @@ def _op(node: ir.Node | None, op_type: str) -> bool:
     return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
+def _zeros_shape(node: ir.Node | None) -> ir.Value | None:
+    """The shape ``node`` fills with zeros, if it is a ConstantOfShape of 0 or an Expand of a
+    constant 0; else None."""
+    if _op(node, "ConstantOfShape"):
+        fill = node.attributes["value"].value.numpy() if "value" in node.attributes else np.zeros(1)
+        return None if fill.any() else node.inputs[0]
+    if _op(node, "Expand") and _scalar(node.inputs[0]) == 0.0:
+        return node.inputs[1]
+    return None
+
+
 def _ints(value: ir.Value | None) -> list[int] | None:
     """The integers of a constant (initializer or Constant node), else None."""
     producer = value.producer() if value is not None and value.const_value is None else None

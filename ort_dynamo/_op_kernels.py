@@ -49,7 +49,7 @@ import numpy as np
 import onnx_ir as ir
 
 from ._fusions import (_constant_tensor, _initializer, _int64_constant, _named_dims, _op, _remove_if_dead, _scalar,
-                       _sole_user, _take_over, element_type)
+                       _sole_user, _take_over, _zeros_shape, element_type)
 
 __all__ = ["ATTENTION_HEAD_MULTIPLE", "DOMAIN", "attentions_as_kernels", "axis_softmaxes_as_kernels", "bf16_matmul_kernel",
            "bf16_matmuls_as_kernels", "blas_products", "conv_weight_grads_as_kernels", "convs_as_kernels", "f32_matmul_kernel",
@@ -843,13 +843,10 @@ def _symbolic_zeros_shape(zeros: ir.Value) -> ir.Value | None:
     """The shape ``zeros`` is made from, if it is an Expand of a zero that only ``shape`` sizes
     (its rank no higher) or a ConstantOfShape of zeros; else None."""
     node = zeros.producer()
-    if _op(node, "ConstantOfShape") and len(node.inputs) == 1:
-        fill = node.attributes["value"].value.numpy() if "value" in node.attributes else np.zeros(1)
-        return node.inputs[0] if not fill.any() else None
-    if _op(node, "Expand") and len(node.inputs) == 2 and _scalar(node.inputs[0]) == 0.0 \
-            and len(_constant_tensor(node.inputs[0]).shape) <= len(zeros.shape):
-        return node.inputs[1]
-    return None
+    shape = _zeros_shape(node)
+    if shape is not None and _op(node, "Expand") and len(_constant_tensor(node.inputs[0]).shape) > len(zeros.shape):
+        return None  # the zero's own rank makes the result's: the shape alone does not
+    return shape
 
 
 def _static_dims(value: ir.Value | None) -> list[int] | None:
@@ -985,7 +982,7 @@ def transposes_without_unit_axes(graph: ir.Graph, add_nodes: bool = True) -> int
             continue
         kept = [axis for axis in perm if dims[axis] != 1]
         moves = kept != sorted(kept)
-        static = all(isinstance(d, int) for d in x.shape.dims)
+        static = _static_dims(x) is not None
         if (moves or not static) and (not add_nodes or math.prod(dims) < _MIN_UNIT_FREE):
             continue
         name = node.outputs[0].name

@@ -31,7 +31,7 @@ import onnx_ir as ir
 
 from ._fusions import (_MS, _TANH_GELU_BETA, _TANH_GELU_KAPPA, _constant_tensor, _initializer, _int64_constant,
                        _ints, _is, _named_dims, _op, _other, _perm_keeping_last_axis, _remove_if_dead, _scalar,
-                       _sole_user)
+                       _sole_user, _zeros_shape)
 from ._fusions import softmax_written_out as _softmax_written_out
 from ._fusions import _take_over as _take_over_value
 from . import _op_kernels, _torch_attention
@@ -946,13 +946,9 @@ def _constant_zeros(value: ir.Value) -> list[ir.Node] | None:
         chain.append(node)
         if node.op_type in ("Reshape", "Cast", "Identity") and node.inputs:
             value = node.inputs[0]
-        elif node.op_type == "ConstantOfShape":
-            fill = node.attributes["value"].value.numpy() if "value" in node.attributes else np.zeros(1)
-            return chain if not fill.any() and _constant_tensor(node.inputs[0]) is not None else None
-        elif node.op_type == "Expand":
-            return chain if _scalar(node.inputs[0]) == 0.0 and _constant_tensor(node.inputs[1]) is not None else None
         else:
-            return None
+            shape = _zeros_shape(node)
+            return chain if shape is not None and _constant_tensor(shape) is not None else None
 
 
 def _index_per_row(graph: ir.Graph, indices: ir.Value | None, name: str) -> ir.Value | None:
