@@ -49,7 +49,7 @@ ORT_VARIANTS = {
     "ort_keep": {"memory_opt_level": 0}, "ort_recompute": {"memory_opt_level": 1},
     "ort_math_attention": {"cuda_torch_attention": False}, "ort_unfused": {"pointwise_kernels": False},
     "ort_arena": {"cuda_allocator": "shared_arena"}, "ort_whole_backward": {"backward_segments": 1},
-    "ort_segmented": {"backward_segments": 8}, "ort_no_mem_pattern": {"cuda_memory_pattern": False},
+    "ort_segmented": {"backward_segments": 8}, "ort_mem_pattern": {"cuda_memory_pattern": True},
     "ort_torch_attention": {"cpu_torch_attention": True}, "ort_written_attention": {"cpu_attention_kernel": False},
     "ort_mlas": {"cpu_matmul": "ort"}, "ort_torch_blas": {"cpu_matmul": "torch_blas"},
 }

@@ -158,7 +158,8 @@ def test_cpu_sessions_do_not_spin():
 
 def test_the_memory_pattern_is_off_on_cpu_and_an_option_on_cuda(monkeypatch):
     """ORT's memory pattern (one block of each run's planned peak) fragments the shared CPU
-    arena, so CPU sessions never use it; on CUDA it is on unless ``cuda_memory_pattern=False``.
+    arena, so CPU sessions never use it; on CUDA it is off (it raised the step's peak above
+    eager's) unless ``cuda_memory_pattern=True``.
     (The CUDA sessions' allocator is registered elsewhere: not needed to read the options.)"""
     from ort_dynamo import _cuda_allocator
     from ort_dynamo.options import OrtOptions, resolve_options
@@ -167,10 +168,10 @@ def test_the_memory_pattern_is_off_on_cpu_and_an_option_on_cuda(monkeypatch):
     monkeypatch.setattr(_cuda_allocator, "register", lambda *args: None)
     assert not session_options(OrtOptions()).enable_mem_pattern
     assert not session_options(OrtOptions(cuda_memory_pattern=True)).enable_mem_pattern
-    assert session_options(OrtOptions(), "cuda").enable_mem_pattern
-    assert not session_options(OrtOptions(cuda_memory_pattern=False), "cuda").enable_mem_pattern
-    monkeypatch.setenv("ORT_DYNAMO_CUDA_MEMORY_PATTERN", "0")
-    assert not session_options(resolve_options(None), "cuda").enable_mem_pattern
+    assert not session_options(OrtOptions(), "cuda").enable_mem_pattern
+    assert session_options(OrtOptions(cuda_memory_pattern=True), "cuda").enable_mem_pattern
+    monkeypatch.setenv("ORT_DYNAMO_CUDA_MEMORY_PATTERN", "1")
+    assert session_options(resolve_options(None), "cuda").enable_mem_pattern
 
 
 def test_save_onnx_writes_models_and_fx_graphs(tmp_path):

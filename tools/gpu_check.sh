@@ -69,13 +69,13 @@ step parity 200 python3 benchmarks/gpu_parity.py --steps 6 'alone={}' 'second_co
 step session-memory 60 python3 benchmarks/session_memory.py --sessions 16
 step session-memory-cublas-4mb 60 env CUBLAS_WORKSPACE_CONFIG=:4096:1 python3 benchmarks/session_memory.py --sessions 16
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
-  --backends eager,inductor,ort,ort_no_mem_pattern,aot_eager --steps 20 --warmup 3
+  --backends eager,inductor,ort,ort_mem_pattern,aot_eager --steps 20 --warmup 3
 # eager and ort alone in a process: with other compiled copies beside it, each compiled step also
 # pays Dynamo's failed guard checks of the others (docs/performance.md, 2026-11-28).
 step train-step-pair 120 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort --steps 20 --warmup 3
 step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
-  --backends eager,ort,ort_no_mem_pattern --steps 5 --warmup 2 --memory --memory-cold-only
+  --backends eager,ort,ort_mem_pattern --steps 5 --warmup 2 --memory --memory-cold-only
 step placement 200 python3 benchmarks/profile_step.py --device cuda --model gpt2-124m --steps 3
 step host-ahead 60 python3 benchmarks/host_ahead.py
 step first-step-cache 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m --cache-only \
