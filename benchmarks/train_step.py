@@ -191,14 +191,20 @@ def make_optimizer(backend: str, model, args):
     return torch.optim.AdamW(model.parameters(), fused=True, **hyper)
 
 
-def train_step(fn, opt, batch, device, autocast, losses: list | None = None):
-    """One step; its seconds. ``losses``: the step's loss is appended (a tensor: no wait)."""
+def train_step(fn, opt, batch, device, autocast, losses: list | None = None, wait_phases: bool = False):
+    """One step; its seconds. ``losses``: the step's loss is appended (a tensor: no wait).
+    ``wait_phases``: on CUDA, also wait for the device after forward and backward, as
+    ``profile_step.py``'s phase times do."""
     start = time.perf_counter()
     with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
         loss = fn(**batch).loss
     if losses is not None:
         losses.append(loss.detach())
+    if wait_phases and device == "cuda":
+        torch.cuda.synchronize()
     loss.backward()
+    if wait_phases and device == "cuda":
+        torch.cuda.synchronize()
     opt.step()
     opt.zero_grad(set_to_none=True)
     if device == "cuda":
@@ -225,7 +231,7 @@ def bench_model(name, args) -> dict:
             ort_dynamo.wait_for_kernels()  # steady state: the background compiler is done
         for backend, (fn, opt) in runners.items():
             before = _device_allocs(args.device)
-            seconds = train_step(fn, opt, batch, args.device, autocast, losses[backend])
+            seconds = train_step(fn, opt, batch, args.device, autocast, losses[backend], args.wait_phases)
             if step == 0:
                 first[backend] = seconds
             elif step >= args.warmup:
@@ -441,6 +447,8 @@ def main() -> None:
                              "(torch fused=True; ort: ort_dynamo FusedAdam)")
     parser.add_argument("--autocast", action="store_true",
                         help="train under torch.autocast(bfloat16) on CPU too (on CUDA always)")
+    parser.add_argument("--wait-phases", action="store_true",
+                        help="CUDA: wait for the device after each step's forward and backward too")
     parser.add_argument("--json", help="also write results here")
     parser.add_argument("--malloc", choices=["steady", "default"], default="steady",
                         help="steady: fix glibc's mmap and trim thresholds in the timing process (see above)")
@@ -453,6 +461,8 @@ def main() -> None:
     args.autocast = args.autocast or args.device == "cuda"
     if args.first_step_rounds < 1:
         parser.error(f"--first-step-rounds must be at least 1, got {args.first_step_rounds}")
+    if args.wait_phases and args.device != "cuda":
+        parser.error("--wait-phases times CUDA steps (a CPU step has no device to wait for); add --device cuda")
     if args.child_memory:
         return _child_memory(*args.child_memory, args)
     if args.child_first_step:

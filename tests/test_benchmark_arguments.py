@@ -45,6 +45,12 @@ def test_train_step_needs_at_least_one_round_of_first_steps():
         result.stderr[-1000:]
 
 
+def test_train_step_refuses_waits_between_phases_without_a_gpu():
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "train_step.py"), "--wait-phases"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--wait-phases times CUDA steps" in result.stderr, result.stderr[-1000:]
+
+
 @pytest.mark.parametrize("script", ["memory_phases.py", "compare_revision.py"])
 def test_an_attention_dropout_outside_zero_to_one_is_refused_before_training(script):
     result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, script), "--attention-dropout", "1"],

@@ -6,7 +6,8 @@
 # the GPU memory each ORT session holds beyond PyTorch's pool (and with cuBLAS's workspace
 # made 4 MiB); the training-step benchmark
 # (GPT-2 124M, bf16 autocast; ort with and without ORT's memory pattern, option
-# cuda_memory_pattern); peak memory (the same two); where ORT placed GPT-2's nodes and each
+# cuda_memory_pattern); the eager/ort pair alone, then with a device wait after each phase; peak
+# memory (ort with and without the pattern); where ORT placed GPT-2's nodes and each
 # backend's GPU kernel times; whether the host runs ahead of the GPU; then the first step with a
 # cold and a warm on-disk cache (fresh processes, each printed as it ends) and per-call
 # overhead. About 14 minutes in all: a 560 s budget leaves out the last ones.
@@ -74,6 +75,11 @@ step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2
 # pays Dynamo's failed guard checks of the others (docs/performance.md, 2026-11-28).
 step train-step-pair 120 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort --steps 20 --warmup 3
+# The same pair, waiting for the device after forward and backward too: profile_step.py's phase
+# times (sequential, with those waits) had ort at 0.90 of eager where the pair had 1.19
+# (docs/performance.md, "ORT's memory pattern off on CUDA").
+step phase-waits 120 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
+  --backends eager,ort --steps 20 --warmup 3 --wait-phases
 step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort,ort_mem_pattern --steps 5 --warmup 2 --memory --memory-cold-only
 step placement 200 python3 benchmarks/profile_step.py --device cuda --model gpt2-124m --steps 3
