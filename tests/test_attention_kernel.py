@@ -62,6 +62,9 @@ CASES = {
     "boolean mask": ((2, 2, 20, 20, 16), "boolean", False, None),
     "mask per head": ((2, 3, 9, 40, 48), "per head", False, None),
     "causal cross": ((1, 2, 12, 30, 16), None, True, None),
+    # three blocks of rows, whose tiles of 6 each stop at their own keys (and tiles of keys start
+    # at their first key's row) in the kernels' causal products
+    "causal, three blocks": ((1, 3, 150, 150, 16), None, True, None),
 }
 
 

@@ -38,6 +38,16 @@ PW_ATT_INLINE pw_att_v pw_att_fma(pw_att_v a, pw_att_v b, pw_att_v c) {
 #endif
 }
 
+/* *p in every lane: from memory on AVX-512 (a load port; a register broadcast would take the
+ * port one of the two FMA units sits on). */
+PW_ATT_INLINE pw_att_v pw_att_broadcast(const float* p) {
+#if defined(__AVX512F__)
+  return (pw_att_v)_mm512_set1_ps(*p);
+#else
+  return (pw_att_v){0} + *p;
+#endif
+}
+
 /* C[r][0:16V] = (add ? C : 0) + sum_k X(r, k) * Y[k][0:16V] for r < R: X's elements broadcast
  * (at r * xi + k * xk, so X may be read transposed), Y's rows loaded. R and V constants. */
 PW_ATT_INLINE void pw_att_tile(const int R, const int V, int64_t K, const float* restrict x, int64_t xi, int64_t xk,
@@ -53,7 +63,7 @@ PW_ATT_INLINE void pw_att_tile(const int R, const int V, int64_t K, const float*
     for (int v = 0; v < V; ++v) yv[v] = *(const pw_att_v*)(y + k * ys + 16 * v);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const pw_att_v xr = (pw_att_v){0} + x[r * xi + k * xk];
+      const pw_att_v xr = pw_att_broadcast(x + r * xi + k * xk);
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) acc[r][v] = pw_att_fma(xr, yv[v], acc[r][v]);
     }
@@ -81,23 +91,63 @@ PW_ATT_TILE_ROWS(4)
 PW_ATT_TILE_ROWS(5)
 PW_ATT_TILE_ROWS(6)
 
-/* C[M x W] = (add ? C : 0) + X(M x K) Y[K x W], W a multiple of 16. */
+/* The row stride of a buffer of n columns: whole vectors, and one more, so that rows are not a
+ * multiple of 4 KiB apart (1024 keys: the rows a tile reads at once would share a few cache sets). */
+static inline int64_t pw_att_whole(int64_t n) { return (n + 15) & ~(int64_t)15; } /* whole vectors */
+static inline int64_t pw_att_stride(int64_t n) { return pw_att_whole(n) + 16; }
+/* Row tile (R rows from row i) of one product: rows of 1-6, columns from w, V vectors wide. */
+static void pw_att_tile_rows(int R, int V, int64_t K, const float* x, int64_t xi, int64_t xk, const float* y,
+                             int64_t ys, float* c, int64_t cs, int add) {
+  switch (R) {
+    case 6: pw_att_tile_6(V, K, x, xi, xk, y, ys, c, cs, add); break;
+    case 5: pw_att_tile_5(V, K, x, xi, xk, y, ys, c, cs, add); break;
+    case 4: pw_att_tile_4(V, K, x, xi, xk, y, ys, c, cs, add); break;
+    case 3: pw_att_tile_3(V, K, x, xi, xk, y, ys, c, cs, add); break;
+    case 2: pw_att_tile_2(V, K, x, xi, xk, y, ys, c, cs, add); break;
+    default: pw_att_tile_1(V, K, x, xi, xk, y, ys, c, cs, add); break;
+  }
+}
+
+/* What a causal product skips, per tile of rows i..i+R-1 (`lim`: the absolute index of row 0;
+ * row r sees keys below lim + r + 1): PW_ATT_ALL nothing; PW_ATT_COLS the columns (keys) past
+ * the tile's last row's, in whole vectors; PW_ATT_DEPTH the depth (keys) past them; PW_ATT_FROM
+ * (rows are keys, depth is query rows from lim on) the query rows before the tile's first key,
+ * whose probabilities are 0. */
+enum { PW_ATT_ALL, PW_ATT_COLS, PW_ATT_DEPTH, PW_ATT_FROM };
+
+/* C[M x W] = (add ? C : 0) + X(M x K) Y[K x W], W a multiple of 16; `skip` and `lim` as above. */
 static void pw_att_product(int64_t M, int64_t W, int64_t K, const float* x, int64_t xi, int64_t xk, const float* y,
-                           int64_t ys, float* c, int64_t cs, int add) {
+                           int64_t ys, float* c, int64_t cs, int add, int skip, int64_t lim) {
   for (int64_t w = 0; w < W; w += 64) {
-    const int V = W - w >= 64 ? 4 : (int)((W - w) / 16);
-    int64_t i = 0;
-    for (; i + 6 <= M; i += 6) pw_att_tile_6(V, K, x + i * xi, xi, xk, y + w, ys, c + i * cs + w, cs, add);
-    const float* xr = x + i * xi;
-    float* cr = c + i * cs + w;
-    switch (M - i) {
-      case 5: pw_att_tile_5(V, K, xr, xi, xk, y + w, ys, cr, cs, add); break;
-      case 4: pw_att_tile_4(V, K, xr, xi, xk, y + w, ys, cr, cs, add); break;
-      case 3: pw_att_tile_3(V, K, xr, xi, xk, y + w, ys, cr, cs, add); break;
-      case 2: pw_att_tile_2(V, K, xr, xi, xk, y + w, ys, cr, cs, add); break;
-      case 1: pw_att_tile_1(V, K, xr, xi, xk, y + w, ys, cr, cs, add); break;
+    for (int64_t i = 0; i < M; i += 6) {
+      const int R = M - i >= 6 ? 6 : (int)(M - i);
+      int64_t width = W, k0 = 0, k1 = K;
+      if (skip == PW_ATT_COLS) {
+        const int64_t end = pw_att_whole(lim + i + R);
+        width = end < W ? end : W;
+      } else if (skip == PW_ATT_DEPTH) {
+        k1 = lim + i + R < K ? lim + i + R : K;
+      } else if (skip == PW_ATT_FROM) {
+        k0 = i > lim ? i - lim : 0;
+      }
+      if (w >= width || (k0 >= k1 && add)) continue;
+      const int V = width - w >= 64 ? 4 : (int)((width - w) / 16);
+      pw_att_tile_rows(R, V, k1 - k0, x + i * xi + k0 * xk, xi, xk, y + k0 * ys + w, ys, c + i * cs + w, cs, add);
     }
   }
+}
+
+/* The causal limit of row r's tile in pw_att_product (lim + the tile's end, at most n), and the
+ * columns a row's softmax must cover: past it by a tile of keys (PW_ATT_FROM reads up to 5 keys
+ * past a row's last), in whole vectors, at most np. Not causal: n and np. */
+PW_ATT_INLINE int64_t pw_att_tile_keys(int causal, int64_t lim, int64_t r, int64_t rows, int64_t n) {
+  if (!causal) return n;
+  const int64_t end = r / 6 * 6 + 6 < rows ? r / 6 * 6 + 6 : rows;
+  return lim + end < n ? lim + end : n;
+}
+PW_ATT_INLINE int64_t pw_att_row_cols(int causal, int64_t keys, int64_t np) {
+  const int64_t cols = pw_att_whole(keys) + 16;
+  return causal && cols < np ? cols : np;
 }
 
 /* Two vectors' lanes picked by constant indices (0-15: a, 16-31: b). */
@@ -133,10 +183,6 @@ PW_ATT_INLINE void pw_att_transpose16(pw_att_v* r) {
 #undef PW_ATT_SWAP
 }
 
-/* The row stride of a buffer of n columns: whole vectors, and one more, so that rows are not a
- * multiple of 4 KiB apart (1024 keys: the rows a tile reads at once would share a few cache sets). */
-static inline int64_t pw_att_whole(int64_t n) { return (n + 15) & ~(int64_t)15; } /* whole vectors */
-static inline int64_t pw_att_stride(int64_t n) { return pw_att_whole(n) + 16; }
 /* The keys rows up to `end` (exclusive) attend to: causal, the first `end`; else all N. */
 static inline int64_t pw_att_keys(int causal, int64_t end, int64_t N) { return causal && end < N ? end : N; }
 
@@ -248,22 +294,25 @@ PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int6
   const float *q = pw_att_rows(&a->q, H, head) + i0 * qs, *k = pw_att_rows(&a->k, a->kv_heads, kv_head);
   const float* v = pw_att_rows(&a->v, a->kv_heads, kv_head);
   float *y = pw_att_rows(&a->y, H, head) + i0 * ys, *lse = a->y_lse + head * M + i0;
+  /* Causal: each tile of rows stops at its last row's keys (pw_att_product's skips). */
+  const int cols = causal ? PW_ATT_COLS : PW_ATT_ALL, depth = causal ? PW_ATT_DEPTH : PW_ATT_ALL;
   pw_att_transpose(k, ks, n_block, D, kt, np, ld);
-  pw_att_product(rows, np, D, q, qs, 1, kt, ld, s, ld, 0);
+  pw_att_product(rows, np, D, q, qs, 1, kt, ld, s, ld, 0, cols, i0);
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s + r * ld;
     const int64_t n = pw_att_keys(causal, i0 + r + 1, N);
-    const float peak = pw_att_scores(row, np, n, pw_att_mask_row(a, head, i0 + r, mask_kind),
+    const int64_t nr = pw_att_row_cols(causal, pw_att_tile_keys(causal, i0, r, rows, n_block), np);
+    const float peak = pw_att_scores(row, nr, n, pw_att_mask_row(a, head, i0 + r, mask_kind),
                                      a->mask_strides[3], mask_kind, scale);
     if (peak == -INFINITY) { /* no key to attend to */
-      for (int64_t j = 0; j < np; ++j) row[j] = 0.0f;
+      for (int64_t j = 0; j < nr; ++j) row[j] = 0.0f;
       inverse[r] = 0.0f;
       lse[r] = -INFINITY;
       continue;
     }
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < np; ++j) {
+    for (int64_t j = 0; j < nr; ++j) {
       const float e = pw_expf(row[j] - peak);
       row[j] = e;
       sum += e;
@@ -271,7 +320,7 @@ PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int6
     inverse[r] = 1.0f / sum; /* applied to the row's output: D values, not the row's keys */
     lse[r] = peak + logf(sum);
   }
-  pw_att_product(rows, D, n_block, s, ld, 1, v, vs, y, ys, 0);
+  pw_att_product(rows, D, n_block, s, ld, 1, v, vs, y, ys, 0, depth, i0);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t d = 0; d < D; ++d) y[r * ys + d] *= inverse[r];
 }
@@ -294,6 +343,10 @@ PW_ATT_INLINE void pw_att_backward_head(const PwAttention* a, int64_t kv_head, c
     memset(gv + j * gvs, 0, sizeof(float) * D);
   }
   const int64_t first = kv_head / a->kv_heads * H + kv_head % a->kv_heads * a->group;
+  /* Causal: tiles of query rows stop at their last row's keys, tiles of keys start at their
+   * first key's row (pw_att_product's skips). */
+  const int cols = causal ? PW_ATT_COLS : PW_ATT_ALL, depth = causal ? PW_ATT_DEPTH : PW_ATT_ALL;
+  const int from = causal ? PW_ATT_FROM : PW_ATT_ALL;
   for (int64_t head = first; head < first + a->group; ++head) {
     const float *q = pw_att_rows(&a->q, H, head), *grad = pw_att_rows(&a->grad, H, head);
     const float *out = pw_att_rows(&a->out, H, head), *lse = a->lse + head * M;
@@ -303,29 +356,31 @@ PW_ATT_INLINE void pw_att_backward_head(const PwAttention* a, int64_t kv_head, c
       const int64_t n_block = pw_att_keys(causal, i0 + rows, N);
       const int64_t np = pw_att_whole(n_block), ld = pw_att_stride(n_block);
       /* kt and vt hold all keys: read the first np of each row. */
-      pw_att_product(rows, np, D, q + i0 * qs, qs, 1, kt, ld_all, s, ld, 0);
-      pw_att_product(rows, np, D, grad + i0 * gs, gs, 1, vt, ld_all, dp, ld, 0);
+      pw_att_product(rows, np, D, q + i0 * qs, qs, 1, kt, ld_all, s, ld, 0, cols, i0);
+      pw_att_product(rows, np, D, grad + i0 * gs, gs, 1, vt, ld_all, dp, ld, 0, cols, i0);
       for (int64_t r = 0; r < rows; ++r) {
         float *row = s + r * ld, *drow = dp + r * ld;
         const int64_t i = i0 + r, n = pw_att_keys(causal, i + 1, N);
+        const int64_t nr = pw_att_row_cols(causal, pw_att_tile_keys(causal, i0, r, rows, n_block), np);
         const float l = lse[i];
-        pw_att_scores(row, np, n, pw_att_mask_row(a, head, i, mask_kind), a->mask_strides[3], mask_kind, scale);
+        pw_att_scores(row, nr, n, pw_att_mask_row(a, head, i, mask_kind), a->mask_strides[3], mask_kind, scale);
         if (l == -INFINITY) {
-          for (int64_t j = 0; j < np; ++j) row[j] = drow[j] = 0.0f;
+          for (int64_t j = 0; j < nr; ++j) row[j] = drow[j] = 0.0f;
           continue;
         }
         float di = 0.0f;
         for (int64_t d = 0; d < D; ++d) di += grad[i * gs + d] * out[i * os + d];
-        for (int64_t j = 0; j < np; ++j) {
+        for (int64_t j = 0; j < nr; ++j) {
           const float p = pw_expf(row[j] - l); /* masked: exp(-inf) = 0 */
           row[j] = p;
-          drow[j] = p * (drow[j] - di) * scale;
+          /* Past the tile's keys dp was not computed: what is there must not reach ds. */
+          drow[j] = p != 0.0f ? p * (drow[j] - di) * scale : 0.0f;
         }
       }
       /* gv += p^T dO; gk += ds^T q; gq = ds k */
-      pw_att_product(n_block, D, rows, s, 1, ld, grad + i0 * gs, gs, gv, gvs, 1);
-      pw_att_product(n_block, D, rows, dp, 1, ld, q + i0 * qs, qs, gk, gks, 1);
-      pw_att_product(rows, D, n_block, dp, ld, 1, k, ks, gq + i0 * gqs, gqs, 0);
+      pw_att_product(n_block, D, rows, s, 1, ld, grad + i0 * gs, gs, gv, gvs, 1, from, i0);
+      pw_att_product(n_block, D, rows, dp, 1, ld, q + i0 * qs, qs, gk, gks, 1, from, i0);
+      pw_att_product(rows, D, n_block, dp, ld, 1, k, ks, gq + i0 * gqs, gqs, 0, depth, i0);
     }
   }
 }
