@@ -65,6 +65,10 @@ CASES = {
     # three blocks of rows, whose tiles of 6 each stop at their own keys (and tiles of keys start
     # at their first key's row) in the kernels' causal products
     "causal, three blocks": ((1, 3, 150, 150, 16), None, True, None),
+    # the kernels leave out each row's last masked keys where those ends rise with the row (a
+    # causal mask given as a mask, as HF's GPT-2 gives it), and read every key where they do not
+    "causal as a float mask": ((2, 2, 150, 150, 32), "causal float", False, None),
+    "ends falling with the row": ((1, 2, 70, 70, 16), "shrinking", False, None),
 }
 
 
@@ -77,6 +81,10 @@ def _mask(kind, b, h, m, n):
         return torch.ones(m, n, dtype=torch.bool).tril()
     if kind == "per head":
         return torch.randn(1, h, 1, n)
+    if kind == "causal float":
+        return torch.where(torch.ones(m, n, dtype=torch.bool).tril(), 0.0, float("-inf"))
+    if kind == "shrinking":  # row r keeps keys 0..n-1-r
+        return torch.where(torch.ones(m, n, dtype=torch.bool).tril().flip(0), 0.0, float("-inf"))
     return None
 
 

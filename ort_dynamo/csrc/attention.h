@@ -108,27 +108,28 @@ static void pw_att_tile_rows(int R, int V, int64_t K, const float* x, int64_t xi
   }
 }
 
-/* What a causal product skips, per tile of rows i..i+R-1 (`lim`: the absolute index of row 0;
- * row r sees keys below lim + r + 1): PW_ATT_ALL nothing; PW_ATT_COLS the columns (keys) past
- * the tile's last row's, in whole vectors; PW_ATT_DEPTH the depth (keys) past them; PW_ATT_FROM
- * (rows are keys, depth is query rows from lim on) the query rows before the tile's first key,
+/* What a product skips, per tile of rows i..i+R-1, by `limit` (pw_att_row_limits: query row r
+ * attends to keys below limit[r], rising with r): PW_ATT_COLS the columns (keys) past the
+ * tile's last row's limit, in whole vectors; PW_ATT_DEPTH the depth (keys) past it; PW_ATT_FROM
+ * (rows are keys, depth is query rows) the query rows that attend to none of the tile's keys,
  * whose probabilities are 0. */
-enum { PW_ATT_ALL, PW_ATT_COLS, PW_ATT_DEPTH, PW_ATT_FROM };
+enum { PW_ATT_COLS, PW_ATT_DEPTH, PW_ATT_FROM };
 
-/* C[M x W] = (add ? C : 0) + X(M x K) Y[K x W], W a multiple of 16; `skip` and `lim` as above. */
+/* C[M x W] = (add ? C : 0) + X(M x K) Y[K x W], W a multiple of 16; `skip` and `limit` as above. */
 static void pw_att_product(int64_t M, int64_t W, int64_t K, const float* x, int64_t xi, int64_t xk, const float* y,
-                           int64_t ys, float* c, int64_t cs, int add, int skip, int64_t lim) {
+                           int64_t ys, float* c, int64_t cs, int add, int skip, const int64_t* limit) {
   for (int64_t w = 0; w < W; w += 64) {
+    int64_t k0 = 0;
     for (int64_t i = 0; i < M; i += 6) {
       const int R = M - i >= 6 ? 6 : (int)(M - i);
-      int64_t width = W, k0 = 0, k1 = K;
+      int64_t width = W, k1 = K;
       if (skip == PW_ATT_COLS) {
-        const int64_t end = pw_att_whole(lim + i + R);
+        const int64_t end = pw_att_whole(limit[i + R - 1]);
         width = end < W ? end : W;
       } else if (skip == PW_ATT_DEPTH) {
-        k1 = lim + i + R < K ? lim + i + R : K;
-      } else if (skip == PW_ATT_FROM) {
-        k0 = i > lim ? i - lim : 0;
+        k1 = limit[i + R - 1] < K ? limit[i + R - 1] : K;
+      } else {
+        while (k0 < K && limit[k0] <= i) ++k0; /* tiles of keys in order: k0 only rises */
       }
       if (w >= width || (k0 >= k1 && add)) continue;
       const int V = width - w >= 64 ? 4 : (int)((width - w) / 16);
@@ -137,17 +138,13 @@ static void pw_att_product(int64_t M, int64_t W, int64_t K, const float* x, int6
   }
 }
 
-/* The causal limit of row r's tile in pw_att_product (lim + the tile's end, at most n), and the
- * columns a row's softmax must cover: past it by a tile of keys (PW_ATT_FROM reads up to 5 keys
- * past a row's last), in whole vectors, at most np. Not causal: n and np. */
-PW_ATT_INLINE int64_t pw_att_tile_keys(int causal, int64_t lim, int64_t r, int64_t rows, int64_t n) {
-  if (!causal) return n;
-  const int64_t end = r / 6 * 6 + 6 < rows ? r / 6 * 6 + 6 : rows;
-  return lim + end < n ? lim + end : n;
-}
-PW_ATT_INLINE int64_t pw_att_row_cols(int causal, int64_t keys, int64_t np) {
-  const int64_t cols = pw_att_whole(keys) + 16;
-  return causal && cols < np ? cols : np;
+/* The columns row r's softmax must cover: its tile's keys (pw_att_product's PW_ATT_COLS) and a
+ * tile of keys past them (PW_ATT_FROM reads up to 5 keys past a row's last), in whole vectors,
+ * at most np. */
+PW_ATT_INLINE int64_t pw_att_row_cols(const int64_t* limit, int64_t r, int64_t rows, int64_t np) {
+  const int64_t last = r / 6 * 6 + 5 < rows ? r / 6 * 6 + 5 : rows - 1;
+  const int64_t cols = pw_att_whole(limit[last]) + 16;
+  return cols < np ? cols : np;
 }
 
 /* Two vectors' lanes picked by constant indices (0-15: a, 16-31: b). */
@@ -279,14 +276,40 @@ PW_ATT_INLINE const void* pw_att_mask_row(const PwAttention* a, int64_t head, in
   return mask_kind == 1 ? (const void*)((const float*)a->mask + at) : (const void*)((const uint8_t*)a->mask + at);
 }
 
+/* limit[r]: the keys query row i0 + r (r < rows) of `head` attends to are below it: causal, i0 +
+ * r + 1; a mask's last masked keys (-inf, false: a causal mask given as a mask, a padding mask)
+ * are left out too. At most n. Returns the largest; if the limits do not rise with the row
+ * (pw_att_product's skips need them rising), the mask's are not taken. */
+PW_ATT_INLINE int64_t pw_att_row_limits(const PwAttention* a, int64_t head, int64_t i0, int64_t rows, int causal,
+                                        int mask_kind, int64_t n, int64_t* limit) {
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t keys = pw_att_keys(causal, i0 + r + 1, n);
+    if (mask_kind == 1) {
+      const float* m = (const float*)pw_att_mask_row(a, head, i0 + r, mask_kind);
+      while (keys > 0 && m[(keys - 1) * a->mask_strides[3]] == -INFINITY) --keys;
+    } else if (mask_kind == 2) {
+      const uint8_t* m = (const uint8_t*)pw_att_mask_row(a, head, i0 + r, mask_kind);
+      while (keys > 0 && !m[(keys - 1) * a->mask_strides[3]]) --keys;
+    }
+    limit[r] = keys;
+    if (r > 0 && keys < limit[r - 1]) { /* the mask's ends do not rise: its keys all read */
+      for (int64_t j = 0; j < rows; ++j) limit[j] = pw_att_keys(causal, i0 + j + 1, n);
+      return n;
+    }
+  }
+  return rows > 0 ? limit[rows - 1] : 0;
+}
+
 /* Forward of rows [i0, i0 + rows) of one head. kt: D rows, s: PW_ATT_ROWS rows, of the keys'
  * pw_att_stride at most. */
 PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int64_t i0, int64_t rows, const int D,
                                         const int causal, const int mask_kind, const float scale, float* kt,
                                         float* s) {
   const int64_t M = a->M, N = a->N, H = a->heads;
-  /* Causal: the block's keys stop after its last row's. */
-  const int64_t n_block = pw_att_keys(causal, i0 + rows, N);
+  /* The block's keys stop after its last row's (causal, or masked after it). */
+  int64_t limit[PW_ATT_ROWS];
+  const int64_t n_block = pw_att_row_limits(a, head, i0, rows, causal, mask_kind, pw_att_keys(causal, i0 + rows, N),
+                                            limit);
   const int64_t np = pw_att_whole(n_block), ld = pw_att_stride(n_block);
   const int64_t qs = a->q.row, ks = a->k.row, vs = a->v.row, ys = a->y.row;
   float inverse[PW_ATT_ROWS];
@@ -294,14 +317,12 @@ PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int6
   const float *q = pw_att_rows(&a->q, H, head) + i0 * qs, *k = pw_att_rows(&a->k, a->kv_heads, kv_head);
   const float* v = pw_att_rows(&a->v, a->kv_heads, kv_head);
   float *y = pw_att_rows(&a->y, H, head) + i0 * ys, *lse = a->y_lse + head * M + i0;
-  /* Causal: each tile of rows stops at its last row's keys (pw_att_product's skips). */
-  const int cols = causal ? PW_ATT_COLS : PW_ATT_ALL, depth = causal ? PW_ATT_DEPTH : PW_ATT_ALL;
   pw_att_transpose(k, ks, n_block, D, kt, np, ld);
-  pw_att_product(rows, np, D, q, qs, 1, kt, ld, s, ld, 0, cols, i0);
+  pw_att_product(rows, np, D, q, qs, 1, kt, ld, s, ld, 0, PW_ATT_COLS, limit);
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s + r * ld;
-    const int64_t n = pw_att_keys(causal, i0 + r + 1, N);
-    const int64_t nr = pw_att_row_cols(causal, pw_att_tile_keys(causal, i0, r, rows, n_block), np);
+    /* Keys from limit[r] on are masked anyway; past the tile's, s was not computed. */
+    const int64_t n = limit[r], nr = pw_att_row_cols(limit, r, rows, np);
     const float peak = pw_att_scores(row, nr, n, pw_att_mask_row(a, head, i0 + r, mask_kind),
                                      a->mask_strides[3], mask_kind, scale);
     if (peak == -INFINITY) { /* no key to attend to */
@@ -320,7 +341,7 @@ PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int6
     inverse[r] = 1.0f / sum; /* applied to the row's output: D values, not the row's keys */
     lse[r] = peak + logf(sum);
   }
-  pw_att_product(rows, D, n_block, s, ld, 1, v, vs, y, ys, 0, depth, i0);
+  pw_att_product(rows, D, n_block, s, ld, 1, v, vs, y, ys, 0, PW_ATT_DEPTH, limit);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t d = 0; d < D; ++d) y[r * ys + d] *= inverse[r];
 }
@@ -343,25 +364,24 @@ PW_ATT_INLINE void pw_att_backward_head(const PwAttention* a, int64_t kv_head, c
     memset(gv + j * gvs, 0, sizeof(float) * D);
   }
   const int64_t first = kv_head / a->kv_heads * H + kv_head % a->kv_heads * a->group;
-  /* Causal: tiles of query rows stop at their last row's keys, tiles of keys start at their
-   * first key's row (pw_att_product's skips). */
-  const int cols = causal ? PW_ATT_COLS : PW_ATT_ALL, depth = causal ? PW_ATT_DEPTH : PW_ATT_ALL;
-  const int from = causal ? PW_ATT_FROM : PW_ATT_ALL;
+  int64_t limit[PW_ATT_ROWS];
   for (int64_t head = first; head < first + a->group; ++head) {
     const float *q = pw_att_rows(&a->q, H, head), *grad = pw_att_rows(&a->grad, H, head);
     const float *out = pw_att_rows(&a->out, H, head), *lse = a->lse + head * M;
     float* gq = pw_att_rows(&a->gq, H, head);
     for (int64_t i0 = 0; i0 < M; i0 += PW_ATT_ROWS) {
       const int64_t rows = M - i0 < PW_ATT_ROWS ? M - i0 : PW_ATT_ROWS;
-      const int64_t n_block = pw_att_keys(causal, i0 + rows, N);
+      /* Tiles of query rows stop at their last row's keys, tiles of keys start at the first row
+       * that attends to them (pw_att_product's skips). */
+      const int64_t n_block = pw_att_row_limits(a, head, i0, rows, causal, mask_kind,
+                                                pw_att_keys(causal, i0 + rows, N), limit);
       const int64_t np = pw_att_whole(n_block), ld = pw_att_stride(n_block);
       /* kt and vt hold all keys: read the first np of each row. */
-      pw_att_product(rows, np, D, q + i0 * qs, qs, 1, kt, ld_all, s, ld, 0, cols, i0);
-      pw_att_product(rows, np, D, grad + i0 * gs, gs, 1, vt, ld_all, dp, ld, 0, cols, i0);
+      pw_att_product(rows, np, D, q + i0 * qs, qs, 1, kt, ld_all, s, ld, 0, PW_ATT_COLS, limit);
+      pw_att_product(rows, np, D, grad + i0 * gs, gs, 1, vt, ld_all, dp, ld, 0, PW_ATT_COLS, limit);
       for (int64_t r = 0; r < rows; ++r) {
         float *row = s + r * ld, *drow = dp + r * ld;
-        const int64_t i = i0 + r, n = pw_att_keys(causal, i + 1, N);
-        const int64_t nr = pw_att_row_cols(causal, pw_att_tile_keys(causal, i0, r, rows, n_block), np);
+        const int64_t i = i0 + r, n = limit[r], nr = pw_att_row_cols(limit, r, rows, np);
         const float l = lse[i];
         pw_att_scores(row, nr, n, pw_att_mask_row(a, head, i, mask_kind), a->mask_strides[3], mask_kind, scale);
         if (l == -INFINITY) {
@@ -378,9 +398,9 @@ PW_ATT_INLINE void pw_att_backward_head(const PwAttention* a, int64_t kv_head, c
         }
       }
       /* gv += p^T dO; gk += ds^T q; gq = ds k */
-      pw_att_product(n_block, D, rows, s, 1, ld, grad + i0 * gs, gs, gv, gvs, 1, from, i0);
-      pw_att_product(n_block, D, rows, dp, 1, ld, q + i0 * qs, qs, gk, gks, 1, from, i0);
-      pw_att_product(rows, D, n_block, dp, ld, 1, k, ks, gq + i0 * gqs, gqs, 0, depth, i0);
+      pw_att_product(n_block, D, rows, s, 1, ld, grad + i0 * gs, gs, gv, gvs, 1, PW_ATT_FROM, limit);
+      pw_att_product(n_block, D, rows, dp, 1, ld, q + i0 * qs, qs, gk, gks, 1, PW_ATT_FROM, limit);
+      pw_att_product(rows, D, n_block, dp, ld, 1, k, ks, gq + i0 * gqs, gqs, 0, PW_ATT_DEPTH, limit);
     }
   }
 }
