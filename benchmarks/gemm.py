@@ -6,6 +6,7 @@ shapes of the benchmark models' training steps, one process, same threads.
     .venv/bin/python benchmarks/gemm.py --bfloat16 [--cold]   # CPU autocast's products
     .venv/bin/python benchmarks/gemm.py --ours --attention [--cold]   # attention's batched products
     .venv/bin/python benchmarks/gemm.py --blas [--cold]   # torch's BLAS inside ORT (cpu_matmul)
+    .venv/bin/python benchmarks/gemm.py --blas --chain 20   # ... 20 products in one run, as in a step
 
 ``--bfloat16``: bfloat16 operands and result, as under CPU autocast: ort_dynamo's bfloat16
 product (csrc/bf16_gemm.h, AVX512-BF16) against torch.mm on bfloat16 tensors (oneDNN), and
@@ -16,6 +17,10 @@ forward and backward at the models' sizes (batch 8 x 4 heads, 128 positions, hea
 
 ``--blas``: the product option ``cpu_matmul="torch_blas"`` puts in the models (csrc/torch_blas.c:
 torch's sgemm inside an ORT session) against ORT's FusedMatMul and torch.mm, calls interleaved.
+
+``--chain N`` (with ``--blas``): N products one after the other in one ORT run (each multiplying
+the one before by the same square matrix) against the same N ``torch.mm`` calls: what a product
+costs inside a training step's run, without a one-op session's call per product.
 
 ``--cold``: each call gets operands from a rotation of 6 copies and, before it (not timed), a
 32 MB write evicts the caches. In a training step most operands come from memory: saved
@@ -155,7 +160,13 @@ def main() -> None:
                         help="float32: torch's BLAS inside ORT (cpu_matmul) against ORT's, the calls interleaved")
     parser.add_argument("--attention", action="store_true",
                         help="with --ours: attention's batched products (see above)")
+    parser.add_argument("--chain", type=int, default=0,
+                        help="with --blas: this many products in one ORT run against as many torch.mm calls")
     args = parser.parse_args()
+    if args.chain and not args.blas:
+        parser.error("--chain times torch's BLAS inside ORT: add --blas")
+    if args.chain < 0:
+        parser.error(f"--chain must be a count of products, got {args.chain}")
     if args.bfloat16:
         return bfloat16_products(args)
     if args.ours:
@@ -254,8 +265,56 @@ def blas_products(args) -> None:
         raise SystemExit(f"torch's BLAS cannot run inside ORT here: {_torch_blas.problem()}")
     if args.attention:
         raise SystemExit("--blas multiplies one matrix by another (float32 batches stay ORT's): no --attention")
+    if args.chain:
+        return _blas_chain(args)
     _one_op_against_ort(args, "blas", lambda trans_a, trans_b, rank: _blas_session(trans_a, trans_b),
                         ", float32, torch's BLAS inside ORT against ORT's (MLAS), calls interleaved")
+
+
+#: (rows, size) of the chains: rows x size times size x size, as the models' projections.
+CHAIN_SHAPES = [(1024, 256), (256, 1024), (1024, 1024)]
+
+
+def _blas_chain(args) -> None:
+    """``args.chain`` products in one ORT run (torch's BLAS inside ORT) against as many torch.mm
+    calls, the runs interleaved."""
+    from ort_dynamo import _torch_blas
+
+    _header(args, f", float32, {args.chain} products in one ORT run (torch's BLAS) against {args.chain} torch.mm")
+    ratios = []
+    for m, k in CHAIN_SHAPES:
+        nodes, name = [], "a"
+        for i in range(args.chain):
+            nodes.append(helper.make_node("MatMul", [name, "w"], [f"y{i}"], domain=_torch_blas.DOMAIN, trans_a=0, trans_b=0))
+            name = f"y{i}"
+        graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [m, k]),
+                                                   helper.make_tensor_value_info("w", TensorProto.FLOAT, [k, k])],
+                                  [helper.make_tensor_value_info(name, TensorProto.FLOAT, [m, k])])
+        model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18),
+                                                                        helper.make_opsetid(_torch_blas.DOMAIN, 1)])
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = torch.get_num_threads()
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.register_custom_ops_library(_torch_blas.library())
+        session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        a, w = torch.randn(m, k) / k ** 0.5, torch.randn(k, k) / k ** 0.5  # values stay near 1 along the chain
+        feeds = dict(zip("aw", _ort_values([a, w])))
+        got = session.run_with_ort_values([name], feeds)[0].numpy()
+
+        def torch_chain():
+            x = a
+            for _ in range(args.chain):
+                x = torch.mm(x, w)
+            return x
+
+        error = float(np.abs(got - torch_chain().numpy()).max() / np.abs(got).max())
+        ort_ms, torch_ms = _interleaved_ms([lambda i: session.run_with_ort_values([name], feeds),
+                                            lambda i: torch_chain()], args.repeats, args.cold)
+        ratios.append(ort_ms / torch_ms)
+        print(f"M {m:5d} K {k:5d} N {k:5d} x {args.chain}: ORT run {ort_ms:7.2f} ms  torch {torch_ms:7.2f} ms  "
+              f"ORT/torch {ort_ms / torch_ms:.3f}  ({(ort_ms - torch_ms) / args.chain * 1e3:+.0f} us a product)  "
+              f"error {error:.1e}")
+    print(f"geometric mean ORT/torch: {statistics.geometric_mean(ratios):.3f}")
 
 
 def bfloat16_products(args) -> None:

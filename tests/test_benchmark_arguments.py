@@ -45,6 +45,13 @@ def test_train_step_needs_at_least_one_round_of_first_steps():
         result.stderr[-1000:]
 
 
+def test_gemm_refuses_a_chain_without_torchs_blas():
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "gemm.py"), "--chain", "3"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--chain times torch's BLAS inside ORT: add --blas" in result.stderr, \
+        result.stderr[-1000:]
+
+
 def test_train_step_refuses_waits_between_phases_without_a_gpu():
     result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "train_step.py"), "--wait-phases"],
                             capture_output=True, text=True, timeout=300)
