@@ -126,6 +126,9 @@ CASES = {
                   "BERT's attention: 4 heads of 64, 128 tokens"),
     "attention_causal": (lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True), (8, 4, 128, 64),
                          "GPT-2's and Llama's, causal"),
+    "attention_causal_mask": (lambda x, m=torch.full((128, 128), float("-inf")).triu(1):
+                              F.scaled_dot_product_attention(x, x, x, attn_mask=m), (8, 4, 128, 64),
+                              "causal as a mask of -inf above the diagonal, as HF's GPT-2 gives it"),
     "attention_long": (lambda x: F.scaled_dot_product_attention(x, x, x), (2, 4, 1024, 64),
                        "1024 tokens: [batch, heads, 1024, 1024] scores written out"),
     "attention_long_causal": (lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True),

@@ -246,7 +246,8 @@ PW_ATT_INLINE float pw_att_scores(float* restrict s, int64_t np, int64_t n, cons
                                   int mask_kind, float scale) {
   const pw_att_v lanes = *(const pw_att_v*)pw_att_lanes, minus_inf = (pw_att_v){0} - INFINITY;
   pw_att_v peak = minus_inf;
-  for (int64_t j = 0; j < np; j += 16) {
+  int64_t j = 0;
+  for (; j < n; j += 16) {
     pw_att_v x = *(pw_att_v*)(s + j) * scale;
     if (mask_kind == 1) {
       const float* m = (const float*)mask_row;
@@ -266,6 +267,7 @@ PW_ATT_INLINE float pw_att_scores(float* restrict s, int64_t np, int64_t n, cons
     *(pw_att_v*)(s + j) = x;
     peak = pw_att_select(x > peak, x, peak);
   }
+  for (; j < np; j += 16) *(pw_att_v*)(s + j) = minus_inf; /* past the keys: neither read nor masked */
   return pw_att_max(peak);
 }
 
@@ -274,6 +276,24 @@ PW_ATT_INLINE const void* pw_att_mask_row(const PwAttention* a, int64_t head, in
   const int64_t b = head / a->heads, h = head % a->heads;
   const int64_t at = b * a->mask_strides[0] + h * a->mask_strides[1] + i * a->mask_strides[2];
   return mask_kind == 1 ? (const void*)((const float*)a->mask + at) : (const void*)((const uint8_t*)a->mask + at);
+}
+
+/* keys less the mask row's last ones that are -inf (element `step` apart): by vectors where
+ * they are adjacent, a causal mask's row end is found in a few loads. */
+PW_ATT_INLINE int64_t pw_att_mask_end(const float* m, int64_t keys, int64_t step) {
+  if (step == 1)
+    for (; keys >= 16; keys -= 16) {
+      const pw_att_v v = *(const pw_att_v*)(m + keys - 16);
+#if defined(__AVX512F__)
+      if (_mm512_cmp_ps_mask((__m512)v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_UQ)) break;
+#else
+      int all = 1;
+      for (int l = 0; l < 16; ++l) all &= v[l] == -INFINITY;
+      if (!all) break;
+#endif
+    }
+  while (keys > 0 && m[(keys - 1) * step] == -INFINITY) --keys;
+  return keys;
 }
 
 /* limit[r]: the keys query row i0 + r (r < rows) of `head` attends to are below it: causal, i0 +
@@ -285,8 +305,7 @@ PW_ATT_INLINE int64_t pw_att_row_limits(const PwAttention* a, int64_t head, int6
   for (int64_t r = 0; r < rows; ++r) {
     int64_t keys = pw_att_keys(causal, i0 + r + 1, n);
     if (mask_kind == 1) {
-      const float* m = (const float*)pw_att_mask_row(a, head, i0 + r, mask_kind);
-      while (keys > 0 && m[(keys - 1) * a->mask_strides[3]] == -INFINITY) --keys;
+      keys = pw_att_mask_end((const float*)pw_att_mask_row(a, head, i0 + r, mask_kind), keys, a->mask_strides[3]);
     } else if (mask_kind == 2) {
       const uint8_t* m = (const uint8_t*)pw_att_mask_row(a, head, i0 + r, mask_kind);
       while (keys > 0 && !m[(keys - 1) * a->mask_strides[3]]) --keys;
