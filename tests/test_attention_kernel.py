@@ -123,6 +123,30 @@ def test_a_row_with_every_key_masked_is_zero_as_in_eager(tmp_path):
     assert any(op.startswith("TorchAttention_") for op in _ops_run(tmp_path, "backward"))
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_a_nan_in_a_query_row_makes_that_row_nan_as_in_eager(tmp_path, is_causal):
+    """A row whose scores are all NaN is NaN (forward and gradients), as eager's is: not taken
+    for a row with every key masked, which is zero. Causal, eager's key and value gradients are
+    NaN for every key of the head, the kernel's for the keys that row attends to."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    q[0, 1, 5, 3] = float("nan")
+
+    def attention(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    got, want = _compiled_step(attention, (q, k, v), tmp_path), _compiled_step(attention, (q, k, v))
+    assert got[0][0, 1, 5].isnan().all() and not got[0][0, 0].isnan().any()
+    assert torch.equal(got[0].isnan(), want[0].isnan())
+    for a, b in zip(got[1], want[1]):
+        assert a.isnan().any() and (b.isnan() | ~a.isnan()).all()  # NaN where eager's is
+        if not is_causal:
+            assert torch.equal(a.isnan(), b.isnan())
+        both = ~(a.isnan() | b.isnan())
+        torch.testing.assert_close(a[both], b[both], rtol=1e-4, atol=2e-5)
+    assert any(op.startswith("TorchAttention_") for op in _ops_run(tmp_path, "backward"))
+
+
 class SelfAttention(torch.nn.Module):
     """A transformer's attention block as HF models write it: heads out of each projection's
     rows by a view and a transpose, and back."""

@@ -214,6 +214,36 @@ PW_ATT_INLINE float pw_att_sum(pw_att_v v) {
   PW_ATT_HALVES(v, PW_ATT_SUM_STEP);
   return v[0];
 }
+/* e^x of scores less their row's max (x <= 0, -inf, NaN): pw_expf's reduction and polynomial,
+ * its multiply-adds fused on AVX-512 (half the operations; attention is eager's fused kernel, not
+ * op-by-op arithmetic to match), and neither overflow nor its clamp. */
+PW_ATT_INLINE pw_att_v pw_att_exp(pw_att_v x) {
+#if defined(__AVX512F__)
+  const __m512 v = (__m512)x, lo = _mm512_set1_ps(-87.33654022216796875f); /* ln FLT_MIN */
+  const __m512 c = _mm512_max_ps(v, lo); /* NaN: lo, the result replaced below */
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  /* c >= ln FLT_MIN: n >= -126, 2^n a normal float */
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(v, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+  return (pw_att_v)_mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v);
+#else
+  pw_att_v y;
+  for (int l = 0; l < 16; ++l) y[l] = pw_expf(x[l]);
+  return y;
+#endif
+}
+
 static const float pw_att_lanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 /* A [batch, heads, length, D] operand, its rows of D apart by `row`: [B, H, S, D] in memory, or
@@ -241,11 +271,13 @@ typedef struct PwAttention {
 #define PW_ATT_ROWS 64 /* query rows a forward task takes at once */
 
 /* Row s[0:np] of the scores of query row i (an absolute index), scaled and masked in place:
- * keys from n on, masked keys (the causal or the input mask) -inf. Returns the row's max. */
+ * keys from n on, masked keys (the causal or the input mask) -inf. Returns the row's max, NaN if
+ * a score is NaN (as eager's row then is; a max of -inf means every key masked). */
 PW_ATT_INLINE float pw_att_scores(float* restrict s, int64_t np, int64_t n, const void* mask_row, int64_t mask_step,
                                   int mask_kind, float scale) {
   const pw_att_v lanes = *(const pw_att_v*)pw_att_lanes, minus_inf = (pw_att_v){0} - INFINITY;
   pw_att_v peak = minus_inf;
+  pw_att_vi nan = (pw_att_vi){0};
   int64_t j = 0;
   for (; j < n; j += 16) {
     pw_att_v x = *(pw_att_v*)(s + j) * scale;
@@ -266,8 +298,11 @@ PW_ATT_INLINE float pw_att_scores(float* restrict s, int64_t np, int64_t n, cons
     x = pw_att_select(lanes + (float)j < (float)n, x, minus_inf);
     *(pw_att_v*)(s + j) = x;
     peak = pw_att_select(x > peak, x, peak);
+    nan |= x != x;
   }
   for (; j < np; j += 16) *(pw_att_v*)(s + j) = minus_inf; /* past the keys: neither read nor masked */
+  for (int l = 0; l < 16; ++l)
+    if (nan[l]) return NAN;
   return pw_att_max(peak);
 }
 
@@ -350,13 +385,13 @@ PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int6
       lse[r] = -INFINITY;
       continue;
     }
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < nr; ++j) {
-      const float e = pw_expf(row[j] - peak);
-      row[j] = e;
-      sum += e;
+    pw_att_v sums = (pw_att_v){0};
+    for (int64_t j = 0; j < nr; j += 16) { /* nr: whole vectors */
+      const pw_att_v e = pw_att_exp(*(pw_att_v*)(row + j) - peak);
+      *(pw_att_v*)(row + j) = e;
+      sums += e;
     }
+    const float sum = pw_att_sum(sums);
     inverse[r] = 1.0f / sum; /* applied to the row's output: D values, not the row's keys */
     lse[r] = peak + logf(sum);
   }
@@ -407,13 +442,16 @@ PW_ATT_INLINE void pw_att_backward_head(const PwAttention* a, int64_t kv_head, c
           for (int64_t j = 0; j < nr; ++j) row[j] = drow[j] = 0.0f;
           continue;
         }
-        float di = 0.0f;
-        for (int64_t d = 0; d < D; ++d) di += grad[i * gs + d] * out[i * os + d];
-        for (int64_t j = 0; j < nr; ++j) {
-          const float p = pw_expf(row[j] - l); /* masked: exp(-inf) = 0 */
-          row[j] = p;
+        pw_att_v dots = (pw_att_v){0};
+        for (int64_t d = 0; d < D; d += 16) /* D: whole vectors */
+          dots = pw_att_fma(*(const pw_att_v*)(grad + i * gs + d), *(const pw_att_v*)(out + i * os + d), dots);
+        const float di = pw_att_sum(dots);
+        const pw_att_v zero = (pw_att_v){0};
+        for (int64_t j = 0; j < nr; j += 16) {
+          const pw_att_v p = pw_att_exp(*(pw_att_v*)(row + j) - l); /* masked: exp(-inf) = 0 */
+          *(pw_att_v*)(row + j) = p;
           /* Past the tile's keys dp was not computed: what is there must not reach ds. */
-          drow[j] = p != 0.0f ? p * (drow[j] - di) * scale : 0.0f;
+          *(pw_att_v*)(drow + j) = pw_att_select(p != zero, p * (*(pw_att_v*)(drow + j) - di) * scale, zero);
         }
       }
       /* gv += p^T dO; gk += ds^T q; gq = ds k */
