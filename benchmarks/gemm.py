@@ -243,12 +243,20 @@ def our_float32_products(args) -> None:
 
 def _blas_session(trans_a: int, trans_b: int) -> ort.InferenceSession:
     """The product ``cpu_matmul="torch_blas"`` puts in a model, as one op."""
+    return _blas_products_session([("a", "b", "y", trans_a, trans_b)], [("a", ["r", "c"]), ("b", ["r", "c"])],
+                                  ("y", ["m", "n"]))
+
+
+def _blas_products_session(products, inputs, output) -> ort.InferenceSession:
+    """A session of torch's BLAS products (``cpu_matmul="torch_blas"``): ``products`` (a, b, y,
+    trans_a, trans_b) in order, ``inputs`` and ``output`` (name, shape) float32."""
     from ort_dynamo import _torch_blas
 
-    node = helper.make_node("MatMul", ["a", "b"], ["y"], domain=_torch_blas.DOMAIN, trans_a=trans_a, trans_b=trans_b)
-    graph = helper.make_graph([node], "blas", [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["r", "c"])
-                                               for n in "ab"],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", "n"])])
+    nodes = [helper.make_node("MatMul", [a, b], [y], domain=_torch_blas.DOMAIN, trans_a=ta, trans_b=tb)
+             for a, b, y, ta, tb in products]
+    graph = helper.make_graph(nodes, "blas", [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
+                                              for n, shape in inputs],
+                              [helper.make_tensor_value_info(output[0], TensorProto.FLOAT, output[1])])
     model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18),
                                                                     helper.make_opsetid(_torch_blas.DOMAIN, 1)])
     so = ort.SessionOptions()
@@ -278,25 +286,13 @@ CHAIN_SHAPES = [(1024, 256), (256, 1024), (1024, 1024)]
 def _blas_chain(args) -> None:
     """``args.chain`` products in one ORT run (torch's BLAS inside ORT) against as many torch.mm
     calls, the runs interleaved."""
-    from ort_dynamo import _torch_blas
-
     _header(args, f", float32, {args.chain} products in one ORT run (torch's BLAS) against {args.chain} torch.mm")
     ratios = []
     for m, k in CHAIN_SHAPES:
-        nodes, name = [], "a"
-        for i in range(args.chain):
-            nodes.append(helper.make_node("MatMul", [name, "w"], [f"y{i}"], domain=_torch_blas.DOMAIN, trans_a=0, trans_b=0))
-            name = f"y{i}"
-        graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [m, k]),
-                                                   helper.make_tensor_value_info("w", TensorProto.FLOAT, [k, k])],
-                                  [helper.make_tensor_value_info(name, TensorProto.FLOAT, [m, k])])
-        model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18),
-                                                                        helper.make_opsetid(_torch_blas.DOMAIN, 1)])
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = torch.get_num_threads()
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        so.register_custom_ops_library(_torch_blas.library())
-        session = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        names = ["a"] + [f"y{i}" for i in range(args.chain)]
+        name = names[-1]
+        session = _blas_products_session([(x, "w", y, 0, 0) for x, y in zip(names, names[1:])],
+                                         [("a", [m, k]), ("w", [k, k])], (name, [m, k]))
         a, w = torch.randn(m, k) / k ** 0.5, torch.randn(k, k) / k ** 0.5  # values stay near 1 along the chain
         feeds = dict(zip("aw", _ort_values([a, w])))
         got = session.run_with_ort_values([name], feeds)[0].numpy()
