@@ -1382,7 +1382,9 @@ def _gelu_beside_its_backward(graph: ir.Graph, info: _Graph) -> int:
     reads it) becomes arithmetic over what its backward computes anyway: ``x * cdf`` over the
     erf's cdf (``Gelu``), ``(x/2) * (1 + tanh)`` over the tanh (``FastGelu``, GPT-2's). One
     kernel then computes both from ``x``, and Erf or Tanh runs once, where ORT's op would be a
-    pass of its own, with Erf or Tanh again."""
+    pass of its own, with Erf or Tanh again. So does one after an elementwise op (the forward's:
+    a Linear's bias added after its view): one kernel then adds the bias and applies GELU, one
+    pass where ORT's Add and GELU were two."""
     count, constants = 0, {}
 
     def constant(number: float) -> ir.Value:
@@ -1394,7 +1396,11 @@ def _gelu_beside_its_backward(graph: ir.Graph, info: _Graph) -> int:
         x = gelu.inputs[0]
         shape = info.dims(x) if x is not None and x.dtype == ir.DataType.FLOAT else None
         old_chain = (_erf_cdf(x) if gelu.op_type == "Gelu" else _tanh_gelu_parts(x)) if shape else None
-        if old_chain is None:
+        source = x.producer() if shape else None
+        # Only where the kernel is made: too small a chain (below) would stay written out.
+        after_elementwise = source is not None and source.domain in ("", "ai.onnx") and source.op_type in _BINARY \
+            and not (all(isinstance(d, int) for d in shape) and math.prod(shape) < MIN_ELEMENTS)
+        if old_chain is None and not after_elementwise:
             continue
         # Built at the GELU's place, before the backward's own chain, which then reads it.
         if gelu.op_type == "Gelu":
@@ -1403,7 +1409,7 @@ def _gelu_beside_its_backward(graph: ir.Graph, info: _Graph) -> int:
             shifted = ir.node("Add", [erf.outputs[0], constant(1.0)])
             cdf = ir.node("Mul", [shifted.outputs[0], constant(0.5)])
             steps = [scale, erf, shifted, cdf, ir.node("Mul", [x, cdf.outputs[0]])]
-            shared = [(old_chain[0], cdf)]
+            shared = [(old_chain[0], cdf)] if old_chain else []
         else:
             sq = ir.node("Mul", [x, x])
             cube = ir.node("Mul", [sq.outputs[0], x])
@@ -1415,13 +1421,14 @@ def _gelu_beside_its_backward(graph: ir.Graph, info: _Graph) -> int:
             half_x = ir.node("Mul", [x, constant(0.5)])
             steps = [sq, cube, kappa, total, beta, tanh, shifted, half_x,
                      ir.node("Mul", [half_x.outputs[0], shifted.outputs[0]])]
-            shared = list(zip(old_chain[:4], (sq, tanh, half_x, shifted)))
+            shared = list(zip(old_chain[:4], (sq, tanh, half_x, shifted))) if old_chain else []
         for step in steps:
             step.outputs[0].dtype = ir.DataType.FLOAT
         _replace_node(graph, gelu, steps, "unexpanded")
         for old, new in shared:
             _take_over(old.outputs[0], new.outputs[0], "unshared")
-        _remove_if_dead(graph, old_chain)
+        if old_chain:
+            _remove_if_dead(graph, old_chain)
         count += 1
     return count
 

@@ -1160,6 +1160,28 @@ def test_a_gelu_recomputed_in_backward_shares_its_backwards_kernel_and_erf(tmp_p
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item(), msg=name)
 
 
+@pytest.mark.parametrize("approximate, ort_op, function", [("none", "Gelu", "Erf"), ("tanh", "FastGelu", "Tanh")])
+def test_a_gelu_after_its_linears_bias_is_one_kernel_with_the_bias_add(tmp_path, approximate, ort_op, function):
+    """A 3-D Linear's bias is added after its view; the GELU after it is computed in that add's
+    kernel (one pass, writing the sum autograd saves and the GELU), not by ORT's Add and then its
+    Gelu (FastGelu). Eager's gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(approximate=approximate), nn.Linear(256, 64))
+    x = torch.randn(4, 64, 64)
+    model(x).square().sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    got = _step(model, x, {}, tmp_path)
+    forward = [n for p in glob.glob(str(tmp_path / "*forward*.onnx")) for n in onnx.load(p).graph.node]
+    assert not [n for n in forward if n.op_type == ort_op], [n.op_type for n in forward]
+    gelu_kernels = [n for n in forward if n.domain == _pointwise.DOMAIN and function in n.doc_string.split("|")]
+    assert len(gelu_kernels) == 1 and "Add" in gelu_kernels[0].doc_string.split("|"), \
+        [n.doc_string for n in gelu_kernels]
+    assert len(gelu_kernels[0].output) == 2  # the biased sum (saved for backward) and the GELU
+    torch.testing.assert_close(got[0], model(x).detach(), rtol=1e-5, atol=1e-5)
+    for name, g, w in zip(("w1", "b1", "w2", "b2"), got[1:], want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5 * w.abs().max().item(), msg=name)
+
+
 def test_a_constant_row_index_that_does_not_cover_whole_rows_leaves_no_initializer_behind():
     """A constant index that repeats one id per row, but whose rows are narrower than the
     data's: not an embedding gradient, so ORT's ScatterElements stays, and the per-row column
