@@ -125,6 +125,11 @@ def _dims(shape) -> tuple | None:
     return None if shape is None else _named_dims(shape.dims)
 
 
+def _below_kernel_size(shape) -> bool:
+    """Whether an iteration shape is static and too small for a kernel of its own (MIN_ELEMENTS)."""
+    return all(isinstance(d, int) for d in shape) and math.prod(shape) < MIN_ELEMENTS
+
+
 def _broadcast(shapes: list[tuple]) -> tuple | None:
     rank = max(len(s) for s in shapes)
     out = []
@@ -1296,7 +1301,7 @@ def _expand_softmax(graph: ir.Graph, info: _Graph) -> None:
         axis = node.attributes["axis"].value if "axis" in node.attributes else -1
         static = bool(shape) and all(isinstance(d, int) for d in shape)
         if x.dtype != ir.DataType.FLOAT or not shape or shape[-1] == 1 or len(shape) > _MAX_RANK \
-                or not -len(shape) <= axis < len(shape) or (static and math.prod(shape) < MIN_ELEMENTS):
+                or not -len(shape) <= axis < len(shape) or _below_kernel_size(shape):
             continue
         axis %= len(shape)
         along_rows = axis == len(shape) - 1
@@ -1377,7 +1382,7 @@ def _tanh_gelu_parts(x: ir.Value) -> list[ir.Node] | None:
     return [sq, tanh, halves[0], shifted, beta, total, kappa, cube]
 
 
-def _gelu_beside_its_backward(graph: ir.Graph, info: _Graph) -> int:
+def _gelus_as_arithmetic(graph: ir.Graph, info: _Graph) -> int:
     """A GELU recomputed in backward (``memory_opt_level=1``: the next Linear's weight gradient
     reads it) becomes arithmetic over what its backward computes anyway: ``x * cdf`` over the
     erf's cdf (``Gelu``), ``(x/2) * (1 + tanh)`` over the tanh (``FastGelu``, GPT-2's). One
@@ -1399,7 +1404,7 @@ def _gelu_beside_its_backward(graph: ir.Graph, info: _Graph) -> int:
         source = x.producer() if shape else None
         # Only where the kernel is made: too small a chain (below) would stay written out.
         after_elementwise = source is not None and source.domain in ("", "ai.onnx") and source.op_type in _BINARY \
-            and not (all(isinstance(d, int) for d in shape) and math.prod(shape) < MIN_ELEMENTS)
+            and not _below_kernel_size(shape)
         if old_chain is None and not after_elementwise:
             continue
         # Built at the GELU's place, before the backward's own chain, which then reads it.
@@ -1511,7 +1516,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str
         ir.passes.common.RemoveUnusedNodesPass()(model)
     _expand_softmax(graph, _Graph())
     _mark_softmax_written_out(graph)
-    _gelu_beside_its_backward(graph, _Graph())
+    _gelus_as_arithmetic(graph, _Graph())
     _fold_rotate_half(graph, _Graph())
     if _elementwise_before_reshapes(graph, _Graph()):
         _consecutive_reshapes(graph, _Graph())
@@ -1538,8 +1543,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str
     repeats = collections.Counter(_chain(group) for group in groups)
 
     def small(group: _Group) -> bool:
-        return all(isinstance(d, int) for d in group.shape) and math.prod(group.shape) < MIN_ELEMENTS \
-            and repeats[_chain(group)] < MIN_REPEATS
+        return _below_kernel_size(group.shape) and repeats[_chain(group)] < MIN_REPEATS
 
     kernels += _fuse_groups(graph, [g for g in groups if not small(g)], info, cuda=False)
     kernels += _op_kernels.merged_heads_as_kernels(graph)

@@ -28,6 +28,9 @@
 typedef float pw_att_v __attribute__((vector_size(64), aligned(4)));
 typedef int32_t pw_att_vi __attribute__((vector_size(64), aligned(4)));
 #define PW_ATT_INLINE static inline __attribute__((always_inline))
+/* Rows of a product's register tile: pw_att_product's tiles, and the causal skips per tile that
+ * pw_att_row_cols must cover, go by it. */
+#define PW_ATT_TILE 6
 
 /* a * b + c, fused where the target has it (the flags keep the compiler from contracting). */
 PW_ATT_INLINE pw_att_v pw_att_fma(pw_att_v a, pw_att_v b, pw_att_v c) {
@@ -52,7 +55,7 @@ PW_ATT_INLINE pw_att_v pw_att_broadcast(const float* p) {
  * (at r * xi + k * xk, so X may be read transposed), Y's rows loaded. R and V constants. */
 PW_ATT_INLINE void pw_att_tile(const int R, const int V, int64_t K, const float* restrict x, int64_t xi, int64_t xk,
                                const float* restrict y, int64_t ys, float* restrict c, int64_t cs, int add) {
-  pw_att_v acc[6][4];
+  pw_att_v acc[PW_ATT_TILE][4];
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
@@ -120,8 +123,8 @@ static void pw_att_product(int64_t M, int64_t W, int64_t K, const float* x, int6
                            int64_t ys, float* c, int64_t cs, int add, int skip, const int64_t* limit) {
   for (int64_t w = 0; w < W; w += 64) {
     int64_t k0 = 0;
-    for (int64_t i = 0; i < M; i += 6) {
-      const int R = M - i >= 6 ? 6 : (int)(M - i);
+    for (int64_t i = 0; i < M; i += PW_ATT_TILE) {
+      const int R = M - i >= PW_ATT_TILE ? PW_ATT_TILE : (int)(M - i);
       int64_t width = W, k1 = K;
       if (skip == PW_ATT_COLS) {
         const int64_t end = pw_att_whole(limit[i + R - 1]);
@@ -142,7 +145,8 @@ static void pw_att_product(int64_t M, int64_t W, int64_t K, const float* x, int6
  * tile of keys past them (PW_ATT_FROM reads up to 5 keys past a row's last), in whole vectors,
  * at most np. */
 PW_ATT_INLINE int64_t pw_att_row_cols(const int64_t* limit, int64_t r, int64_t rows, int64_t np) {
-  const int64_t last = r / 6 * 6 + 5 < rows ? r / 6 * 6 + 5 : rows - 1;
+  const int64_t end = r / PW_ATT_TILE * PW_ATT_TILE + PW_ATT_TILE; /* past r's tile */
+  const int64_t last = (end < rows ? end : rows) - 1;
   const int64_t cols = pw_att_whole(limit[last]) + 16;
   return cols < np ? cols : np;
 }
