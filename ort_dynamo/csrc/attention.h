@@ -21,7 +21,7 @@
 #ifndef ORT_DYNAMO_ATTENTION_H
 #define ORT_DYNAMO_ATTENTION_H
 #include "pointwise.h"
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -31,6 +31,22 @@ typedef int32_t pw_att_vi __attribute__((vector_size(64), aligned(4)));
 /* Rows of a product's register tile: pw_att_product's tiles, and the causal skips per tile that
  * pw_att_row_cols must cover, go by it. */
 #define PW_ATT_TILE 6
+
+#if defined(__AVX512F__)
+/* Vectors of 16 floats a tile is wide: 6 x 4 accumulators fill 24 of AVX-512's 32 registers. */
+#define PW_ATT_TILE_VECS 4
+#else
+/* AVX2 has 16 registers of 8 floats: 6 rows x 16 floats is 12 of them, the widest tile that does
+ * not spill (6 x 64 spilled 36 accumulators to the stack each step: 9x eager's attention). */
+#define PW_ATT_TILE_VECS 1
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* The products' tiles and the rows' softmax passes in AVX2 intrinsics: GCC keeps this file's
+ * 64-byte vectors on the stack of an AVX2 target, a load and a store around each operation. */
+#define PW_ATT_AVX2 1
+#include "attention_avx2.h"
+#endif
 
 /* a * b + c, fused where the target has it (the flags keep the compiler from contracting). */
 PW_ATT_INLINE pw_att_v pw_att_fma(pw_att_v a, pw_att_v b, pw_att_v c) {
@@ -77,15 +93,22 @@ PW_ATT_INLINE void pw_att_tile(const int R, const int V, int64_t K, const float*
     for (int v = 0; v < V; ++v) *(pw_att_v*)(c + r * cs + 16 * v) = acc[r][v];
 }
 
+#if defined(PW_ATT_AVX2)
+#define pw_att_tile pw_att_tile_avx2
+#endif
+
 #define PW_ATT_TILE_ROWS(R)                                                                                   \
   static void pw_att_tile_##R(int V, int64_t K, const float* x, int64_t xi, int64_t xk, const float* y,        \
                               int64_t ys, float* c, int64_t cs, int add) {                                    \
-    switch (V) {                                                                                              \
-      case 4: pw_att_tile(R, 4, K, x, xi, xk, y, ys, c, cs, add); break;                                      \
-      case 3: pw_att_tile(R, 3, K, x, xi, xk, y, ys, c, cs, add); break;                                      \
-      case 2: pw_att_tile(R, 2, K, x, xi, xk, y, ys, c, cs, add); break;                                      \
-      default: pw_att_tile(R, 1, K, x, xi, xk, y, ys, c, cs, add); break;                                     \
-    }                                                                                                         \
+    /* V <= PW_ATT_TILE_VECS: wider tiles are not compiled where they would spill */                        \
+    if (PW_ATT_TILE_VECS >= 4 && V == 4)                                                                      \
+      pw_att_tile(R, 4, K, x, xi, xk, y, ys, c, cs, add);                                                     \
+    else if (PW_ATT_TILE_VECS >= 3 && V == 3)                                                                 \
+      pw_att_tile(R, 3, K, x, xi, xk, y, ys, c, cs, add);                                                     \
+    else if (PW_ATT_TILE_VECS >= 2 && V == 2)                                                                 \
+      pw_att_tile(R, 2, K, x, xi, xk, y, ys, c, cs, add);                                                     \
+    else                                                                                                      \
+      pw_att_tile(R, 1, K, x, xi, xk, y, ys, c, cs, add);                                                     \
   }
 PW_ATT_TILE_ROWS(1)
 PW_ATT_TILE_ROWS(2)
@@ -121,7 +144,7 @@ enum { PW_ATT_COLS, PW_ATT_DEPTH, PW_ATT_FROM };
 /* C[M x W] = (add ? C : 0) + X(M x K) Y[K x W], W a multiple of 16; `skip` and `limit` as above. */
 static void pw_att_product(int64_t M, int64_t W, int64_t K, const float* x, int64_t xi, int64_t xk, const float* y,
                            int64_t ys, float* c, int64_t cs, int add, int skip, const int64_t* limit) {
-  for (int64_t w = 0; w < W; w += 64) {
+  for (int64_t w = 0; w < W; w += 16 * PW_ATT_TILE_VECS) {
     int64_t k0 = 0;
     for (int64_t i = 0; i < M; i += PW_ATT_TILE) {
       const int R = M - i >= PW_ATT_TILE ? PW_ATT_TILE : (int)(M - i);
@@ -135,7 +158,7 @@ static void pw_att_product(int64_t M, int64_t W, int64_t K, const float* x, int6
         while (k0 < K && limit[k0] <= i) ++k0; /* tiles of keys in order: k0 only rises */
       }
       if (w >= width || (k0 >= k1 && add)) continue;
-      const int V = width - w >= 64 ? 4 : (int)((width - w) / 16);
+      const int V = width - w >= 16 * PW_ATT_TILE_VECS ? PW_ATT_TILE_VECS : (int)((width - w) / 16);
       pw_att_tile_rows(R, V, k1 - k0, x + i * xi + k0 * xk, xi, xk, y + k0 * ys + w, ys, c + i * cs + w, cs, add);
     }
   }
@@ -187,6 +210,7 @@ PW_ATT_INLINE void pw_att_transpose16(pw_att_v* r) {
 /* The keys rows up to `end` (exclusive) attend to: causal, the first `end`; else all N. */
 static inline int64_t pw_att_keys(int causal, int64_t end, int64_t N) { return causal && end < N ? end : N; }
 
+#if !defined(PW_ATT_AVX2) /* else attention_avx2.h's */
 /* out[d * ld + j] = in[j * rs + d] for j < n, 0 up to np (a multiple of 16); D a multiple of 16. */
 static void pw_att_transpose(const float* restrict in, int64_t rs, int64_t n, int64_t D, float* restrict out,
                              int64_t np, int64_t ld) {
@@ -198,6 +222,8 @@ static void pw_att_transpose(const float* restrict in, int64_t rs, int64_t n, in
       for (int d = 0; d < 16; ++d) *(pw_att_v*)(out + (d0 + d) * ld + j0) = r[d];
     }
 }
+
+#endif
 
 PW_ATT_INLINE pw_att_v pw_att_select(pw_att_vi m, pw_att_v a, pw_att_v b) {
   return (pw_att_v)(((pw_att_vi)a & m) | ((pw_att_vi)b & ~m));
@@ -218,6 +244,7 @@ PW_ATT_INLINE float pw_att_sum(pw_att_v v) {
   PW_ATT_HALVES(v, PW_ATT_SUM_STEP);
   return v[0];
 }
+
 /* e^x of scores less their row's max (x <= 0, -inf, NaN): pw_expf's reduction and polynomial,
  * its multiply-adds fused on AVX-512 (half the operations; attention is eager's fused kernel, not
  * op-by-op arithmetic to match), and neither overflow nor its clamp. */
@@ -274,6 +301,7 @@ typedef struct PwAttention {
 
 #define PW_ATT_ROWS 64 /* query rows a forward task takes at once */
 
+#if !defined(PW_ATT_AVX2) /* else attention_avx2.h's */
 /* Row s[0:np] of the scores of query row i (an absolute index), scaled and masked in place:
  * keys from n on, masked keys (the causal or the input mask) -inf. Returns the row's max, NaN if
  * a score is NaN (as eager's row then is; a max of -inf means every key masked). */
@@ -309,6 +337,38 @@ PW_ATT_INLINE float pw_att_scores(float* restrict s, int64_t np, int64_t n, cons
     if (nan[l]) return NAN;
   return pw_att_max(peak);
 }
+
+/* row[j] = e^(row[j] - peak) for j < nr (whole vectors); returns their sum. */
+PW_ATT_INLINE float pw_att_exp_row(float* restrict row, int64_t nr, float peak) {
+  pw_att_v sums = (pw_att_v){0};
+  for (int64_t j = 0; j < nr; j += 16) {
+    const pw_att_v e = pw_att_exp(*(pw_att_v*)(row + j) - peak);
+    *(pw_att_v*)(row + j) = e;
+    sums += e;
+  }
+  return pw_att_sum(sums);
+}
+
+/* sum of a[d] * b[d], d < D (whole vectors). */
+PW_ATT_INLINE float pw_att_dot(const float* restrict a, const float* restrict b, int64_t D) {
+  pw_att_v dots = (pw_att_v){0};
+  for (int64_t d = 0; d < D; d += 16) dots = pw_att_fma(*(const pw_att_v*)(a + d), *(const pw_att_v*)(b + d), dots);
+  return pw_att_sum(dots);
+}
+
+/* Backward of a row's softmax, j < nr (whole vectors): row (its scores) becomes p = e^(s - lse),
+ * drow (dp) becomes ds = p (dp - di) scale. */
+PW_ATT_INLINE void pw_att_grad_row(float* restrict row, float* restrict drow, int64_t nr, float lse, float di,
+                                   float scale) {
+  const pw_att_v zero = (pw_att_v){0};
+  for (int64_t j = 0; j < nr; j += 16) {
+    const pw_att_v p = pw_att_exp(*(pw_att_v*)(row + j) - lse); /* masked: exp(-inf) = 0 */
+    *(pw_att_v*)(row + j) = p;
+    /* Past the tile's keys dp was not computed: what is there must not reach ds. */
+    *(pw_att_v*)(drow + j) = pw_att_select(p != zero, p * (*(pw_att_v*)(drow + j) - di) * scale, zero);
+  }
+}
+#endif
 
 PW_ATT_INLINE const void* pw_att_mask_row(const PwAttention* a, int64_t head, int64_t i, int mask_kind) {
   if (!mask_kind) return NULL;
@@ -389,13 +449,7 @@ PW_ATT_INLINE void pw_att_forward_block(const PwAttention* a, int64_t head, int6
       lse[r] = -INFINITY;
       continue;
     }
-    pw_att_v sums = (pw_att_v){0};
-    for (int64_t j = 0; j < nr; j += 16) { /* nr: whole vectors */
-      const pw_att_v e = pw_att_exp(*(pw_att_v*)(row + j) - peak);
-      *(pw_att_v*)(row + j) = e;
-      sums += e;
-    }
-    const float sum = pw_att_sum(sums);
+    const float sum = pw_att_exp_row(row, nr, peak);
     inverse[r] = 1.0f / sum; /* applied to the row's output: D values, not the row's keys */
     lse[r] = peak + logf(sum);
   }
@@ -446,17 +500,7 @@ PW_ATT_INLINE void pw_att_backward_head(const PwAttention* a, int64_t kv_head, c
           for (int64_t j = 0; j < nr; ++j) row[j] = drow[j] = 0.0f;
           continue;
         }
-        pw_att_v dots = (pw_att_v){0};
-        for (int64_t d = 0; d < D; d += 16) /* D: whole vectors */
-          dots = pw_att_fma(*(const pw_att_v*)(grad + i * gs + d), *(const pw_att_v*)(out + i * os + d), dots);
-        const float di = pw_att_sum(dots);
-        const pw_att_v zero = (pw_att_v){0};
-        for (int64_t j = 0; j < nr; j += 16) {
-          const pw_att_v p = pw_att_exp(*(pw_att_v*)(row + j) - l); /* masked: exp(-inf) = 0 */
-          *(pw_att_v*)(row + j) = p;
-          /* Past the tile's keys dp was not computed: what is there must not reach ds. */
-          *(pw_att_v*)(drow + j) = pw_att_select(p != zero, p * (*(pw_att_v*)(drow + j) - di) * scale, zero);
-        }
+        pw_att_grad_row(row, drow, nr, l, pw_att_dot(grad + i * gs, out + i * os, D), scale);
       }
       /* gv += p^T dO; gk += ds^T q; gq = ds k */
       pw_att_product(n_block, D, rows, s, 1, ld, grad + i0 * gs, gs, gv, gvs, 1, PW_ATT_FROM, limit);

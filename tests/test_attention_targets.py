@@ -1,0 +1,88 @@
+"""csrc/attention.h has a path per instruction set: AVX-512, AVX2 with FMA (attention_avx2.h) and
+generic vectors. The kernels compile for the machine they run on (``-march=native``), so the
+model tests check one path only; here each path this CPU can run is built on its own
+(tests/csrc/attention_entry.c, called through ctypes) and must give eager's attention, forward
+and backward."""
+
+import ctypes
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ort_dynamo import _kernels
+
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ort_dynamo", "csrc")
+ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "attention_entry.c")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return {word for line in fh if line.startswith("flags") for word in line.split(":")[1].split()}
+    except OSError:
+        return set()
+
+
+# (-march level, the path it must take, the CPU flags it needs)
+TARGETS = {
+    "avx512": ("x86-64-v4", 512, {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    "avx2": ("x86-64-v3", 256, {"avx2", "fma"}),
+    "generic": ("x86-64-v2", 0, {"sse4_2"}),
+}
+
+
+def _build(tmp_path, march: str) -> ctypes.CDLL:
+    compiler = _kernels._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    out = tmp_path / f"attention_{march}.so"
+    flags = [f if f != "-march=native" else f"-march={march}" for f in _kernels._FLAGS]
+    subprocess.run([compiler[0], *flags, "-shared", "-I", CSRC, ENTRY, "-o", str(out), "-lm"], check=True,
+                   capture_output=True, text=True)
+    return ctypes.CDLL(str(out))
+
+
+def _pointer(a: np.ndarray):
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("shape, causal", [((2, 3, 70, 70, 64), True), ((1, 2, 133, 37, 32), False),
+                                           ((1, 1, 6, 200, 16), False)])
+def test_each_instruction_set_path_gives_eagers_attention(tmp_path, target, shape, causal):
+    march, path, needs = TARGETS[target]
+    missing = needs - _cpu_flags()
+    if missing:
+        pytest.skip(f"this CPU lacks {sorted(missing)}")
+    lib = _build(tmp_path, march)
+    assert lib.attention_path() == path  # the build took the path this case is about
+
+    b, h, m, n, d = shape
+    scale = d ** -0.5
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(b, h, rows, d, generator=gen) for rows in (m, n, n, m))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+    want.backward(grad)
+
+    qn, kn, vn, gn = (t.numpy().copy() for t in (q, k, v, grad))
+    out, lse = np.zeros_like(qn), np.zeros((b, h, m), np.float32)
+    i64, f32 = ctypes.c_int64, ctypes.c_float
+    lib.attention_forward(i64(b), i64(h), i64(m), i64(n), i64(d), causal, f32(scale),
+                          *map(_pointer, (qn, kn, vn, out, lse)))
+    torch.testing.assert_close(torch.from_numpy(out), want.detach(), rtol=1e-5, atol=1e-5)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(m, n, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(torch.from_numpy(lse), torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
+
+    gq, gk, gv = np.zeros_like(qn), np.zeros_like(kn), np.zeros_like(vn)
+    lib.attention_backward(i64(b), i64(h), i64(m), i64(n), i64(d), causal, f32(scale),
+                           *map(_pointer, (qn, kn, vn, gn, out, lse, gq, gk, gv)))
+    for got, leaf in zip((gq, gk, gv), leaves):
+        torch.testing.assert_close(torch.from_numpy(got), leaf.grad, rtol=1e-4, atol=2e-5)
