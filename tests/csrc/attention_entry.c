@@ -1,5 +1,5 @@
 /* csrc/attention.h's forward and backward over contiguous [B, H, S, D] operands, without ORT:
- * tests/test_attention_targets.py builds it for each instruction set the header has a path for
+ * tests/test_instruction_sets.py builds it for each instruction set the header has a path for
  * (AVX-512, AVX2, generic vectors) and calls it through ctypes. */
 #include "attention.h"
 

@@ -1,8 +1,8 @@
-"""csrc/attention.h has a path per instruction set: AVX-512, AVX2 with FMA (attention_avx2.h) and
-generic vectors. The kernels compile for the machine they run on (``-march=native``), so the
-model tests check one path only; here each path this CPU can run is built on its own
-(tests/csrc/attention_entry.c, called through ctypes) and must give eager's attention, forward
-and backward."""
+"""The kernels compile for the machine they run on (``-march=native``), so the model tests see one
+instruction set only. Here other targets are built on purpose: csrc/attention.h has a path per
+instruction set (AVX-512, AVX2 with FMA: attention_avx2.h, generic vectors), each built on its own
+(tests/csrc/attention_entry.c, called through ctypes) must give eager's attention, forward and
+backward; and the generated kernels' loops with an exp must vectorize for an AVX2 target too."""
 
 import ctypes
 import os
@@ -86,3 +86,21 @@ def test_each_instruction_set_path_gives_eagers_attention(tmp_path, target, shap
                            *map(_pointer, (qn, kn, vn, gn, out, lse, gq, gk, gv)))
     for got, leaf in zip((gq, gk, gv), leaves):
         torch.testing.assert_close(torch.from_numpy(got), leaf.grad, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_a_kernel_loop_with_an_exp_vectorizes_for_avx2(tmp_path):
+    """pw_expf's clamps are selects GCC if-converts for AVX2 only under -fno-trapping-math (in
+    _kernels._FLAGS); without it such loops (softmax, SiLU, GELU's backward) stayed scalar."""
+    compiler = _kernels._compiler()
+    if compiler is None or "clang" in compiler[1].lower():
+        pytest.skip("needs GCC (its -fopt-info reports)")
+    source = tmp_path / "exp_loop.c"
+    source.write_text('#include "pointwise.h"\n'
+                      "void f(const float* restrict x, float* restrict y, long n) {\n"
+                      "#pragma omp simd\n"
+                      "  for (long i = 0; i < n; ++i) y[i] = pw_expf(x[i]) * 0.5f;\n}\n")
+    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in _kernels._FLAGS if f != "-w"]
+    result = subprocess.run([compiler[0], *flags, "-fopt-info-vec-optimized", "-c", "-I", CSRC, str(source),
+                             "-o", str(tmp_path / "exp_loop.o")], capture_output=True, text=True, check=True)
+    assert "exp_loop.c:4" in result.stderr and "loop vectorized" in result.stderr, result.stderr
