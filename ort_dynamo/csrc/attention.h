@@ -6,8 +6,8 @@
  * models' sizes) on ORT's GEMM, plus softmax passes over [batch, heads, q, kv] in memory. Here
  * one task takes a key head and the query heads it serves (backward: one, or a group under
  * grouped-query attention) or a block of a head's query rows (forward) and does every step in
- * cache: the products are register tiles of
- * 6 rows x 64 columns that read one operand in rows and broadcast the other's elements (so
+ * cache: the products are register tiles of 6 rows x 64 columns (6 x 16 on AVX2:
+ * attention_avx2.h) that read one operand in rows and broadcast the other's elements (so
  * either operand may be read transposed), the key and value blocks transposed once per task;
  * the probabilities of a block of rows never leave the task. Backward recomputes them from the
  * logsumexp, as flash attention's does. The arithmetic: s = q k^T * scale (+ mask), p = exp(s -
@@ -37,7 +37,7 @@ typedef int32_t pw_att_vi __attribute__((vector_size(64), aligned(4)));
 #define PW_ATT_TILE_VECS 4
 #else
 /* AVX2 has 16 registers of 8 floats: 6 rows x 16 floats is 12 of them, the widest tile that does
- * not spill (6 x 64 spilled 36 accumulators to the stack each step: 9x eager's attention). */
+ * not spill (6 x 64 needs 48: with the stack traffic, 9x eager's attention). */
 #define PW_ATT_TILE_VECS 1
 #endif
 
@@ -67,6 +67,7 @@ PW_ATT_INLINE pw_att_v pw_att_broadcast(const float* p) {
 #endif
 }
 
+#if !defined(PW_ATT_AVX2) /* else attention_avx2.h's */
 /* C[r][0:16V] = (add ? C : 0) + sum_k X(r, k) * Y[k][0:16V] for r < R: X's elements broadcast
  * (at r * xi + k * xk, so X may be read transposed), Y's rows loaded. R and V constants. */
 PW_ATT_INLINE void pw_att_tile(const int R, const int V, int64_t K, const float* restrict x, int64_t xi, int64_t xk,
@@ -92,9 +93,6 @@ PW_ATT_INLINE void pw_att_tile(const int R, const int V, int64_t K, const float*
 #pragma GCC unroll 4
     for (int v = 0; v < V; ++v) *(pw_att_v*)(c + r * cs + 16 * v) = acc[r][v];
 }
-
-#if defined(PW_ATT_AVX2)
-#define pw_att_tile pw_att_tile_avx2
 #endif
 
 #define PW_ATT_TILE_ROWS(R)                                                                                   \
@@ -222,7 +220,6 @@ static void pw_att_transpose(const float* restrict in, int64_t rs, int64_t n, in
       for (int d = 0; d < 16; ++d) *(pw_att_v*)(out + (d0 + d) * ld + j0) = r[d];
     }
 }
-
 #endif
 
 PW_ATT_INLINE pw_att_v pw_att_select(pw_att_vi m, pw_att_v a, pw_att_v b) {
@@ -244,7 +241,6 @@ PW_ATT_INLINE float pw_att_sum(pw_att_v v) {
   PW_ATT_HALVES(v, PW_ATT_SUM_STEP);
   return v[0];
 }
-
 /* e^x of scores less their row's max (x <= 0, -inf, NaN): pw_expf's reduction and polynomial,
  * its multiply-adds fused on AVX-512 (half the operations; attention is eager's fused kernel, not
  * op-by-op arithmetic to match), and neither overflow nor its clamp. */

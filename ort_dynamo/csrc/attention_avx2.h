@@ -12,9 +12,8 @@
 
 /* pw_att_tile's product, one vector of 16 columns wide (PW_ATT_TILE_VECS): 6 rows x 2 halves are
  * 12 of the 16 registers, the y row 2, the broadcast 1. */
-PW_ATT_INLINE void pw_att_tile_avx2(const int R, const int V, int64_t K, const float* restrict x, int64_t xi,
-                                    int64_t xk, const float* restrict y, int64_t ys, float* restrict c, int64_t cs,
-                                    int add) {
+PW_ATT_INLINE void pw_att_tile(const int R, const int V, int64_t K, const float* restrict x, int64_t xi, int64_t xk,
+                               const float* restrict y, int64_t ys, float* restrict c, int64_t cs, int add) {
   __m256 acc[PW_ATT_TILE][2];
   (void)V;
 #pragma GCC unroll 6
