@@ -246,18 +246,18 @@ PW_ATT_INLINE float pw_att_sum(pw_att_v v) {
  * op-by-op arithmetic to match), and neither overflow nor its clamp. */
 PW_ATT_INLINE pw_att_v pw_att_exp(pw_att_v x) {
 #if defined(__AVX512F__)
-  const __m512 v = (__m512)x, lo = _mm512_set1_ps(-87.33654022216796875f); /* ln FLT_MIN */
+  const __m512 v = (__m512)x, lo = _mm512_set1_ps(PW_EXP_LN_FLT_MIN);
   const __m512 c = _mm512_max_ps(v, lo); /* NaN: lo, the result replaced below */
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(PW_EXP_LOG2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(PW_EXP_LN2_HI), c);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(PW_EXP_LN2_LO), r);
+  __m512 p = _mm512_set1_ps(PW_EXP_P5);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(PW_EXP_P4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(PW_EXP_P3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(PW_EXP_P2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(PW_EXP_P1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(PW_EXP_P0));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   /* c >= ln FLT_MIN: n >= -126, 2^n a normal float */
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);

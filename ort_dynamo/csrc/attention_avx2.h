@@ -76,18 +76,18 @@ static inline float pw_att_hsum8(__m256 v) {
 
 /* pw_att_exp on 8 lanes: e^x for x <= 0, -inf or NaN; FMAs, no overflow clamp. */
 PW_ATT_INLINE __m256 pw_att_exp8(__m256 v) {
-  const __m256 lo = _mm256_set1_ps(-87.33654022216796875f); /* ln FLT_MIN */
+  const __m256 lo = _mm256_set1_ps(PW_EXP_LN_FLT_MIN);
   const __m256 c = _mm256_max_ps(v, lo);                     /* NaN: lo (maxps's second operand), replaced below */
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(PW_EXP_LOG2E)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(PW_EXP_LN2_HI), c);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(PW_EXP_LN2_LO), r);
+  __m256 p = _mm256_set1_ps(PW_EXP_P5);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(PW_EXP_P4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(PW_EXP_P3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(PW_EXP_P2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(PW_EXP_P1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(PW_EXP_P0));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   /* c >= ln FLT_MIN: n >= -126, 2^n a normal float */
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);

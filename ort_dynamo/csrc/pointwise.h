@@ -41,20 +41,32 @@ __attribute__((simd("notinbranch"))) float powf(float, float);
  * vectorize without calls: libmvec's SIMD expf leaves its fast path for a whole vector when one
  * lane is -inf (5x slower), and every masked attention row holds -inf. Cody-Waite reduction by
  * ln 2 in two parts, then the degree-6 minimax polynomial of Cephes' expf. */
+/* Its constants, which the attention kernels' vector exps share (attention.h, attention_avx2.h). */
+#define PW_EXP_LN_FLT_MAX 88.72283172607421875f
+#define PW_EXP_LN_FLT_MIN (-87.33654022216796875f)
+#define PW_EXP_LOG2E 1.44269504088896341f
+#define PW_EXP_LN2_HI 0.693359375f /* ln 2 = HI + LO */
+#define PW_EXP_LN2_LO (-2.12194440e-4f)
+#define PW_EXP_P5 1.9875691500e-4f /* p(r) = ((((P5 r + P4) r + P3) r + P2) r + P1) r + P0 */
+#define PW_EXP_P4 1.3981999507e-3f
+#define PW_EXP_P3 8.3334519073e-3f
+#define PW_EXP_P2 4.1665795894e-2f
+#define PW_EXP_P1 1.6666665459e-1f
+#define PW_EXP_P0 5.0000001201e-1f
 static inline float pw_expf(float x) {
-  const float hi = 88.72283172607421875f, lo = -87.33654022216796875f; /* ln FLT_MAX, ln FLT_MIN */
+  const float hi = PW_EXP_LN_FLT_MAX, lo = PW_EXP_LN_FLT_MIN;
   float c = x > hi ? hi : x;
   c = c < lo ? lo : c;
   c = c == c ? c : 0.0f;
-  const float n = __builtin_rintf(c * 1.44269504088896341f);
-  float r = c - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const float n = __builtin_rintf(c * PW_EXP_LOG2E);
+  float r = c - n * PW_EXP_LN2_HI;
+  r = r - n * PW_EXP_LN2_LO;
+  float p = PW_EXP_P5;
+  p = p * r + PW_EXP_P4;
+  p = p * r + PW_EXP_P3;
+  p = p * r + PW_EXP_P2;
+  p = p * r + PW_EXP_P1;
+  p = p * r + PW_EXP_P0;
   p = p * (r * r) + r + 1.0f;
   /* 2^n for n in [-126, 128], as two representable powers of two */
   const int32_t e = (int32_t)n, e1 = e >> 1, e2 = e - e1;
