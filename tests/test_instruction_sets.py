@@ -35,15 +35,25 @@ TARGETS = {
 }
 
 
-def _build(tmp_path, march: str) -> ctypes.CDLL:
-    compiler = _kernels._compiler()
-    if compiler is None:
-        pytest.skip("no C compiler")
-    out = tmp_path / f"attention_{march}.so"
-    flags = [f if f != "-march=native" else f"-march={march}" for f in _kernels._FLAGS]
-    subprocess.run([compiler[0], *flags, "-shared", "-I", CSRC, ENTRY, "-o", str(out), "-lm"], check=True,
-                   capture_output=True, text=True)
-    return ctypes.CDLL(str(out))
+@pytest.fixture(scope="module")
+def attention_library(tmp_path_factory):
+    """attention_library(target): tests/csrc/attention_entry.c built for that target, once per module."""
+    built = {}
+
+    def build(target: str) -> ctypes.CDLL:
+        if target not in built:
+            compiler = _kernels._compiler()
+            if compiler is None:
+                pytest.skip("no C compiler")
+            march = TARGETS[target][0]
+            out = tmp_path_factory.mktemp("attention") / f"attention_{march}.so"
+            flags = [f if f != "-march=native" else f"-march={march}" for f in _kernels._FLAGS]
+            subprocess.run([compiler[0], *flags, "-shared", "-I", CSRC, ENTRY, "-o", str(out), "-lm"], check=True,
+                           capture_output=True, text=True)
+            built[target] = ctypes.CDLL(str(out))
+        return built[target]
+
+    return build
 
 
 def _pointer(a: np.ndarray):
@@ -54,12 +64,12 @@ def _pointer(a: np.ndarray):
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("shape, causal", [((2, 3, 70, 70, 64), True), ((1, 2, 133, 37, 32), False),
                                            ((1, 1, 6, 200, 16), False)])
-def test_each_instruction_set_path_gives_eagers_attention(tmp_path, target, shape, causal):
-    march, path, needs = TARGETS[target]
+def test_each_instruction_set_path_gives_eagers_attention(attention_library, target, shape, causal):
+    _, path, needs = TARGETS[target]
     missing = needs - _cpu_flags()
     if missing:
         pytest.skip(f"this CPU lacks {sorted(missing)}")
-    lib = _build(tmp_path, march)
+    lib = attention_library(target)
     assert lib.attention_path() == path  # the build took the path this case is about
 
     b, h, m, n, d = shape
