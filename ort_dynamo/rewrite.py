@@ -114,6 +114,9 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         # After the kernels, whose passes match Transposes by their perm. On CUDA only where a
         # Reshape replaces the Transpose: more nodes cost host time there (not measured).
         _op_kernels.transposes_without_unit_axes(model.graph, add_nodes=exported.device == "cpu")
+        if exported.device == "cpu":  # ORT's CPU broadcasting only (its CUDA kernels: not measured)
+            _op_kernels.one_element_operands_at_full_rank(model.graph)
+            ir.passes.common.RemoveUnusedNodesPass()(model)  # the Constants replaced
     return ir.serde.serialize_model(model).SerializeToString()
 
 
