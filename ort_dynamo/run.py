@@ -225,6 +225,7 @@ class OrtRunner:
         #: Every input a tensor ORT takes as it is (``_inputs``'s short way).
         self._plain_inputs = (all(kind == "tensor" for kind in exported.input_kinds)
                               and not any(order is not None for order in exported.input_permutations or ()))
+        self._np_types: list | None = None  # the plain inputs' numpy types, after the first run
         #: The compiled library of ``exported.kernels``, if any: a future, built in the
         #: background. Until it is ready the model without the kernels runs (if there is
         #: one: ``exported.unfused``), so the compiler's time never holds up a step.
@@ -322,6 +323,8 @@ class OrtRunner:
             # partition and step, and on CUDA the host's time is the step's (docs/performance.md).
             device = args[0].device
             index = device.index if device.type == "cuda" else -1
+            if all(t.get_device() == index and t.is_contiguous() for t in args):
+                return args, device
             if all(t.get_device() == index for t in args):
                 return [t if t.is_contiguous() else t.contiguous() for t in args], device
         exported = self.exported
@@ -347,7 +350,12 @@ class OrtRunner:
         sess, where, out_devices, options, _ = self._session(device)
         inputs = C.OrtValueVector()
         inputs.reserve(len(tensors))
-        np_types = [_NUMPY_DTYPES.get(t.dtype) for t in tensors]
+        # Plain inputs have the dtypes Dynamo's guards fixed for this graph: looked up once.
+        np_types = self._np_types if self._plain_inputs else None
+        if np_types is None or len(np_types) != len(tensors):
+            np_types = [_NUMPY_DTYPES.get(t.dtype) for t in tensors]
+            if self._plain_inputs:
+                self._np_types = np_types
         pointers = [t.data_ptr() for t in tensors]
         if all(np_types) and all(pointers):
             inputs.push_back_batch(tensors, pointers, np_types, [t.shape for t in tensors],
