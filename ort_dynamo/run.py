@@ -225,7 +225,10 @@ class OrtRunner:
         #: Every input a tensor ORT takes as it is (``_inputs``'s short way).
         self._plain_inputs = (all(kind == "tensor" for kind in exported.input_kinds)
                               and not any(order is not None for order in exported.input_permutations or ()))
-        self._np_types: list | None = None  # the plain inputs' numpy types, after the first run
+        #: The plain inputs' dtypes at the last run and their numpy types (one tuple: a thread
+        #: sees both or neither): a run whose inputs have the same, checked in ``_inputs``' one
+        #: pass, does not look them up again.
+        self._types: tuple[tuple, list] = ((), [])
         #: The compiled library of ``exported.kernels``, if any: a future, built in the
         #: background. Until it is ready the model without the kernels runs (if there is
         #: one: ``exported.unfused``), so the compiler's time never holds up a step.
@@ -316,17 +319,22 @@ class OrtRunner:
             self.report.partition_to_pytorch(self.name, "runtime failure: " + self._failed[:300], self.nodes)
             return self.run_in_pytorch(*args)
 
-    def _inputs(self, args: Sequence) -> tuple[list, torch.device]:
-        """The tensors ORT reads (contiguous, in the graph's layout, on one device), and that device."""
+    def _inputs(self, args: Sequence) -> tuple[Sequence, torch.device, list | None]:
+        """The tensors ORT reads (contiguous, in the graph's layout, on one device), that device,
+        and their numpy element types where the last run's still hold (else None)."""
         if self._plain_inputs and args:
-            # The usual graph: tensors only, none permuted. One pass per check: this runs per
-            # partition and step, and on CUDA the host's time is the step's (docs/performance.md).
+            # The usual graph: tensors only, none permuted. One pass: this runs per partition
+            # and step, and on CUDA the host's time is the step's (docs/performance.md).
             device = args[0].device
             index = device.index if device.type == "cuda" else -1
-            if all(t.get_device() == index and t.is_contiguous() for t in args):
-                return args, device
+            dtypes, np_types = self._types
+            if len(dtypes) == len(args) and all(t.get_device() == index and t.is_contiguous() and t.dtype is dtype
+                                                for t, dtype in zip(args, dtypes)):
+                return args, device, np_types
             if all(t.get_device() == index for t in args):
-                return [t if t.is_contiguous() else t.contiguous() for t in args], device
+                dtypes = tuple(t.dtype for t in args)
+                types = self._types = dtypes, [_NUMPY_DTYPES.get(dtype) for dtype in dtypes]
+                return [t if t.is_contiguous() else t.contiguous() for t in args], device, types[1]
         exported = self.exported
         tensors = []
         device = None
@@ -342,20 +350,16 @@ class OrtRunner:
         # One session sees one device: a CPU scalar tensor in a CUDA graph moves (as eager
         # would promote it); wrapping its host pointer as device memory would be garbage.
         return [(t if t.device == device else t.to(device)) if isinstance(t, torch.Tensor)
-                else _scalar_tensor(t, device) for t in tensors], device
+                else _scalar_tensor(t, device) for t in tensors], device, None
 
     def _run(self, args: Sequence):
         exported = self.exported
-        tensors, device = self._inputs(args)
+        tensors, device, np_types = self._inputs(args)
         sess, where, out_devices, options, _ = self._session(device)
         inputs = C.OrtValueVector()
         inputs.reserve(len(tensors))
-        # Plain inputs have the dtypes Dynamo's guards fixed for this graph: looked up once.
-        np_types = self._np_types if self._plain_inputs else None
-        if np_types is None or len(np_types) != len(tensors):
+        if np_types is None:
             np_types = [_NUMPY_DTYPES.get(t.dtype) for t in tensors]
-            if self._plain_inputs:
-                self._np_types = np_types
         pointers = [t.data_ptr() for t in tensors]
         if all(np_types) and all(pointers):
             inputs.push_back_batch(tensors, pointers, np_types, [t.shape for t in tensors],

@@ -680,3 +680,25 @@ def test_pytorchs_allocator_is_registered_with_ort_as_the_gpus_external_allocato
     assert alloc(100) == 4096
     free(4096)
     assert calls == [("alloc", 100), ("delete", 4096)]
+
+
+def test_inputs_of_another_dtype_than_the_last_run_are_never_read_as_its_types():
+    """A partition keeps its inputs' numpy types from one run to the next, checked in the same
+    pass as their device and layout. Given float64 where the last run had float32 (Dynamo's
+    guards make that a new graph; a runner called directly can see it), the types are looked up
+    again: ORT refuses the input for the model's float32, rather than reading its bytes as
+    float32, and the values of later float32 runs are still right."""
+    import dataclasses
+
+    from ort_dynamo.errors import OrtRuntimeError
+    from ort_dynamo.options import FallbackPolicy
+
+    exported, runner = partition_runner(lambda x: x * 2, torch.randn(4))
+    runner.options = dataclasses.replace(runner.options, fallback_policy=FallbackPolicy.DISABLE)  # ORT's error itself
+    x = torch.arange(4.0)
+    assert torch.equal(runner(x), x * 2) and torch.equal(runner(x + 1), (x + 1) * 2)
+    with pytest.raises(OrtRuntimeError, match="(?i)type"):
+        runner(x.double())
+    assert torch.equal(runner(x + 2), (x + 2) * 2)
+    strided = torch.arange(8.0)[::2]  # not contiguous: copied, then read
+    assert torch.equal(runner(strided), strided * 2)
