@@ -341,7 +341,10 @@ def _in_segments(partitions: list[Partition], segments: int, gm: torch.fx.GraphM
     for part in partitions:
         nodes = sorted(part.nodes, key=order.__getitem__)
         heads = [n for n in nodes if n.target is not operator.getitem]
-        size = max(_MIN_SEGMENT_NODES, -(-len(heads) // segments))
+        # Every run, the last one too, gets at least _MIN_SEGMENT_NODES: a short tail would be
+        # a run of its own that frees nothing and cuts a chain the kernels fuse.
+        runs = max(1, min(segments, len(heads) // _MIN_SEGMENT_NODES))
+        size = -(-len(heads) // runs)
         cuts = _cheap_cuts(heads, size)
         piece_of, piece = {}, 0
         for i, node in enumerate(heads):

@@ -99,6 +99,18 @@ def test_by_default_a_cpu_backward_runs_in_segments_when_it_reads_enough_to_free
     assert _default_backward_runs(_deep_model(), torch.randn(16, 32, requires_grad=True)) == 1
 
 
+def test_a_short_backward_is_one_run_however_much_it_reads():
+    """A group norm's backward reads 16 MB (two 8 MB runs by size) but has under 64 nodes: a
+    second run would be its last few nodes alone, freeing nothing and unfusing its final Add."""
+    layer = nn.GroupNorm(32, 64)
+    assert _default_backward_runs(layer, torch.randn(8, 64, 64, 64, requires_grad=True)) == 1
+    x = torch.randn(8, 64, 64, 64, requires_grad=True)
+    want = x.detach().requires_grad_()
+    (torch.compile(copy.deepcopy(layer), backend="ort")(x) * 1.5).square().sum().backward()
+    (layer(want) * 1.5).square().sum().backward()
+    torch.testing.assert_close(x.grad, want.grad, rtol=1e-4, atol=1e-4)
+
+
 def test_output_views_alias_as_in_eager():
     def f(a, b):
         y = (a @ b).relu()
