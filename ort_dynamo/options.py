@@ -136,11 +136,11 @@ class OrtOptions:
         "does; 0: keep every activation autograd saves (ORTModule's level 0, its default).",
         "ORTMODULE_MEMORY_OPT_LEVEL")
     backward_segments: int = _field(
-        0, "Split each backward partition into up to this many ORT runs, so each saved activation "
+        0, "Split each backward partition into up to this many ORT runs of at least 32 nodes each "
+        "(a shorter run frees little and splits the chains pointwise kernels fuse), so each saved activation "
         "is freed once its last user has run (as eager's autograd frees it) instead of when the "
         "whole backward ends; 1 = one run. 0 = by device: on CPU one run per 8 MB the backward reads "
-        "(saved activations, weights), up to 8 and at least 32 nodes each, since a run costs host "
-        "time and splits the chains "
+        "(saved activations, weights), up to 8, since a run costs host time and splits the chains "
         "pointwise kernels fuse; on CUDA 1, where each run costs host time the GPU waits for, and "
         "GPT-2 held more memory in 8 runs than in one (docs/performance.md, GPU).", "")
     pointwise_kernels: bool = _field(
