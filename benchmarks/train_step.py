@@ -249,11 +249,11 @@ def bench_model(name, args) -> dict:
               # Each backend trains its own copy on the same batch: the losses should stay together.
               "last_loss": {b: float(l[-1]) for b, l in losses.items()}}
     if args.memory:
-        result["peak_mb"] = {b: peak_memory_mb(name, b, args) for b in args.backends}
-        if name in compile_calls_mb:
-            result["compile_call_mb"] = compile_calls_mb[name]
+        cold = {b: peak_memory_mb(name, b, args) for b in args.backends}
+        result["peak_mb"] = {b: peak for b, (peak, _) in cold.items()}
+        result["compile_call_mb"] = {b: call for b, (_, call) in cold.items() if call is not None}
         if not args.memory_cold_only:
-            result["peak_mb_warm"] = {b: peak_memory_mb(name, b, args, warm=True) for b in args.backends}
+            result["peak_mb_warm"] = {b: peak_memory_mb(name, b, args, warm=True)[0] for b in args.backends}
     if args.cache:
         result["warm_cache"] = warm_cache_first_step(name, args)
     return result
@@ -268,7 +268,7 @@ def _device_allocs(device: str) -> float:
     return torch.cuda.memory_stats().get("num_device_alloc", float("nan"))
 
 
-def peak_memory_mb(name, backend, args, warm: bool = False) -> float:
+def peak_memory_mb(name, backend, args, warm: bool = False) -> tuple[float, float | None]:
     """Peak memory of a few training steps in a fresh child process. CPU: peak RSS of steps 2-4
     minus the RSS before the first step, so imports and weights cancel out but memory held
     since the first step, such as allocator arenas, counts. CUDA: the device's memory in use
@@ -277,23 +277,18 @@ def peak_memory_mb(name, backend, args, warm: bool = False) -> float:
     first step, so blocks only compiling used do not count). ``torch.cuda.max_memory_allocated``
     would not see ORT's arena, where ORT's tensors live.
     ``warm``: the backend first trains a tiny other model, so its one-time costs (lazy
-    imports, ONNX registry, ORT's environment) are not counted, only this model's."""
+    imports, ONNX registry, ORT's environment) are not counted, only this model's.
+    Returns the peak and, on CPU, the MB the ``torch.compile()`` call itself took before the
+    base (Inductor loads its modules there; Dynamo loads the other backends', Inductor's among
+    them, at the first compile, so for ort and aot_eager they fall in the first step and
+    count); None on CUDA."""
     out = subprocess.run([sys.executable, __file__, "--child-memory", name, backend, "--device", args.device,
                           "--optimizer", args.optimizer, *(["--autocast"] if args.autocast else [])]
                          + (["--warm-backend"] if warm else []), capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     peak, *compile_call = (float(v) for v in out.stdout.strip().splitlines()[-1].split())
-    if compile_call and not warm:
-        compile_calls_mb.setdefault(name, {})[backend] = compile_call[0]
-    return peak
-
-
-#: CPU, first in the process: the resident MB the ``torch.compile()`` call itself took, before
-#: the first step (not in the peak figures). Inductor loads its modules there; Dynamo loads the
-#: other backends' (Inductor's among them) at the first compile, so for ort and aot_eager they
-#: fall in the first step and count.
-compile_calls_mb: dict = {}
+    return peak, (compile_call[0] if compile_call else None)
 
 
 def warm_backend(backend: str, device: str) -> None:
