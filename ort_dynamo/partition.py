@@ -341,11 +341,11 @@ def _in_segments(partitions: list[Partition], segments: int, gm: torch.fx.GraphM
     for part in partitions:
         nodes = sorted(part.nodes, key=order.__getitem__)
         heads = [n for n in nodes if n.target is not operator.getitem]
-        # Every run, the last one too, gets at least _MIN_SEGMENT_NODES: a short tail would be
-        # a run of its own that frees nothing and cuts a chain the kernels fuse.
+        # No run, the last one included, is shorter than _MIN_SEGMENT_NODES: a short tail would
+        # be a run of its own that frees nothing and cuts a chain the kernels fuse.
         runs = max(1, min(segments, len(heads) // _MIN_SEGMENT_NODES))
         size = -(-len(heads) // runs)
-        cuts = _cheap_cuts(heads, size)
+        cuts = _cheap_cuts(heads, size, shortest=_MIN_SEGMENT_NODES)
         piece_of, piece = {}, 0
         for i, node in enumerate(heads):
             piece += i in cuts
@@ -361,12 +361,12 @@ def _in_segments(partitions: list[Partition], segments: int, gm: torch.fx.GraphM
     return pieces
 
 
-def _cheap_cuts(heads: list[torch.fx.Node], size: int) -> set[int]:
+def _cheap_cuts(heads: list[torch.fx.Node], size: int, shortest: int = 1) -> set[int]:
     """Where to cut ``heads`` (a partition's nodes in graph order, tuple items left out) into
-    runs of about ``size`` nodes: each cut within a third of ``size`` of the even one, where the
-    fewest bytes cross it (values made before and read after, which PyTorch holds between the
-    two runs). An even cut can fall inside a layer's backward and hand over a dozen tensors
-    where the layer's boundary hands over one."""
+    runs of about ``size`` nodes, none shorter than ``shortest``: each cut within a third of
+    ``size`` of the even one, where the fewest bytes cross it (values made before and read
+    after, which PyTorch holds between the two runs). An even cut can fall inside a layer's
+    backward and hand over a dozen tensors where the layer's boundary hands over one."""
     at = {node: i for i, node in enumerate(heads)}
     crossing = [0] * (len(heads) + 1)  # bytes live across the cut before heads[i]
     for i, node in enumerate(heads):
@@ -380,7 +380,7 @@ def _cheap_cuts(heads: list[torch.fx.Node], size: int) -> set[int]:
         crossing[i] += crossing[i - 1]
     cuts, previous, slack = set(), 0, size // 3
     for even in range(size, len(heads), size):
-        window = range(max(previous + 1, even - slack), min(len(heads) - 1, even + slack) + 1)
+        window = range(max(previous + shortest, even - slack), min(len(heads) - shortest, even + slack) + 1)
         if window:
             previous = min(window, key=lambda i: (crossing[i], abs(i - even)))
             cuts.add(previous)

@@ -295,3 +295,6 @@ def test_backward_runs_are_cut_where_the_fewest_bytes_cross():
     nodes[60].args = (nodes[59], nodes[35])
     nodes[60].target = torch.add
     assert _cheap_cuts(nodes, 40) == {35, 80}  # before it is made; 36..60 would hand it over
+    # Runs of at least 38 nodes: a cut at 35 would leave a shorter first run, so the even cut;
+    # no later cut leaves 38 nodes after it.
+    assert _cheap_cuts(nodes, 40, shortest=38) == {40}
