@@ -548,12 +548,24 @@ def _whole_storage(val) -> tuple | None:
 
 def _contiguous_order(val) -> list[int] | None:
     """The dims of a transposed/permuted view that make it contiguous (None if it already is,
-    or if it is not a dense permutation, e.g. expanded or sliced)."""
+    or if it is not a dense permutation, e.g. expanded or sliced). Symbolic sizes and strides
+    are judged by the values they were traced with: the order is the strides' for every size
+    Dynamo's guards admit (sizes 0 and 1 are specialized), and where a stride only matched at
+    those values the output would still hold eager's values, by other strides."""
     if not isinstance(val, torch.Tensor) or val.is_contiguous() or val.numel() < 2:
         return None
-    if not all(isinstance(d, int) for d in (*val.shape, *val.stride())):
+    sizes, strides = [_traced(d) for d in val.shape], [_traced(d) for d in val.stride()]
+    if None in sizes or None in strides:
         return None
-    return _dense_permutation(val.shape, val.stride())
+    return _dense_permutation(sizes, strides)
+
+
+def _traced(size) -> int | None:
+    """A size or stride as an int: a SymInt's value at tracing (None where it has none)."""
+    if isinstance(size, int):
+        return size
+    hint = getattr(getattr(size, "node", None), "hint", None)
+    return int(hint) if isinstance(hint, int) else None
 
 
 def _dense_permutation(sizes, strides) -> list[int] | None:

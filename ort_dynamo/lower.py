@@ -1153,9 +1153,18 @@ def random_draws_in_pytorch(gm: torch.fx.GraphModule, all_draws: bool = True) ->
             drawn += _dropout_with_pytorchs_mask(graph, node, sizes)
         elif node.target in _DRAWS_LIKE and isinstance(node.args[0], torch.fx.Node):
             with graph.inserting_before(node):
-                like = _empty_like(graph, node.args[0], node, sizes)
+                like, order = _empty_like(graph, node.args[0], node, sizes)
             node.update_arg(0, like)
             node.meta[IN_PYTORCH] = _RANDOM_DRAW
+            if order is not None:  # the draw now has the empty's shape: its value anew
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+                with like.meta["val"].fake_mode:
+                    node.meta["val"] = node.target(*args, **kwargs)
+                users = list(node.users)
+                with graph.inserting_after(node):
+                    view = _in_logical_order(graph, node, order)
+                for user in users:
+                    user.replace_input_with(node, view)
             drawn += 1
         elif node.target in _DRAWS_FROM_SIZES or node.target in _DRAWS_FROM_VALUES:
             node.meta[IN_PYTORCH] = _RANDOM_DRAW
@@ -1178,11 +1187,12 @@ def _dropout_with_pytorchs_mask(graph: torch.fx.Graph, node: torch.fx.Node, size
         return 0
     scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
     with graph.inserting_before(node):
-        empty = _empty_like(graph, x, node, sizes, dtype=torch.bool)
-        mask = _fx_call(graph, aten.bernoulli.p, empty, 1.0 - p)
-        mask.meta[IN_PYTORCH] = _RANDOM_DRAW
+        empty, order = _empty_like(graph, x, node, sizes, dtype=torch.bool)
+        drawn = _fx_call(graph, aten.bernoulli.p, empty, 1.0 - p)
+        drawn.meta[IN_PYTORCH] = _RANDOM_DRAW
+        mask = _in_logical_order(graph, drawn, order)
         out = _fx_call(graph, aten.mul.Tensor, _fx_call(graph, aten.mul.Tensor, x, mask), scale)
-    for new in (empty, mask, out, out.args[0]):
+    for new in (empty, drawn, mask, out, out.args[0]):
         new.meta.setdefault("stack_trace", node.meta.get("stack_trace"))
     for user in users:
         user.replace_all_uses_with(out if user.args[1] == 0 else mask)
@@ -1192,22 +1202,48 @@ def _dropout_with_pytorchs_mask(graph: torch.fx.Graph, node: torch.fx.Node, size
 
 
 def _empty_like(graph: torch.fx.Graph, like: torch.fx.Node, draw: torch.fx.Node, sizes: "_InputSizes",
-                dtype=None) -> torch.fx.Node:
+                dtype=None) -> tuple[torch.fx.Node, list[int] | None]:
     """``empty`` of ``like``'s shape and dtype (or ``dtype``), sized from the graph's inputs
     (``_InputSizes``); by ``like``'s own size where they do not have one (then the draw waits
-    for ``like``)."""
+    for ``like``). Eager draws into ``empty_like(like)``, which keeps ``like``'s memory order,
+    and fills it in memory order: for a transposed or channels-last ``like`` the ``empty`` is
+    made row-major with the axes in that order, and the second value is the order
+    (``_memory_order``), which ``_in_logical_order`` undoes after the draw; else None."""
     value = like.meta["val"]
     shape = [sizes.of(size) for size in value.shape]
     shape = [_fx_call(graph, aten.sym_size.int, like, axis) if found is None else found
              for axis, found in enumerate(shape)]
+    order = _memory_order(value)
+    if order is not None:
+        shape = [shape[axis] for axis in order]
     empty = graph.call_function(aten.empty.memory_format, (shape,),
                                 {"dtype": dtype or value.dtype, "device": value.device, "pin_memory": False})
     with value.fake_mode:
-        empty.meta["val"] = torch.empty_like(value, dtype=dtype or value.dtype,
-                                             memory_format=torch.contiguous_format)
+        empty.meta["val"] = torch.empty([value.shape[axis] for axis in order or range(value.dim())],
+                                        dtype=dtype or value.dtype, device=value.device)
     empty.meta[IN_PYTORCH] = ""
     empty.meta["stack_trace"] = draw.meta.get("stack_trace")
-    return empty
+    return empty, order
+
+
+def _in_logical_order(graph: torch.fx.Graph, drawn: torch.fx.Node, order: list[int] | None) -> torch.fx.Node:
+    """``drawn``, drawn with its axes in memory ``order`` (``_empty_like``), as a view with
+    them in their own order again: eager's tensor, the same numbers in the same memory."""
+    if order is None:
+        return drawn
+    view = _fx_call(graph, aten.permute.default, drawn, [order.index(axis) for axis in range(len(order))])
+    view.meta["stack_trace"] = drawn.meta.get("stack_trace")
+    return view
+
+
+def _memory_order(value: torch.Tensor) -> list[int] | None:
+    """``value``'s axes from outermost to innermost in memory, as ``empty_like`` orders a new
+    tensor's (torch's reference implementation); None where that is row-major."""
+    from torch._prims_common import compute_elementwise_output_logical_to_physical_perm
+
+    order = compute_elementwise_output_logical_to_physical_perm(value)
+    order = list(order[0] if isinstance(order, tuple) else order)  # (perm, ambiguous) since torch 2.12
+    return None if order == list(range(value.dim())) else order
 
 
 def _size_arithmetic() -> dict:

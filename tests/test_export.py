@@ -85,6 +85,21 @@ def test_an_output_eager_has_as_a_permuted_view_keeps_eagers_strides():
     assert got.stride() == want.stride(), (got.stride(), want.stride())
 
 
+def test_under_dynamic_shapes_a_permuted_output_keeps_eagers_strides_at_every_size():
+    """Symbolic strides are ordered by their traced values: a new size reuses the export and
+    still returns eager's layout, not a contiguous copy."""
+    import ort_dynamo
+
+    ort_dynamo.reset()
+    step = torch.compile(lambda x: (x * 2).transpose(1, 2).sin(), backend="ort", dynamic=True)
+    for shape in ((2, 3, 4), (3, 5, 7)):
+        x = torch.randn(shape)
+        got, want = step(x), (x * 2).transpose(1, 2).sin()
+        torch.testing.assert_close(got, want)
+        assert got.stride() == want.stride(), (got.stride(), want.stride())
+    assert ort_dynamo.report().exports == 1
+
+
 def test_a_transposed_input_comes_back_as_a_tensor_of_its_own_with_eagers_strides():
     """``x.t()`` of a graph input: in its buffer's layout it is the input itself, so ORT
     returns a copy of it (never the caller's buffer), which PyTorch permutes as eager would."""

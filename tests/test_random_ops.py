@@ -61,6 +61,35 @@ def test_dropout_masks_are_eagers_own_under_the_same_seed(dynamic):
     assert_one_ort_partition_and_draws_kept(2)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_draws_of_transposed_and_channels_last_tensors_are_eagers_own(dynamic):
+    """Eager fills a draw's tensor in its memory order (``empty_like`` keeps the input's):
+    dropout after a transpose (TransformerEncoderLayer's first dropout), dropout of a
+    channels-last convolution, ``rand_like`` of a transposed tensor."""
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+
+    def fn(w, image):
+        t = w.t() * 2.0
+        dropped = torch.nn.functional.dropout(t, 0.5, training=True)
+        noise = torch.rand_like(t)
+        return dropped * noise, torch.nn.functional.dropout(conv(image), 0.4, training=True)
+
+    step = torch.compile(fn, backend="ort", dynamic=dynamic)
+    for rows in (6, 8):
+        w = torch.randn(rows, 5, requires_grad=True)
+        image = torch.randn(2, 3, rows, 7).to(memory_format=torch.channels_last).requires_grad_()
+        eager_out, ort_out = seeded(rows, fn, w, image), seeded(rows, step, w, image)
+        for expected, actual in zip(eager_out, ort_out):
+            assert torch.equal(actual == 0, expected == 0)
+            torch.testing.assert_close(actual, expected)
+            assert actual.stride() == expected.stride()
+        eager_grads = torch.autograd.grad(sum(o.square().sum() for o in eager_out), (w, image))
+        ort_grads = torch.autograd.grad(sum(o.square().sum() for o in ort_out), (w, image))
+        for expected, actual in zip(eager_grads, ort_grads):
+            torch.testing.assert_close(actual, expected)
+    assert ort_dynamo.report().fallback_nodes == 0
+
+
 def test_rng_state_replays_the_draws_and_new_state_draws_anew():
     step = torch.compile(lambda t: torch.nn.functional.dropout(t * 3, 0.5, training=True) + torch.rand_like(t),
                          backend="ort")
