@@ -22,6 +22,11 @@ torch's sgemm inside an ORT session) against ORT's FusedMatMul and torch.mm, cal
 the one before by the same square matrix) against the same N ``torch.mm`` calls: what a product
 costs inside a training step's run, without a one-op session's call per product.
 
+``--skinny`` (with ``--ours``): products of few rows instead (an LSTM's step: 16 sequences
+against its recurrent weight, forward with B transposed and backward in rows), where
+ort_dynamo's product reads B in place rather than packing it (at most 32 rows; 64 for
+comparison).
+
 ``--cold``: each call gets operands from a rotation of 6 copies and, before it (not timed), a
 32 MB write evicts the caches. In a training step most operands come from memory: saved
 activations were written during the forward, gradients a few kernels earlier.
@@ -42,6 +47,11 @@ from onnx import TensorProto, helper
 # (M 256 and K 1024: weight gradients, the MLP's first one 256 x 1024).
 SHAPES = [(1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (256, 1024, 256),
           (1024, 256, 768), (256, 1024, 768), (256, 1024, 1024)]
+
+
+#: (M, K, N) of products with few rows: the LSTM benchmark's steps (16 rows, hidden 256, four
+#: gates), GPT-2's projection widths, and 64 rows, past where ort_dynamo reads B in place.
+SKINNY = [(16, 256, 1024), (16, 1024, 256), (32, 256, 1024), (8, 256, 768), (4, 512, 512), (64, 256, 1024)]
 
 
 #: Attention's batched products, per head: (what, M, K, N, trans_a, trans_b), and the heads.
@@ -90,9 +100,14 @@ def _our_session(trans_a: int, trans_b: int, float32: bool = False, rank: int = 
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
-def _cases(attention: bool = False):
+def _cases(attention: bool = False, skinny: bool = False):
     """(m, k, n, trans_a, trans_b, A's shape, B's shape) of each product measured (``attention``:
-    attention's batched ones, A and B of ``HEADS`` matrices)."""
+    attention's batched ones, A and B of ``HEADS`` matrices; ``skinny``: few rows, A in rows)."""
+    if skinny:
+        for m, k, n in SKINNY:
+            for trans_b in (0, 1):
+                yield m, k, n, 0, trans_b, [m, k], ([n, k] if trans_b else [k, n])
+        return
     if attention:
         for _, m, k, n, trans_a, trans_b in ATTENTION:
             yield (m, k, n, trans_a, trans_b, [HEADS] + ([k, m] if trans_a else [m, k]),
@@ -160,11 +175,15 @@ def main() -> None:
                         help="float32: torch's BLAS inside ORT (cpu_matmul) against ORT's, the calls interleaved")
     parser.add_argument("--attention", action="store_true",
                         help="with --ours: attention's batched products (see above)")
+    parser.add_argument("--skinny", action="store_true",
+                        help="with --ours: products of few rows, an LSTM step's (see above)")
     parser.add_argument("--chain", type=int, default=0,
                         help="with --blas: this many products in one ORT run against as many torch.mm calls")
     args = parser.parse_args()
     if args.chain and not args.blas:
         parser.error("--chain times torch's BLAS inside ORT: add --blas")
+    if args.skinny and not args.ours:
+        parser.error("--skinny chooses the products --ours measures: add --ours")
     if args.chain < 0:
         parser.error(f"--chain must be a count of products, got {args.chain}")
     if args.bfloat16:
@@ -211,16 +230,16 @@ def _one_op_against_ort(args, label: str, make, what: str) -> None:
     torch.matmul on each case, the calls interleaved; its error against a float64 product."""
     copies = _header(args, what)
     ratios, to_torch = [], []
-    for m, k, n, trans_a, trans_b, a_shape, b_shape in _cases(args.attention):
+    for m, k, n, trans_a, trans_b, a_shape, b_shape in _cases(args.attention, args.skinny):
         a, b, ta, tb = _operands(lambda shape: torch.randn(*shape), a_shape, b_shape, trans_a, trans_b, copies)
         op, theirs = make(trans_a, trans_b, len(a_shape)), _session(a_shape, b_shape, trans_a, trans_b)
-        feeds = list(zip(_ort_values(a), _ort_values(b)))
+        feeds = list(zip(_ort_values(a), _ort_values(b)))  # both sessions called the same way
         got = op.run_with_ort_values(["y"], dict(zip("ab", feeds[0])))[0].numpy()
         want = torch.matmul(ta[0].double(), tb[0].double()).numpy()
         error = float(np.abs(got - want).max() / np.abs(want).max())
         op_ms, ort_ms, torch_ms = _interleaved_ms(
             [lambda i: op.run_with_ort_values(["y"], dict(zip("ab", feeds[i % copies]))),
-             lambda i: theirs.run(None, {"a": a[i % copies].numpy(), "b": b[i % copies].numpy()}),
+             lambda i: theirs.run_with_ort_values(["y"], dict(zip("ab", feeds[i % copies]))),
              lambda i: torch.matmul(ta[i % copies], tb[i % copies])], args.repeats, args.cold)
         ratios.append(op_ms / ort_ms)
         to_torch.append(op_ms / torch_ms)

@@ -1496,10 +1496,29 @@ def _few_rows(a: ir.Value, b: ir.Value) -> bool:
     return all(isinstance(d, int) for d in dims) and math.prod(dims) < F32_MIN_M
 
 
+#: At most this many rows (known, B one matrix): csrc/bf16_gemm.h's path for few rows, which
+#: reads B in place and splits its columns over the threads (an RNN's step: 16 rows against its
+#: recurrent weight), where ORT's product packs all of B for each call (``gemm.py --skinny``).
+F32_SKINNY_M = 32
+#: ... and at least this long an inner dimension and this many columns, both known: smaller
+#: products take microseconds either way.
+F32_SKINNY_MIN_KN = 64
+
+
+def _skinny(a: ir.Value, b: ir.Value) -> bool:
+    """Whether the product of ``a`` by ``b`` is known to have at most ``F32_SKINNY_M`` rows,
+    ``b`` one matrix (its rows are then all of ``a``'s leading axes), and K and N of at least
+    ``F32_SKINNY_MIN_KN``."""
+    dims = list(a.shape.dims[:-1])
+    inner_and_columns = [a.shape[-1], b.shape[-1]] if _rank(b) == 2 else []
+    return bool(inner_and_columns) and all(isinstance(d, int) for d in dims + inner_and_columns) \
+        and 0 < math.prod(dims) <= F32_SKINNY_M and min(inner_and_columns) >= F32_SKINNY_MIN_KN
+
+
 def f32_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
     """Each float32 MatMul whose inner dimension is static and at least ``F32_MIN_K``, A's rows in
-    memory (not a Transpose's) and not known to be fewer than ``F32_MIN_M`` -> ``F32MatMulN{N,T}``,
-    a Transpose of B's last two axes folded in. Where A is transposed (weight gradients) ORT's
+    memory (not a Transpose's) and not known to be fewer than ``F32_MIN_M``, or with few rows
+    (``_skinny``) -> ``F32MatMulN{N,T}``, a Transpose of B's last two axes folded in. Where A is transposed (weight gradients) ORT's
     product was as fast; with 64 to 256 rows ORT's was 1.1-1.9x faster (a convolution's weight
     gradient as columns, ``gemm.py``'s shapes at M=256). ``supported()``: as for the bfloat16
     products (the same header). Returns the kernels' C units."""
@@ -1510,8 +1529,8 @@ def f32_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
             continue
         a, b = node.inputs
         inner = a.shape[-1]
-        if not (isinstance(inner, int) and inner >= F32_MIN_K) or _without_transposes(a, _rank(a))[1] \
-                or _few_rows(a, b):
+        long_inner = isinstance(inner, int) and inner >= F32_MIN_K and not _few_rows(a, b)
+        if not (long_inner or _skinny(a, b)) or _without_transposes(a, _rank(a))[1]:
             continue
         found.append(node)
     if not found or not supported():

@@ -296,13 +296,14 @@ def test_a_bfloat16_result_is_reshaped_before_it_is_widened_for_the_kernel_that_
     np.testing.assert_array_equal(squares, (both[:, :48] ** 2).reshape(1024, 4, 12))
 
 
-def _f32_product_session(transposed, bias=False):
-    """ort_dynamo's float32 product (``F32MatMul*``) as a one-node model; ``bias``: a third input."""
+def _f32_product_session(transposed, bias=False, ranks=(4, 3)):
+    """ort_dynamo's float32 product (``F32MatMul*``) as a one-node model of operands of ``ranks``
+    axes; ``bias``: a third input."""
     from ort_dynamo import _op_kernels
 
     name, unit = _op_kernels.f32_matmul_kernel(list(transposed), bias)
     inputs = [ir.Value(name=n, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([f"{n}{i}" for i in range(r)]))
-              for n, r in (("a", 4), ("b", 3), ("bias", 1))[:3 if bias else 2]]
+              for n, r in (("a", ranks[0]), ("b", ranks[1]), ("bias", 1))[:3 if bias else 2]]
     node = ir.node(name, inputs, domain=_op_kernels.DOMAIN)
     node.outputs[0].name, node.outputs[0].dtype = "c", ir.DataType.FLOAT
     graph = ir.Graph(inputs, node.outputs, nodes=[node], opset_imports={"": 18, _op_kernels.DOMAIN: 1})
@@ -336,17 +337,46 @@ def test_our_float32_product_is_the_float32_product_over_broadcast_batches(trans
 
 
 @bf16_kernels
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("rows, k, n", [((1,), 17, 3), ((5,), 300, 45), ((2, 8), 256, 1024), ((3, 9), 1, 64),
+                                        ((32,), 64, 100), ((4,), 0, 7), ((33,), 40, 70)])
+def test_our_float32_product_of_few_rows_reads_b_in_place_and_is_the_float32_product(transpose_b, rows, k, n):
+    """Up to 32 rows against one matrix (an RNN's step; the leading axes are rows too) take the
+    path that reads B in place, its columns split over the threads; 33 rows the packed one.
+    Tails of rows, columns and K, an empty K (the bias alone), with and without a bias."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((*rows, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if transpose_b else (k, n)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    ranks = (len(rows) + 1, 2)
+    got = _f32_product_session((False, transpose_b), bias=True, ranks=ranks).run(
+        None, {"a": a, "b": b, "bias": bias})[0]
+    b64 = (b.T if transpose_b else b).astype(np.float64)
+    want = np.matmul(a.astype(np.float64), b64) + bias
+    assert got.shape == (*rows, n)
+    scale = np.matmul(np.abs(a).astype(np.float64), np.abs(b64)) + np.abs(bias)
+    assert np.all(np.abs(got - want) <= (k + 2) * np.finfo(np.float32).eps * scale + 1e-30)
+    plain = _f32_product_session((False, transpose_b), ranks=ranks).run(None, {"a": a, "b": b})[0]
+    np.testing.assert_allclose(plain, got - bias, rtol=0, atol=1e-5 * (1 + np.abs(want).max()))
+
+
+@bf16_kernels
 @pytest.mark.parametrize("a_shape, b_shape, transpose_a, transpose_b, ours", [
     ((512, 600), (600, 40), False, False, "F32MatMulNN"),
     ((2, 256, 600), (40, 600), False, True, "F32MatMulNT"),  # a Linear's weight, its Transpose folded in
     ((600, 512), (600, 40), True, False, None),    # A transposed (a weight gradient): ORT's was as fast
     ((512, 256), (256, 40), False, False, None),   # K=256: ORT's was faster
     ((64, 600), (600, 40), False, False, None),    # 64 rows (a convolution's weight gradient): ORT's was faster
+    ((16, 256), (1024, 256), False, True, "F32MatMulNT"),  # an LSTM step's 16 rows: B read in place
+    ((2, 8, 256), (256, 1024), False, False, "F32MatMulNN"),  # ... its backward; leading axes are rows
+    ((48, 256), (256, 40), False, False, None),    # 48 rows, K=256: ORT's
+    ((2, 16, 256), (2, 256, 40), False, False, None),  # B a batch of matrices: ORT's
 ])
 def test_a_float32_product_with_a_long_inner_dimension_is_ours_where_it_measured_faster(
         a_shape, b_shape, transpose_a, transpose_b, ours):
     """Float32 MatMuls with a static K of at least F32_MIN_K, A's rows in memory and at least
-    F32_MIN_M of them (a leading axis counts where B is one matrix) become F32MatMul
+    F32_MIN_M of them (a leading axis counts where B is one matrix), or with at most
+    F32_SKINNY_M rows known and B one matrix, become F32MatMul
     (``benchmarks/gemm.py --ours``); the others stay ORT's. Either way the float32
     product, summed in float32."""
     torch.manual_seed(0)
