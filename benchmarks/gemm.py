@@ -169,8 +169,8 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="operands from memory, not cache (see above)")
     parser.add_argument("--bfloat16", action="store_true", help="CPU autocast's bfloat16 products (see above)")
     parser.add_argument("--ours", action="store_true",
-                        help="float32: ort_dynamo's own product (what the rewrite uses where K >= 512) against "
-                             "ORT's, the calls interleaved")
+                        help="float32: ort_dynamo's own product (what the rewrite uses where K >= 512, or with few "
+                             "rows: --skinny) against ORT's, the calls interleaved")
     parser.add_argument("--blas", action="store_true",
                         help="float32: torch's BLAS inside ORT (cpu_matmul) against ORT's, the calls interleaved")
     parser.add_argument("--attention", action="store_true",
