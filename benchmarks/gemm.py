@@ -7,6 +7,7 @@ shapes of the benchmark models' training steps, one process, same threads.
     .venv/bin/python benchmarks/gemm.py --ours --attention [--cold]   # attention's batched products
     .venv/bin/python benchmarks/gemm.py --blas [--cold]   # torch's BLAS inside ORT (cpu_matmul)
     .venv/bin/python benchmarks/gemm.py --blas --chain 20   # ... 20 products in one run, as in a step
+    .venv/bin/python benchmarks/gemm.py --ours --skinny [--chain 64]   # products of few rows (an LSTM's)
 
 ``--bfloat16``: bfloat16 operands and result, as under CPU autocast: ort_dynamo's bfloat16
 product (csrc/bf16_gemm.h, AVX512-BF16) against torch.mm on bfloat16 tensors (oneDNN), and
@@ -26,6 +27,11 @@ costs inside a training step's run, without a one-op session's call per product.
 against its recurrent weight, forward with B transposed and backward in rows), where
 ort_dynamo's product reads B in place rather than packing it (at most 32 rows; 64 for
 comparison).
+
+``--chain N`` (with ``--ours --skinny``): an LSTM step's two products (16 rows by a [1024, 256]
+weight, B transposed, then the result by the weight in rows, a Tanh after) N times in one run,
+ours against ORT's: a one-op session's call costs more than such a product (the figures above
+are mostly that), a step's run does not.
 
 ``--cold``: each call gets operands from a rotation of 6 copies and, before it (not timed), a
 32 MB write evicts the caches. In a training step most operands come from memory: saved
@@ -180,8 +186,9 @@ def main() -> None:
     parser.add_argument("--chain", type=int, default=0,
                         help="with --blas: this many products in one ORT run against as many torch.mm calls")
     args = parser.parse_args()
-    if args.chain and not args.blas:
-        parser.error("--chain times torch's BLAS inside ORT: add --blas")
+    if args.chain and not (args.blas or args.skinny):
+        parser.error("--chain times torch's BLAS inside ORT (add --blas) or products of few rows (add --ours "
+                     "--skinny)")
     if args.skinny and not args.ours:
         parser.error("--skinny chooses the products --ours measures: add --ours")
     if args.chain < 0:
@@ -250,12 +257,67 @@ def _one_op_against_ort(args, label: str, make, what: str) -> None:
           f"{label}/torch: {statistics.geometric_mean(to_torch):.2f}")
 
 
+def _skinny_chain_session(steps: int, ours: bool) -> ort.InferenceSession:
+    """h -> Tanh((h Wᵀ) W), ``steps`` times, h [16, 256], W [1024, 256]: ort_dynamo's products
+    (``ours``) or ORT's (FusedMatMul with transB, MatMul)."""
+    import onnx_ir as ir
+
+    from ort_dynamo import _kernels, _op_kernels
+
+    def value(name, shape):
+        return ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(shape))
+
+    h, w = value("h", [16, 256]), value("w", [1024, 256])
+    nodes, x, units = [], h, {}
+    for _ in range(steps):
+        for trans_b in (True, False):
+            if ours:
+                name, units[trans_b] = _op_kernels.f32_matmul_kernel([False, trans_b], False)
+                nodes.append(ir.node(name, [x, w], domain=_op_kernels.DOMAIN))
+            elif trans_b:
+                nodes.append(ir.node("FusedMatMul", [x, w], attributes={"transB": 1, "alpha": 1.0},
+                                     domain="com.microsoft"))
+            else:
+                nodes.append(ir.node("MatMul", [x, w]))
+            nodes[-1].outputs[0].dtype = ir.DataType.FLOAT
+            x = nodes[-1].outputs[0]
+        nodes.append(ir.node("Tanh", [x]))
+        nodes[-1].outputs[0].dtype = ir.DataType.FLOAT
+        x = nodes[-1].outputs[0]
+    x.name = "y"
+    graph = ir.Graph([h, w], [x], nodes=nodes, opset_imports={"": 18, _op_kernels.DOMAIN: 1, "com.microsoft": 1})
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if ours:
+        so.register_custom_ops_library(_kernels.library(list(units.values())))
+    model = ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString()
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def _skinny_chain(args) -> None:
+    _header(args, f", float32, an LSTM step's two products {args.chain} times in one run, ours against ORT's")
+    sessions = [_skinny_chain_session(args.chain, ours) for ours in (True, False)]
+    gen = torch.Generator().manual_seed(0)
+    feeds = dict(zip("hw", _ort_values([torch.randn(16, 256, generator=gen) * 0.1,
+                                        torch.randn(1024, 256, generator=gen) * 0.05])))
+    got, want = (s.run_with_ort_values(["y"], feeds)[0].numpy() for s in sessions)
+    ours_ms, ort_ms = _interleaved_ms([lambda i, s=s: s.run_with_ort_values(["y"], feeds) for s in sessions],
+                                      args.repeats, args.cold)
+    per = 1e3 / (2 * args.chain)
+    print(f"ours {ours_ms * per:6.1f} us a product  ORT {ort_ms * per:6.1f} us  ours/ORT {ours_ms / ort_ms:.3f}  "
+          f"largest difference at the end {float(np.abs(got - want).max()):.1e} (values up to "
+          f"{float(np.abs(want).max()):.2f}; the sums' order differs, and differences grow along the chain)")
+
+
 def our_float32_products(args) -> None:
     from ort_dynamo import _kernels
 
     if not (_kernels.available() and _kernels.bfloat16_products()):
         raise SystemExit("ort_dynamo's float32 product is built with its bfloat16 one: no C compiler targeting "
                          "AVX512-BF16 here")
+    if args.chain:
+        return _skinny_chain(args)
     _one_op_against_ort(args, "ours", lambda trans_a, trans_b, rank: _our_session(trans_a, trans_b, True, rank),
                         ", float32, ours against ORT's (MLAS), calls interleaved")
 
