@@ -1500,7 +1500,7 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str
                    own_attention: bool = True) -> list[str]:
     """Replace elementwise groups of ``model``'s main graph by ``ort_dynamo.pointwise`` nodes,
     and, where ``bfloat16_products()`` says the compiler can build them, CPU autocast's products
-    by bfloat16 ones and float32 products with a long inner dimension by ours; with
+    by bfloat16 ones and float32 products with a long inner dimension or few rows by ours; with
     ``own_attention``, torch's flash attention ops by ort_dynamo's attention kernels. Returns each
     new kernel's code (an empty list if nothing was fused): C for the CPU, CUDA C for ``device``
     "cuda" (``is_cuda``), where elementwise chains and their row sums become kernels."""
