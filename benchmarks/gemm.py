@@ -66,6 +66,17 @@ ATTENTION = [("q kT", 128, 64, 128, 0, 1), ("P v", 128, 128, 64, 0, 0), ("dO vT"
 HEADS = 32
 
 
+def _cpu_session(model: bytes, library: str = "") -> ort.InferenceSession:
+    """A CPU session of ``model`` on torch's thread count, not spinning (as ort_dynamo's own);
+    ``library``: a custom-op library it registers."""
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if library:
+        so.register_custom_ops_library(library)
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
 def _session(a_shape, b_shape, trans_a: int, trans_b: int) -> ort.InferenceSession:
     m = a_shape[-1] if trans_a else a_shape[-2]
     n = b_shape[-2] if trans_b else b_shape[-1]
@@ -76,10 +87,7 @@ def _session(a_shape, b_shape, trans_a: int, trans_b: int) -> ort.InferenceSessi
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*a_shape[:-2], m, n])])
     model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18),
                                                                     helper.make_opsetid("com.microsoft", 1)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = torch.get_num_threads()
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return _cpu_session(model.SerializeToString())
 
 
 def _our_session(trans_a: int, trans_b: int, float32: bool = False, rank: int = 2) -> ort.InferenceSession:
@@ -98,12 +106,8 @@ def _our_session(trans_a: int, trans_b: int, float32: bool = False, rank: int = 
     node = ir.node(name, inputs, domain=_op_kernels.DOMAIN)
     node.outputs[0].name, node.outputs[0].dtype = "y", dtype
     graph = ir.Graph(inputs, node.outputs, nodes=[node], opset_imports={"": 18, _op_kernels.DOMAIN: 1})
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = torch.get_num_threads()
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.register_custom_ops_library(_kernels.library([unit]))
-    model = ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString()
-    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    return _cpu_session(ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString(),
+                        _kernels.library([unit]))
 
 
 def _cases(attention: bool = False, skinny: bool = False):
@@ -286,13 +290,8 @@ def _skinny_chain_session(steps: int, ours: bool) -> ort.InferenceSession:
         x = nodes[-1].outputs[0]
     x.name = "y"
     graph = ir.Graph([h, w], [x], nodes=nodes, opset_imports={"": 18, _op_kernels.DOMAIN: 1, "com.microsoft": 1})
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = torch.get_num_threads()
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if ours:
-        so.register_custom_ops_library(_kernels.library(list(units.values())))
-    model = ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString()
-    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+    return _cpu_session(ir.serde.serialize_model(ir.Model(graph, ir_version=10)).SerializeToString(),
+                        _kernels.library(list(units.values())) if ours else "")
 
 
 def _skinny_chain(args) -> None:
@@ -340,11 +339,7 @@ def _blas_products_session(products, inputs, output) -> ort.InferenceSession:
                               [helper.make_tensor_value_info(output[0], TensorProto.FLOAT, output[1])])
     model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18),
                                                                     helper.make_opsetid(_torch_blas.DOMAIN, 1)])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = torch.get_num_threads()
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.register_custom_ops_library(_torch_blas.library())
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return _cpu_session(model.SerializeToString(), _torch_blas.library())
 
 
 def blas_products(args) -> None:
