@@ -313,13 +313,13 @@ def _holds(condition) -> bool:
         return False
 
 
-def size_hint(size) -> int:
+def size_hint(size, unbacked: int | None = 0) -> int | None:
     """A size's value in the example being traced, read without a guard (an unbacked size,
-    which has none: 0)."""
+    which has none: ``unbacked``)."""
     if isinstance(size, int):
         return size
     hint = size.node.hint
-    return int(hint) if hint is not None else 0
+    return int(hint) if hint is not None else unbacked
 
 
 def _pool_window(in_size, out_size):

@@ -16,6 +16,8 @@ import onnx_ir as ir
 import torch
 import torch.fx
 
+from .decompositions import size_hint
+
 __all__ = ["export_graph", "onnx_registry", "ExportedGraph", "OutputSlot"]
 
 log = logging.getLogger("ort_dynamo")
@@ -554,18 +556,10 @@ def _contiguous_order(val) -> list[int] | None:
     those values the output would still hold eager's values, by other strides."""
     if not isinstance(val, torch.Tensor) or val.is_contiguous() or val.numel() < 2:
         return None
-    sizes, strides = [_traced(d) for d in val.shape], [_traced(d) for d in val.stride()]
+    sizes, strides = ([size_hint(d, unbacked=None) for d in dims] for dims in (val.shape, val.stride()))
     if None in sizes or None in strides:
         return None
     return _dense_permutation(sizes, strides)
-
-
-def _traced(size) -> int | None:
-    """A size or stride as an int: a SymInt's value at tracing (None where it has none)."""
-    if isinstance(size, int):
-        return size
-    hint = getattr(getattr(size, "node", None), "hint", None)
-    return int(hint) if isinstance(hint, int) else None
 
 
 def _dense_permutation(sizes, strides) -> list[int] | None:
