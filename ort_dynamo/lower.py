@@ -1152,19 +1152,7 @@ def random_draws_in_pytorch(gm: torch.fx.GraphModule, all_draws: bool = True) ->
         elif node.target is aten.native_dropout.default:
             drawn += _dropout_with_pytorchs_mask(graph, node, sizes)
         elif node.target in _DRAWS_LIKE and isinstance(node.args[0], torch.fx.Node):
-            with graph.inserting_before(node):
-                like, order = _empty_like(graph, node.args[0], node, sizes)
-            node.update_arg(0, like)
-            node.meta[IN_PYTORCH] = _RANDOM_DRAW
-            if order is not None:  # the draw now has the empty's shape: its value anew
-                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-                with like.meta["val"].fake_mode:
-                    node.meta["val"] = node.target(*args, **kwargs)
-                users = list(node.users)
-                with graph.inserting_after(node):
-                    view = _in_logical_order(graph, node, order)
-                for user in users:
-                    user.replace_input_with(node, view)
+            _draw_into_an_empty(graph, node, sizes)
             drawn += 1
         elif node.target in _DRAWS_FROM_SIZES or node.target in _DRAWS_FROM_VALUES:
             node.meta[IN_PYTORCH] = _RANDOM_DRAW
@@ -1173,6 +1161,25 @@ def random_draws_in_pytorch(gm: torch.fx.GraphModule, all_draws: bool = True) ->
         graph.eliminate_dead_code()
         gm.recompile()
     return drawn
+
+
+def _draw_into_an_empty(graph: torch.fx.Graph, node: torch.fx.Node, sizes: "_InputSizes") -> None:
+    """A draw whose tensor argument only gives the shape (``rand_like``, ``uniform``, ...) takes
+    an ``empty`` made from the graph's inputs instead, and runs in PyTorch."""
+    with graph.inserting_before(node):
+        like, order = _empty_like(graph, node.args[0], node, sizes)
+    node.update_arg(0, like)
+    node.meta[IN_PYTORCH] = _RANDOM_DRAW
+    if order is None:
+        return
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    with like.meta["val"].fake_mode:  # the draw has the empty's shape now: its value anew
+        node.meta["val"] = node.target(*args, **kwargs)
+    users = list(node.users)
+    with graph.inserting_after(node):
+        view = _in_logical_order(graph, node, order)
+    for user in users:
+        user.replace_input_with(node, view)
 
 
 def _dropout_with_pytorchs_mask(graph: torch.fx.Graph, node: torch.fx.Node, sizes: "_InputSizes") -> int:
