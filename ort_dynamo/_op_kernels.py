@@ -1518,10 +1518,10 @@ def _skinny(a: ir.Value, b: ir.Value) -> bool:
 def f32_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
     """Each float32 MatMul whose inner dimension is static and at least ``F32_MIN_K``, A's rows in
     memory (not a Transpose's) and not known to be fewer than ``F32_MIN_M``, or with few rows
-    (``_skinny``) -> ``F32MatMulN{N,T}``, a Transpose of B's last two axes folded in. Where A is transposed (weight gradients) ORT's
-    product was as fast; with 64 to 256 rows ORT's was 1.1-1.9x faster (a convolution's weight
-    gradient as columns, ``gemm.py``'s shapes at M=256). ``supported()``: as for the bfloat16
-    products (the same header). Returns the kernels' C units."""
+    (``_skinny``) -> ``F32MatMulN{N,T}``, a Transpose of B's last two axes folded in. Where A is
+    transposed (weight gradients) ORT's product was as fast; with 64 to 256 rows ORT's was
+    1.1-1.9x faster (a convolution's weight gradient as columns, ``gemm.py``'s shapes at M=256).
+    ``supported()``: as for the bfloat16 products (the same header). Returns the kernels' C units."""
     found = []
     for node in graph:
         if not (_op(node, "MatMul") and len(node.inputs) == 2
