@@ -132,9 +132,9 @@ def main() -> None:
     args = parser.parse_args()
     from ort_dynamo import _kernels
 
-    if not (_kernels.available() and _kernels.bfloat16_products()):
+    if not (_kernels.available() and _kernels.float32_products()):
         raise SystemExit("ort_dynamo's convolutions are built with its float32 products: no C compiler targeting "
-                         "AVX512-BF16 here")
+                         "AVX-512 here")
     print(f"torch {torch.__version__}, onnxruntime {ort.__version__}, {torch.get_num_threads()} threads; "
           f"median ms of {args.repeats} interleaved calls{', cold caches' if args.cold else ''}")
     torch.manual_seed(0)

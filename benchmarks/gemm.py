@@ -312,9 +312,8 @@ def _skinny_chain(args) -> None:
 def our_float32_products(args) -> None:
     from ort_dynamo import _kernels
 
-    if not (_kernels.available() and _kernels.bfloat16_products()):
-        raise SystemExit("ort_dynamo's float32 product is built with its bfloat16 one: no C compiler targeting "
-                         "AVX512-BF16 here")
+    if not (_kernels.available() and _kernels.float32_products()):
+        raise SystemExit("ort_dynamo's float32 product needs a C compiler targeting AVX-512: none here")
     if args.chain:
         return _skinny_chain(args)
     _one_op_against_ort(args, "ours", lambda trans_a, trans_b, rank: _our_session(trans_a, trans_b, True, rank),

@@ -23,7 +23,7 @@ import weakref
 
 from . import _nvrtc, _pointwise
 
-__all__ = ["available", "bfloat16_products", "build", "built", "cuda_available", "describe", "describe_cuda",
+__all__ = ["available", "bfloat16_products", "build", "built", "cuda_available", "describe", "describe_cuda", "float32_products",
            "host_library", "library", "wait", "KernelBuildError"]
 
 log = logging.getLogger("ort_dynamo")
@@ -399,7 +399,8 @@ def describe() -> str:
                          else "the compiler or onnxruntime refused a probe library (see the log)")
     compiler, version, flags, libs = _toolchain()
     products = ("bfloat16 and float32 products" if bfloat16_products()
-                else "no products of its own (no AVX512-BF16 here)")
+                else "float32 products (no AVX512-BF16 here for bfloat16 ones)" if float32_products()
+                else "no products of its own (no AVX-512 here)")
     return f"yes ({version}; {'with' if '-lmvec' in libs else 'without'} libmvec; {products})"
 
 
@@ -413,6 +414,18 @@ def describe_cuda() -> str:
 
 
 @functools.lru_cache(None)
+def float32_products() -> bool:
+    """Whether the kernels' compiler targets AVX-512 (F, BW, VL, DQ) here: the float32 products
+    and convolutions of csrc/bf16_gemm.h, conv.h and conv_weight_grad.h."""
+    try:
+        compiler, _, flags, _ = _toolchain()
+    except KernelBuildError:
+        return False
+    macros = _macros(compiler, flags)
+    return all(f"__AVX512{part}__" in macros for part in ("F", "BW", "VL", "DQ"))
+
+
+@functools.lru_cache(None)
 def bfloat16_products() -> bool:
     """Whether the kernels' compiler targets AVX512-BF16 here (the instruction of CPU autocast's
     products, csrc/bf16_gemm.h): asked of its preprocessor with the kernels' flags."""
@@ -420,8 +433,7 @@ def bfloat16_products() -> bool:
         compiler, _, flags, _ = _toolchain()
     except KernelBuildError:
         return False
-    macros = _macros(compiler, flags)
-    return "__AVX512BF16__" in macros and "__AVX512BW__" in macros
+    return float32_products() and "__AVX512BF16__" in _macros(compiler, flags)
 
 
 @functools.lru_cache(None)

@@ -1463,7 +1463,7 @@ def bf16_matmul_kernel(transposed: list[bool], bfloat16: list[bool], rounded: bo
 def f32_matmul_kernel(transposed: list[bool], bias: bool) -> tuple[str, str]:
     """(op name, C unit) of a float32 product of ort_dynamo's own (csrc/bf16_gemm.h's blocking
     with FMA): A and B ``transposed`` in their last two axes or not; a third input, a ``bias``,
-    or not. Built where the bfloat16 products are (the same header); ``f32_matmuls_as_kernels``
+    or not. Built where the compiler targets AVX-512 (``_kernels.float32_products``); ``f32_matmuls_as_kernels``
     says where it replaces ORT's (``benchmarks/gemm.py --ours`` compares the two)."""
     name = f"F32MatMul{_layout(transposed)}" + ("_bias" if bias else "")
     return name, _product_unit(name, f"PW_F32_MATMUL({name}, {int(transposed[0])}, {int(transposed[1])})", bias)
@@ -1521,7 +1521,7 @@ def f32_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
     (``_skinny``) -> ``F32MatMulN{N,T}``, a Transpose of B's last two axes folded in. Where A is
     transposed (weight gradients) ORT's product was as fast; with 64 to 256 rows ORT's was
     1.1-1.9x faster (a convolution's weight gradient as columns, ``gemm.py``'s shapes at M=256).
-    ``supported()``: as for the bfloat16 products (the same header). Returns the kernels' C units."""
+    ``supported()``: whether the compiler targets AVX-512 (``_kernels.float32_products``). Returns the kernels' C units."""
     found = []
     for node in graph:
         if not (_op(node, "MatMul") and len(node.inputs) == 2

@@ -1497,10 +1497,11 @@ def _inverse_transposes_removed(graph: ir.Graph) -> int:
 
 
 def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str = "cpu",
-                   own_attention: bool = True) -> list[str]:
+                   own_attention: bool = True, float32_products=None) -> list[str]:
     """Replace elementwise groups of ``model``'s main graph by ``ort_dynamo.pointwise`` nodes,
     and, where ``bfloat16_products()`` says the compiler can build them, CPU autocast's products
-    by bfloat16 ones and float32 products with a long inner dimension or few rows by ours; with
+    by bfloat16 ones; where ``float32_products()`` does (``bfloat16_products`` if not given),
+    float32 products with a long inner dimension or few rows, and convolutions, by ours; with
     ``own_attention``, torch's flash attention ops by ort_dynamo's attention kernels. Returns each
     new kernel's code (an empty list if nothing was fused): C for the CPU, CUDA C for ``device``
     "cuda" (``is_cuda``), where elementwise chains and their row sums become kernels."""
@@ -1525,9 +1526,10 @@ def fuse_pointwise(model: ir.Model, bfloat16_products=lambda: False, device: str
     _widen_before_views(graph)  # after the passes above, which add views
     _bias_into_rounding(graph)
     kernels = attentions + softmaxes + _op_kernels.bf16_matmuls_as_kernels(graph, bfloat16_products)
-    kernels += _op_kernels.f32_matmuls_as_kernels(graph, bfloat16_products)
-    kernels += _op_kernels.conv_weight_grads_as_kernels(graph, bfloat16_products)
-    kernels += _op_kernels.convs_as_kernels(graph, bfloat16_products)
+    float32_products = float32_products or bfloat16_products
+    kernels += _op_kernels.f32_matmuls_as_kernels(graph, float32_products)
+    kernels += _op_kernels.conv_weight_grads_as_kernels(graph, float32_products)
+    kernels += _op_kernels.convs_as_kernels(graph, float32_products)
     into_zeros = _scatter_add_rows(graph, _Graph())
     kernels += [_SCATTER_ADD_ROWS] if not all(into_zeros) else []
     kernels += [_SCATTER_ADD_ROWS_TO_ZEROS] if any(into_zeros) else []

@@ -2147,7 +2147,7 @@ def _every_step(sizes, dim, start, end, step):
 @functools.lru_cache(None)
 def product_decompositions() -> dict:
     """Replacements for ``own_decompositions`` entries where the CPU kernels include products of
-    their own (csrc/bf16_gemm.h's float32 blocking: ``_kernels.bfloat16_products``)."""
+    their own (csrc/bf16_gemm.h's float32 blocking: ``_kernels.float32_products``)."""
     return {aten.convolution_backward.default: _convolution_backward(own_product=True)}
 
 

@@ -149,8 +149,9 @@ class OrtOptions:
         "they run as ORT's separate kernels. On CUDA, the same chains as CUDA kernels compiled by NVRTC "
         "(which CUDA builds of torch install) for the GPU in use. Also hand-written kernels for single ops ORT's CPU "
         "provider runs slowly (max pooling with indices, depthwise convolutions and their gradients, "
-        "slow transposes), and, where the CPU has AVX512-BF16 (`python -m ort_dynamo info` says), CPU "
-        "autocast's bfloat16 matrix products and float32 ones with a long inner dimension. FusedAdam's update too (there only the environment "
+        "slow transposes), and, where the CPU has AVX-512 (`python -m ort_dynamo info` says), float32 "
+        "matrix products with a long inner dimension or few rows and one-group convolutions; with "
+        "AVX512-BF16 also CPU autocast's bfloat16 products. FusedAdam's update too (there only the environment "
         "variable applies: optimizers take no options).", "")
     torch_random: bool = _field(
         True, "On CPU, random draws (dropout's masks, `rand`, `bernoulli`, ...) run in PyTorch with its "

@@ -50,10 +50,10 @@ def pointwise_kernels_apply(options: OrtOptions, device: str) -> bool:
 
 
 def own_products_apply(options: OrtOptions, device: str) -> bool:
-    """Whether a graph on ``device`` gets ort_dynamo's own products (csrc/bf16_gemm.h: CPU
-    kernels, a compiler targeting AVX512-BF16): asked before tracing too, where it keeps a
+    """Whether a graph on ``device`` gets ort_dynamo's own float32 products (csrc/bf16_gemm.h: CPU
+    kernels, a compiler targeting AVX-512): asked before tracing too, where it keeps a
     convolution's weight gradient one Conv for csrc/conv_weight_grad.h."""
-    return device == "cpu" and pointwise_kernels_apply(options, device) and _kernels.bfloat16_products()
+    return device == "cpu" and pointwise_kernels_apply(options, device) and _kernels.float32_products()
 
 
 def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
@@ -101,7 +101,8 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         unfused = ir.serde.serialize_model(model).SerializeToString()
         try:
             exported.kernels = _pointwise.fuse_pointwise(model, _kernels.bfloat16_products, exported.device,
-                                                         own_attention=not options.cpu_torch_attention)
+                                                         own_attention=not options.cpu_torch_attention,
+                                                         float32_products=_kernels.float32_products)
         except Exception as exc:  # an optimization: its failure must not cost the partition
             log.warning("ort_dynamo: no pointwise kernels for this partition, the fusion pass failed: %s: %s",
                         type(exc).__name__, exc)

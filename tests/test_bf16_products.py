@@ -20,6 +20,8 @@ from ort_dynamo import _kernels, _pointwise
 
 bf16_kernels = pytest.mark.skipif(not (_kernels.available() and _kernels.bfloat16_products()),
                                   reason="no C compiler targeting AVX512-BF16 here")
+f32_kernels = pytest.mark.skipif(not (_kernels.available() and _kernels.float32_products()),
+                                 reason="no C compiler targeting AVX-512 here")
 
 
 def _float(name, shape):
@@ -313,7 +315,7 @@ def _f32_product_session(transposed, bias=False, ranks=(4, 3)):
                                 providers=["CPUExecutionProvider"])
 
 
-@bf16_kernels
+@f32_kernels
 @pytest.mark.parametrize("transposed", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("m, k, n", [(13, 300, 45), (48, 256, 64), (30, 1, 33), (5, 0, 7)])
 def test_our_float32_product_is_the_float32_product_over_broadcast_batches(transposed, m, k, n):
@@ -336,7 +338,7 @@ def test_our_float32_product_is_the_float32_product_over_broadcast_batches(trans
     np.testing.assert_allclose(plain, got - bias, rtol=0, atol=1e-5 * (1 + np.abs(want).max()))
 
 
-@bf16_kernels
+@f32_kernels
 @pytest.mark.parametrize("transpose_b", [False, True])
 @pytest.mark.parametrize("rows, k, n", [((1,), 17, 3), ((5,), 300, 45), ((2, 8), 256, 1024), ((3, 9), 1, 64),
                                         ((32,), 64, 100), ((4,), 0, 7), ((33,), 40, 70)])
@@ -360,7 +362,7 @@ def test_our_float32_product_of_few_rows_reads_b_in_place_and_is_the_float32_pro
     np.testing.assert_allclose(plain, got - bias, rtol=0, atol=1e-5 * (1 + np.abs(want).max()))
 
 
-@bf16_kernels
+@f32_kernels
 @pytest.mark.parametrize("a_shape, b_shape, transpose_a, transpose_b, ours", [
     ((512, 600), (600, 40), False, False, "F32MatMulNN"),
     ((2, 256, 600), (40, 600), False, True, "F32MatMulNT"),  # a Linear's weight, its Transpose folded in
@@ -426,7 +428,7 @@ def _weight_gradient_in_float64(conv, x):
     return layer.weight.grad, magnitude
 
 
-@bf16_kernels
+@f32_kernels
 @pytest.mark.parametrize("conv, shape", [
     (torch.nn.Conv2d(6, 40, 3, padding=1), (2, 6, 24, 25)),       # K over one chunk; two panels of 32
     (torch.nn.Conv2d(4, 8, 3, padding=1), (2, 4, 6, 32)),          # rows of whole vectors: a last lane outside
@@ -476,7 +478,7 @@ def test_a_convolutions_weight_gradient_is_one_product_reading_its_columns_from_
     assert [d.dim_value for d in output.type.tensor_type.shape.dim][2:] == list(conv.weight.shape[2:]), output
 
 
-@bf16_kernels
+@f32_kernels
 def test_output_rows_shorter_than_8_keep_the_weight_gradients_columns_form(tmp_path):
     """Where the output's rows are shorter than 8 positions (ResNet's last stages at 64 x 64
     images) the kernel spent more packing its rows than multiplying them: the columns stacked
@@ -497,7 +499,7 @@ def test_output_rows_shorter_than_8_keep_the_weight_gradients_columns_form(tmp_p
     assert "Concat" in backward and not any(op.startswith("TorchConvWeightGrad_") for op in backward), backward
 
 
-@bf16_kernels
+@f32_kernels
 def test_a_convolutions_weight_gradient_kernel_takes_new_sizes_without_a_new_export(tmp_path):
     """Under ``dynamic=True`` the kernel reads every size at run time: other images and another
     batch reuse it, with the float64 gradient's values within float32's rounding, and K past
@@ -547,7 +549,7 @@ def _passes_in_float64(conv, x):
     return out.detach(), out_magnitude, xd.grad, grad_magnitude
 
 
-@bf16_kernels
+@f32_kernels
 @pytest.mark.parametrize("conv, shape, kernels", [
     (torch.nn.Conv2d(16, 40, 3, padding=1), (2, 16, 24, 25), 2),        # M past one tile; the input gradient too
     (torch.nn.Conv2d(9, 20, 3, stride=2, padding=1), (3, 9, 15, 17), 1),   # stride 2: even columns picked out
@@ -597,7 +599,7 @@ def test_a_convolution_and_its_input_gradient_are_products_reading_their_columns
     assert sum(op in ("Conv", "ConvTranspose") for op in ops) == 2 - kernels, ops  # the weight gradient's is ours
 
 
-@bf16_kernels
+@f32_kernels
 def test_one_by_one_and_three_channel_convolutions_stay_orts(tmp_path):
     """A 1x1 window is one product per image for ORT's Conv (1.6x faster than the kernel at
     MobileNet's 64 -> 192 channels), and a stem's 3 input channels share the kernel's per-tap
@@ -620,7 +622,7 @@ def test_one_by_one_and_three_channel_convolutions_stay_orts(tmp_path):
         assert "Conv" in forward and not any(op.startswith("TorchConv_") for op in forward), forward
 
 
-@bf16_kernels
+@f32_kernels
 def test_a_convolution_kernel_takes_new_sizes_without_a_new_export(tmp_path):
     """Under ``dynamic=True`` the kernel reads every size at run time: other images and another
     batch reuse the one export per direction, the output and gradients as eager's."""

@@ -114,3 +114,54 @@ def test_a_kernel_loop_with_an_exp_vectorizes_for_avx2(tmp_path):
     result = subprocess.run([compiler[0], *flags, "-fopt-info-vec-optimized", "-c", "-I", CSRC, str(source),
                              "-o", str(tmp_path / "exp_loop.o")], capture_output=True, text=True, check=True)
     assert "exp_loop.c:4" in result.stderr and "loop vectorized" in result.stderr, result.stderr
+
+
+@pytest.mark.skipif(os.uname().machine not in ("x86_64", "AMD64"), reason="x86 instruction sets")
+def test_avx512_without_bfloat16_builds_the_float32_products_and_convolutions(monkeypatch, tmp_path):
+    """Skylake and Ice Lake Xeons have AVX-512 but not AVX512-BF16: there the float32 products
+    and convolutions of csrc/bf16_gemm.h must still build (CPU autocast's bfloat16 products
+    do not). Built here for -march=x86-64-v4 (AVX-512 F/BW/VL/DQ, no BF16), as on such a CPU."""
+    import glob
+
+    import onnx
+
+    import ort_dynamo
+
+    missing = TARGETS["avx512"][2] - _cpu_flags()
+    if missing or _kernels._compiler() is None:
+        pytest.skip(f"this CPU lacks {sorted(missing)}" if missing else "no C compiler")
+    compiler, version, flags, libs = _kernels._toolchain()
+    v4 = tuple(f if f != "-march=native" else "-march=x86-64-v4" for f in flags)
+    cached = (_kernels.float32_products, _kernels.bfloat16_products)
+    monkeypatch.setattr(_kernels, "_toolchain", lambda: (compiler, version, v4, libs))
+    for question in cached:
+        question.cache_clear()
+    try:
+        assert _kernels.float32_products() and not _kernels.bfloat16_products()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(16, 24, 3, padding=1), torch.nn.Flatten(1),
+                                    torch.nn.Linear(24 * 8 * 8, 128), torch.nn.Tanh(), torch.nn.Linear(128, 10))
+        x = torch.randn(4, 16, 8, 8)
+        want = model(x)
+        want.square().sum().backward()
+        expected = [p.grad.clone() for p in model.parameters()]
+        ort_dynamo.reset()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="ort", options={
+            "save_onnx": True, "save_path": str(tmp_path), "cache_dir": str(tmp_path / "cache"),
+            "cpu_matmul": "ort"})
+        for _ in range(2):
+            model.zero_grad()
+            got = compiled(x)
+            got.square().sum().backward()
+            ort_dynamo.wait_for_kernels()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for p, g in zip(model.parameters(), expected):
+            torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-4 * g.abs().max().item())
+        assert ort_dynamo.report().fallback_nodes == 0, str(ort_dynamo.report())
+        ops = {n.op_type.split("_")[0] for path in glob.glob(str(tmp_path / "*.onnx"))
+               for n in onnx.load(path).graph.node}
+        assert {"TorchConv", "F32MatMulNN"} <= ops, ops  # the backward's 4-row products: the few-rows path
+    finally:
+        for question in cached:
+            question.cache_clear()

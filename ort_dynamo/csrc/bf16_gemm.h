@@ -20,7 +20,9 @@
  *
  * The same driver multiplies float32 matrices exactly (F32MatMul*, `exact`): one K value per
  * unit instead of a pair, FMA instead of VDPBF16PS. The rewrite uses it for the products with a
- * long inner dimension, where ORT's (MLAS) was slower (benchmarks/gemm.py --ours).
+ * long inner dimension, where ORT's (MLAS) was slower (benchmarks/gemm.py --ours). They, and the
+ * convolutions built on them (conv.h, conv_weight_grad.h), need AVX-512 alone (F, BW, VL, DQ:
+ * Skylake and Ice Lake Xeons too); the bfloat16 parts are compiled where AVX512-BF16 is there.
  *
  * Part of ort_dynamo; MIT licensed.
  */
@@ -28,10 +30,15 @@
 #define ORT_DYNAMO_BF16_GEMM_H
 #include "pointwise.h"
 
-#if !defined(__AVX512BF16__) || !defined(__AVX512BW__)
-#error "bf16_gemm.h needs a compiler targeting AVX512-BF16 (the rewrite checks before using it)"
+#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512DQ__)
+#error "bf16_gemm.h needs a compiler targeting AVX-512 (the rewrite checks before using it)"
 #endif
 #include <immintrin.h>
+#if defined(__AVX512BF16__)
+#define PW_GEMM_BF16 1 /* the bfloat16 products too */
+#else
+#define PW_GEMM_BF16 0
+#endif
 
 #define PW_GEMM_MR 12          /* rows of a register tile: 24 accumulators, 2 B vectors, a broadcast */
 #define PW_GEMM_NR 32          /* columns: two AVX-512 vectors */
@@ -52,6 +59,7 @@ static inline const void* pw_at(const void* base, int64_t i, int bf16) {
   return (const char*)base + i * (bf16 ? 2 : 4);
 }
 
+#if PW_GEMM_BF16
 /* 16 bfloat16 pairs (x0[i], x1[i]) for i < n (the rest zeros) from two lines of an operand,
  * x1 NULL for zeros; float32 values rounded to nearest even (exact for the bfloat16 values
  * this op is given). */
@@ -168,6 +176,7 @@ static void pw_gemm_pack_a(uint32_t* restrict dst, const void* a, int bf16, int6
   }
 PW_GEMM_TILE(pw_gemm_tile_rows, pa[r * PW_GEMM_KP + p])
 PW_GEMM_TILE(pw_gemm_tile_pairs, pa[p * PW_GEMM_MR + r])
+#endif /* PW_GEMM_BF16 */
 
 /* Float32 products (`exact`: the float32 ops, F32MatMul*): the same blocking with one K value
  * per unit instead of a pair, FMA instead of VDPBF16PS. B's panels as [k][NR] floats; a tile of
@@ -270,8 +279,10 @@ static void pw_gemm_pack_task(void* user, size_t t) {
                        k0, pw_min64(g->K - k0, PW_GEMM_KC));
     return;
   }
+#if PW_GEMM_BF16
   pw_gemm_pack_b(g->packed + (int64_t)t * g->panel_pairs * PW_GEMM_NR, pw_at(g->b, batch * g->K * g->N, g->b_bf16),
                  g->b_bf16, g->ldb, g->tb, n0, pw_min64(g->N - n0, PW_GEMM_NR), k0, pw_min64(g->K - k0, PW_GEMM_KC));
+#endif
 }
 
 /* Task t: MC rows of one batch's C, over the chunk's N panels. */
@@ -294,9 +305,11 @@ static void pw_gemm_task(void* user, size_t t) {
       if (g->exact)
         pw_gemm_pack_a_f32((float*)(pa + i * a_tile + kb * a_block), (const float*)a, g->lda, g->ta,
                            m0 + i * PW_GEMM_MR, rows, kb * PW_GEMM_KC, kc);
+#if PW_GEMM_BF16
       else
         pw_gemm_pack_a(pa + i * a_tile + kb * a_block, a, g->a_bf16, g->lda, g->ta, m0 + i * PW_GEMM_MR, rows,
                        kb * PW_GEMM_KC, kc);
+#endif
     }
   const int64_t b_block = g->panel_pairs * PW_GEMM_NR, tail = g->K - (g->kblocks - 1) * PW_GEMM_KC;
   const int64_t last = g->exact ? tail : (tail + 1) / 2;
@@ -311,12 +324,14 @@ static void pw_gemm_task(void* user, size_t t) {
         (g->ta ? pw_gemm_tile_cols_f32 : pw_gemm_tile_rows_f32)(
             (const float*)(pa + i * a_tile), a_block, (const float*)panel, b_block, g->kblocks, g->panel_pairs, last,
             bias, (float*)tile, g->N, mr, nr);
+#if PW_GEMM_BF16
       else if (g->ta)
         pw_gemm_tile_pairs(pa + i * a_tile, a_block, panel, b_block, g->kblocks, g->panel_pairs, last, bias, tile,
                            g->c_bf16, g->rounded, g->N, mr, nr);
       else
         pw_gemm_tile_rows(pa + i * a_tile, a_block, panel, b_block, g->kblocks, g->panel_pairs, last, bias, tile,
                           g->c_bf16, g->rounded, g->N, mr, nr);
+#endif
     }
   }
   free(pa);
@@ -537,7 +552,12 @@ static inline OrtStatus* pw_bf16_matmul(const OrtApiTable* api, OrtKernelContext
   static const int name##_types[] = {A, B, PW_FLOAT}; /* a third input: a float32 bias, [N] */            \
   static const int name##_out_types[] = {C};                                                                \
   static const int name##_none[] = {0, 0, 0}
+#if PW_GEMM_BF16
 #define PW_BF16_MATMUL(name, TA, TB, A, B, C, ROUND) PW_MATMUL_OP(name, TA, TB, A, B, C, ROUND, 0)
+#else
+#define PW_BF16_MATMUL(name, TA, TB, A, B, C, ROUND) \
+  _Static_assert(0, "a bfloat16 product needs a compiler targeting AVX512-BF16")
+#endif
 #define PW_F32_MATMUL(name, TA, TB) PW_MATMUL_OP(name, TA, TB, PW_FLOAT, PW_FLOAT, PW_FLOAT, 0, 1)
 
 #endif /* ORT_DYNAMO_BF16_GEMM_H */
