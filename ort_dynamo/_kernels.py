@@ -23,8 +23,8 @@ import weakref
 
 from . import _nvrtc, _pointwise
 
-__all__ = ["available", "bfloat16_products", "build", "built", "cuda_available", "describe", "describe_cuda", "float32_products",
-           "host_library", "library", "wait", "KernelBuildError"]
+__all__ = ["available", "bfloat16_products", "build", "built", "cuda_available", "describe", "describe_cuda",
+           "float32_products", "host_library", "library", "wait", "KernelBuildError"]
 
 log = logging.getLogger("ort_dynamo")
 
@@ -88,7 +88,7 @@ def _probe(compiler: str, version: str) -> tuple[str, str, tuple, tuple]:
             return compiler, version, (*_FLAGS, *extra), tuple(libs)
     except (OSError, ValueError, TypeError):
         pass  # not probed here yet, or unreadable: probe
-    wide = _WIDE_VECTORS if "__AVX512F__" in _macros(compiler, _FLAGS) else []
+    wide = _WIDE_VECTORS if "__AVX512F__" in _macros(compiler, tuple(_FLAGS)) else []
     with tempfile.TemporaryDirectory() as work:
         src = os.path.join(work, "probe.c")
         with open(src, "w") as fh:
@@ -101,8 +101,10 @@ def _probe(compiler: str, version: str) -> tuple[str, str, tuple, tuple]:
     raise KernelBuildError(f"{compiler} cannot build a shared library here ({version})")
 
 
-def _macros(compiler: str, flags) -> str:
-    """The predefined macros of ``compiler`` with ``flags`` (what -march=native targets); "" if it cannot say."""
+@functools.lru_cache(None)
+def _macros(compiler: str, flags: tuple) -> str:
+    """The predefined macros of ``compiler`` with ``flags`` (what -march=native targets); "" if it
+    cannot say. One preprocessor run per process for the questions asked of it."""
     try:
         return subprocess.run([compiler, *flags, "-dM", "-E", "-x", "c", os.devnull], capture_output=True,
                               text=True, timeout=60).stdout

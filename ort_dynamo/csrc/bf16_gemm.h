@@ -47,11 +47,7 @@
 #define PW_GEMM_MC 48          /* rows of C a task computes (A's, packed per task): four tiles */
 #define PW_GEMM_PACKED (8 << 20) /* bytes of packed B at a time, at most (unless one panel needs more) */
 
-static const short pw_interleave16[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-
 static inline __mmask16 pw_lanes(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
-static inline __mmask32 pw_lanes32(int64_t n) { return n >= 32 ? 0xffffffffu : n <= 0 ? 0 : (__mmask32)((1u << n) - 1); }
 static inline int64_t pw_min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* Element i of an operand held as float32 or as bfloat16. */
@@ -60,6 +56,10 @@ static inline const void* pw_at(const void* base, int64_t i, int bf16) {
 }
 
 #if PW_GEMM_BF16
+static const short pw_interleave16[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                          8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+static inline __mmask32 pw_lanes32(int64_t n) { return n >= 32 ? 0xffffffffu : n <= 0 ? 0 : (__mmask32)((1u << n) - 1); }
+
 /* 16 bfloat16 pairs (x0[i], x1[i]) for i < n (the rest zeros) from two lines of an operand,
  * x1 NULL for zeros; float32 values rounded to nearest even (exact for the bfloat16 values
  * this op is given). */
