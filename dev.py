@@ -56,13 +56,21 @@ def ensure_venv(root: str = VENV, torch_version: str = "") -> str:
     return py
 
 
+def pytest_command(py: str, pytest_args: list[str]) -> list[str]:
+    """pytest on ``tests`` (or the arguments given) with one xdist worker per core, at most 4:
+    most tests are single-threaded compiles, so 2 workers halve the suite on CI's 2 cores.
+    ``-n 0`` among the arguments runs it in one process (the last ``-n`` wins)."""
+    workers = min(os.cpu_count() or 1, 4)
+    return [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
+            *(pytest_args or [os.path.join(ROOT, "tests")])]
+
+
 def test_other_torch(version: str, pytest_args: list[str]) -> int:
     """The suite (or the pytest arguments given) under torch ``version`` (PyPI's build: for 2.11,
     a CUDA build of a few GB) and the Python running this, in a venv of its own per pair."""
     python = "{}.{}".format(*sys.version_info[:2])
     py = ensure_venv(os.path.join(ROOT, f".venv-torch-{version}-py{python}"), version)
-    return subprocess.call([py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            *(pytest_args or [os.path.join(ROOT, "tests")])], cwd=ROOT,
+    return subprocess.call(pytest_command(py, pytest_args), cwd=ROOT,
                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
@@ -74,7 +82,7 @@ def main(argv: list[str]) -> int:
         return test_other_torch(argv[1], argv[2:])
     tasks = {
         "train": [PY, os.path.join(ROOT, "examples", "train_gpt.py")],
-        "test": [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.join(ROOT, "tests")],
+        "test": pytest_command(PY, []),
         "bench": [PY, os.path.join(ROOT, "benchmarks", "train_step.py")],
     }
     if not argv or argv[0] not in tasks:
@@ -86,7 +94,8 @@ def main(argv: list[str]) -> int:
         # Idle OpenMP threads of PyTorch otherwise spin against ORT's on few cores, which
         # slows eager down too: speed comparisons would not be fair.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return subprocess.call(tasks[argv[0]] + argv[1:], cwd=ROOT, env=env)
+    command = pytest_command(PY, argv[1:]) if argv[0] == "test" else tasks[argv[0]] + argv[1:]
+    return subprocess.call(command, cwd=ROOT, env=env)
 
 
 if __name__ == "__main__":

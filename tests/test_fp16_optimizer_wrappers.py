@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import math
 import os
+import socket
 import sys
 import types
 import warnings
@@ -737,12 +738,19 @@ def test_apex_other_paths_and_sources_are_left_to_apex():
 
 # -- real DeepSpeed (CPU accelerator) ---------------------------------------------------------
 
+def _free_port() -> int:
+    # pytest-xdist workers run this fixture side by side: a fixed port would collide.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def deepspeed():
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ds = pytest.importorskip("deepspeed")
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29531"), ("RANK", "0"),
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
                        ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
     return ds
