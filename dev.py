@@ -56,11 +56,19 @@ def ensure_venv(root: str = VENV, torch_version: str = "") -> str:
     return py
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on: a container's share, not the host's count."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def pytest_command(py: str, pytest_args: list[str]) -> list[str]:
     """pytest on ``tests`` (or the arguments given) with one xdist worker per core, at most 4:
     most tests are single-threaded compiles, so 2 workers halve the suite on CI's 2 cores.
     ``-n 0`` among the arguments runs it in one process (the last ``-n`` wins)."""
-    workers = min(os.cpu_count() or 1, 4)
+    workers = min(_usable_cpus(), 4)
     return [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers),
             *(pytest_args or [os.path.join(ROOT, "tests")])]
 
@@ -80,10 +88,10 @@ def main(argv: list[str]) -> int:
             print("usage: python3 dev.py test-torch VERSION [pytest arguments, default: tests]")
             return 2
         return test_other_torch(argv[1], argv[2:])
-    tasks = {
-        "train": [PY, os.path.join(ROOT, "examples", "train_gpt.py")],
-        "test": pytest_command(PY, []),
-        "bench": [PY, os.path.join(ROOT, "benchmarks", "train_step.py")],
+    tasks = {  # each task's command, given the arguments after its name
+        "train": lambda args: [PY, os.path.join(ROOT, "examples", "train_gpt.py"), *args],
+        "test": lambda args: pytest_command(PY, args),
+        "bench": lambda args: [PY, os.path.join(ROOT, "benchmarks", "train_step.py"), *args],
     }
     if not argv or argv[0] not in tasks:
         print(__doc__)
@@ -94,8 +102,7 @@ def main(argv: list[str]) -> int:
         # Idle OpenMP threads of PyTorch otherwise spin against ORT's on few cores, which
         # slows eager down too: speed comparisons would not be fair.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    command = pytest_command(PY, argv[1:]) if argv[0] == "test" else tasks[argv[0]] + argv[1:]
-    return subprocess.call(command, cwd=ROOT, env=env)
+    return subprocess.call(tasks[argv[0]](argv[1:]), cwd=ROOT, env=env)
 
 
 if __name__ == "__main__":

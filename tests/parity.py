@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import copy
+import socket
 from typing import Callable
 
 import torch
 
 import ort_dynamo
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now: for process groups, which pytest-xdist's workers
+    start side by side (a fixed port would collide)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def torch_older_than(*version: int) -> bool:

@@ -7,8 +7,6 @@ summary to a file that the test (the parent process) compares.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ort_dynamo
+from parity import free_port
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -98,12 +97,6 @@ def train_on_rank(rank: int, strategy: str, port: int, out_dir: str) -> None:
         }, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_two_ranks(strategy: str, tmp_path) -> list[dict]:

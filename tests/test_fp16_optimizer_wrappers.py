@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import math
 import os
-import socket
 import sys
 import types
 import warnings
@@ -23,6 +22,7 @@ import torch
 from ort_dynamo.optim import FP16_Optimizer
 from ort_dynamo.optim import _wrappers
 from ort_dynamo.optim._wrappers import GradStats, fingerprint, tree_fingerprint
+from parity import free_port
 
 # -- stand-ins for the names DeepSpeed's ZeRO module gives its methods (read via __globals__) ----
 
@@ -738,19 +738,12 @@ def test_apex_other_paths_and_sources_are_left_to_apex():
 
 # -- real DeepSpeed (CPU accelerator) ---------------------------------------------------------
 
-def _free_port() -> int:
-    # pytest-xdist workers run this fixture side by side: a fixed port would collide.
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def deepspeed():
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     ds = pytest.importorskip("deepspeed")
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                        ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
     return ds
