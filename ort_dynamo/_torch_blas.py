@@ -102,10 +102,17 @@ def library(cache_dir: str = "") -> str:
     if reason := problem():
         raise _kernels.KernelBuildError(reason)
     path = _kernels.built_host_library("torch_blas", [_SOURCE], cache_dir)
+    hand_in(path, _usable_cpus())
+    return path
+
+
+def hand_in(path: str, pieces: int) -> None:
+    """Give the loaded library at ``path`` torch's BLAS functions, and the number of pieces a
+    product is cut into for ORT's threads (1: MKL threads each product itself;
+    benchmarks/blas_pieces.py compares the two)."""
     loaded = ctypes.CDLL(path)
     torch_cpu = _kernels.torch_library("libtorch_cpu.so")
     sgemm = ctypes.cast(getattr(torch_cpu, _SGEMM), ctypes.c_void_p)
     optional = [ctypes.cast(getattr(torch_cpu, name, None) or 0, ctypes.c_void_p) for name in (_BF16_GEMM, _THREADS_LOCAL)]
     loaded.ortd_torch_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-    loaded.ortd_torch_blas_init(sgemm, *optional, _usable_cpus())
-    return path
+    loaded.ortd_torch_blas_init(sgemm, *optional, pieces)

@@ -91,3 +91,10 @@ def test_layer_ops_refuses_a_bad_variant_before_training(variant, message):
                             capture_output=True, text=True, timeout=300)
     assert result.returncode != 0 and re.search(message, result.stderr), result.stderr[-1000:]
     assert "eager" not in result.stdout  # nothing was timed
+
+
+def test_blas_pieces_refuses_an_unknown_model_before_training():
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "blas_pieces.py"), "--models", "bert,bart"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--models: unknown ['bart']" in result.stderr, result.stderr[-1000:]
+    assert "ms" not in result.stdout  # nothing was timed
