@@ -1,0 +1,119 @@
+"""What a process's first compiled model costs in memory once: the peak of a few training steps
+(RSS over the RSS before the first step, as ``train_step.py --memory`` counts it), each in a
+fresh process, after more and more of the one-time start-up was done by something else first.
+
+    .venv/bin/python benchmarks/first_memory.py --model bert
+    .venv/bin/python benchmarks/first_memory.py --model bert --rounds 3   # medians of three
+
+The warm-ups, each adding to the one before:
+
+- ``none``: the model is the process's first (``train_step.py --memory``'s cold figure);
+- ``aot_eager``: a tiny model trained under ``aot_eager`` first: Dynamo's and AOTAutograd's
+  one-time start-up done;
+- ``+session``: and one ONNX Runtime session made and run (a Relu): ORT's environment, its op
+  schemas and kernel registries;
+- ``+export``: and one ``torch.onnx.export`` of a tiny model: the exporter's registry of
+  torchlib functions;
+- ``ort``: a tiny model trained under ``ort`` instead (``train_step.py --memory``'s warm
+  figure): also the op libraries and the shared arena's first pages.
+
+Eager's peak, first in a process, is the line to compare with. Each row's drop from the row above
+is the part of the first model's figure that start-up took, not training at that batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from train_step import MODELS, _peak_rss_mb, _reset_peak_rss, _rss_mb, build, train_step, warm_backend  # noqa: E402
+
+WARM_UPS = ("none", "aot_eager", "+session", "+export", "ort")
+
+
+def _one_ort_session() -> None:
+    import numpy as np
+    import onnxruntime
+    from onnx import TensorProto, helper
+
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu", [value("x", TensorProto.FLOAT, [4])],
+                              [value("y", TensorProto.FLOAT, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session.run(None, {"x": np.ones(4, np.float32)})
+
+
+def _warm_up(upto: str) -> None:
+    if upto == "ort":
+        return warm_backend("ort", "cpu")
+    steps = WARM_UPS[1:WARM_UPS.index(upto) + 1]
+    if "aot_eager" in steps:
+        warm_backend("aot_eager", "cpu")
+    if "+session" in steps:
+        _one_ort_session()
+    if "+export" in steps:
+        torch.onnx.export(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()), (torch.randn(2, 8),),
+                          dynamo=True, verbose=False)
+
+
+def _child(model_name: str, backend: str, warm_up: str, steps: int) -> None:
+    import gc
+
+    import ort_dynamo
+
+    _warm_up(warm_up)
+    gc.collect()
+    model, batch = build(model_name, "cpu")
+    fn = model if backend == "eager" else torch.compile(model, backend=backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    base = _rss_mb()
+    train_step(fn, opt, batch, "cpu", False)
+    ort_dynamo.wait_for_kernels()
+    _reset_peak_rss()
+    for _ in range(steps):
+        train_step(fn, opt, batch, "cpu", False)
+    print(_peak_rss_mb() - base)
+
+
+def _peak(model_name: str, backend: str, warm_up: str, steps: int) -> float:
+    out = subprocess.run([sys.executable, __file__, "--child", backend, warm_up, "--model", model_name,
+                          "--steps", str(steps)], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="bert", choices=MODELS)
+    parser.add_argument("--steps", type=int, default=3, help="steps measured after the first")
+    parser.add_argument("--rounds", type=int, default=1, help="fresh processes per row; the median is printed")
+    parser.add_argument("--child", nargs=2, metavar=("BACKEND", "WARM_UP"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rounds < 1 or args.steps < 1:
+        parser.error(f"--rounds and --steps must be at least 1, got {args.rounds} and {args.steps}")
+    if args.child:
+        backend, warm_up = args.child
+        if backend not in ("eager", "ort") or warm_up not in WARM_UPS:
+            parser.error(f"--child: backend eager or ort, warm-up one of {WARM_UPS}")
+        return _child(args.model, backend, warm_up, args.steps)
+    print(f"{args.model}: peak RSS MB of {args.steps} steps over the first step's start, "
+          f"median of {args.rounds} fresh process(es) per row")
+    median = lambda backend, warm_up: statistics.median(  # noqa: E731
+        _peak(args.model, backend, warm_up, args.steps) for _ in range(args.rounds))
+    print(f"  eager, first in the process     {median('eager', 'none'):6.1f}")
+    above = None
+    for warm_up in WARM_UPS:
+        peak = median("ort", warm_up)
+        drop = "" if above is None else f"   ({peak - above:+.1f} against the row above)"
+        print(f"  ort after warm-up {warm_up:13s} {peak:6.1f}{drop}")
+        above = peak
+
+
+if __name__ == "__main__":
+    main()
