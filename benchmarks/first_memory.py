@@ -52,7 +52,8 @@ def _one_ort_session() -> None:
 
 def _warm_up(upto: str) -> None:
     if upto == "ort":
-        return warm_backend("ort", "cpu")
+        warm_backend("ort", "cpu")
+        return
     steps = WARM_UPS[1:WARM_UPS.index(upto) + 1]
     if "aot_eager" in steps:
         warm_backend("aot_eager", "cpu")
@@ -84,7 +85,9 @@ def _child(model_name: str, backend: str, warm_up: str, steps: int) -> None:
 
 def _peak(model_name: str, backend: str, warm_up: str, steps: int) -> float:
     out = subprocess.run([sys.executable, __file__, "--child", backend, warm_up, "--model", model_name,
-                          "--steps", str(steps)], capture_output=True, text=True, check=True)
+                          "--steps", str(steps)], capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"first_memory.py: the {backend} process after warm-up {warm_up} failed:\n{out.stderr[-2000:]}")
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -104,8 +107,10 @@ def main() -> None:
         return _child(args.model, backend, warm_up, args.steps)
     print(f"{args.model}: peak RSS MB of {args.steps} steps over the first step's start, "
           f"median of {args.rounds} fresh process(es) per row")
-    median = lambda backend, warm_up: statistics.median(  # noqa: E731
-        _peak(args.model, backend, warm_up, args.steps) for _ in range(args.rounds))
+
+    def median(backend: str, warm_up: str) -> float:
+        return statistics.median(_peak(args.model, backend, warm_up, args.steps) for _ in range(args.rounds))
+
     print(f"  eager, first in the process     {median('eager', 'none'):6.1f}")
     above = None
     for warm_up in WARM_UPS:
