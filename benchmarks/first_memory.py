@@ -15,7 +15,7 @@ The warm-ups, each adding to the one before:
 - ``+export``: and one ``torch.onnx.export`` of a tiny model: the exporter's registry of
   torchlib functions;
 - ``ort``: a tiny model trained under ``ort`` instead (``train_step.py --memory``'s warm
-  figure): also the op libraries and the shared arena's first pages.
+  figure): all of a first ort compile's one-time work.
 
 Eager's peak, first in a process, is the line to compare with. Each row's drop from the row above
 is the part of the first model's figure that start-up took, not training at that batch.
