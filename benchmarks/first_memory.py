@@ -1,5 +1,5 @@
-"""What a process's first compiled model costs in memory once: the peak of a few training steps
-(RSS over the RSS before the first step, as ``train_step.py --memory`` counts it), each in a
+"""What a process's first compiled model costs in memory once: ``train_step.py --memory``'s peak
+(RSS of steps 2-4 over the RSS before the first step, a deep copy of the model trained), each in a
 fresh process, after more and more of the one-time start-up was done by something else first.
 
     .venv/bin/python benchmarks/first_memory.py --model bert
@@ -32,7 +32,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from train_step import MODELS, _peak_rss_mb, _reset_peak_rss, _rss_mb, build, train_step, warm_backend  # noqa: E402
+from train_step import MODELS, _child_memory, warm_backend  # noqa: E402
 
 WARM_UPS = ("none", "aot_eager", "+session", "+export", "ort")
 
@@ -64,52 +64,42 @@ def _warm_up(upto: str) -> None:
                           dynamo=True, verbose=False)
 
 
-def _child(model_name: str, backend: str, warm_up: str, steps: int) -> None:
+def _child(model_name: str, backend: str, warm_up: str) -> None:
+    """``train_step.py --memory``'s own measurement, after ``warm_up``."""
     import gc
-
-    import ort_dynamo
 
     _warm_up(warm_up)
     gc.collect()
-    model, batch = build(model_name, "cpu")
-    fn = model if backend == "eager" else torch.compile(model, backend=backend)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    base = _rss_mb()
-    train_step(fn, opt, batch, "cpu", False)
-    ort_dynamo.wait_for_kernels()
-    _reset_peak_rss()
-    for _ in range(steps):
-        train_step(fn, opt, batch, "cpu", False)
-    print(_peak_rss_mb() - base)
+    _child_memory(model_name, backend, argparse.Namespace(warm_backend=False, device="cpu", autocast=False,
+                                                          optimizer="adamw"))
 
 
-def _peak(model_name: str, backend: str, warm_up: str, steps: int) -> float:
-    out = subprocess.run([sys.executable, __file__, "--child", backend, warm_up, "--model", model_name,
-                          "--steps", str(steps)], capture_output=True, text=True)
+def _peak(model_name: str, backend: str, warm_up: str) -> float:
+    out = subprocess.run([sys.executable, __file__, "--child", backend, warm_up, "--model", model_name],
+                         capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"first_memory.py: the {backend} process after warm-up {warm_up} failed:\n{out.stderr[-2000:]}")
-    return float(out.stdout.strip().splitlines()[-1])
+    return float(out.stdout.strip().splitlines()[-1].split()[0])  # the peak; then what torch.compile() took
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="bert", choices=MODELS)
-    parser.add_argument("--steps", type=int, default=3, help="steps measured after the first")
     parser.add_argument("--rounds", type=int, default=1, help="fresh processes per row; the median is printed")
     parser.add_argument("--child", nargs=2, metavar=("BACKEND", "WARM_UP"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.rounds < 1 or args.steps < 1:
-        parser.error(f"--rounds and --steps must be at least 1, got {args.rounds} and {args.steps}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.child:
         backend, warm_up = args.child
         if backend not in ("eager", "ort") or warm_up not in WARM_UPS:
             parser.error(f"--child: backend eager or ort, warm-up one of {WARM_UPS}")
-        return _child(args.model, backend, warm_up, args.steps)
-    print(f"{args.model}: peak RSS MB of {args.steps} steps over the first step's start, "
+        return _child(args.model, backend, warm_up)
+    print(f"{args.model}: peak RSS MB of steps 2-4 over the first step's start, "
           f"median of {args.rounds} fresh process(es) per row")
 
     def median(backend: str, warm_up: str) -> float:
-        return statistics.median(_peak(args.model, backend, warm_up, args.steps) for _ in range(args.rounds))
+        return statistics.median(_peak(args.model, backend, warm_up) for _ in range(args.rounds))
 
     print(f"  eager, first in the process     {median('eager', 'none'):6.1f}")
     above = None
