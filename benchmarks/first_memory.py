@@ -19,12 +19,20 @@ The warm-ups, each adding to the one before:
 
 Eager's peak, first in a process, is the line to compare with. Each row's drop from the row above
 is the part of the first model's figure that start-up took, not training at that batch.
+
+``--mappings`` also splits each row's RSS growth (after step 4 against the base) by what holds
+the pages, from ``/proc/self/smaps``: allocations (heap and anonymous memory), and the pages of
+each shared library the steps touched first (ONNX Runtime's, libtorch_cpu's, ort_dynamo's
+kernels). A library's pages are its code and data read from its file: once per process, shared
+with other processes that load it, and not training memory at any batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -35,6 +43,35 @@ sys.path.insert(0, os.path.dirname(__file__))
 from train_step import MODELS, _child_memory, warm_backend  # noqa: E402
 
 WARM_UPS = ("none", "aot_eager", "+session", "+export", "ort")
+#: ``--mappings``' groups, in print order: what holds a mapping's pages, by its path.
+GROUPS = ("allocations", "ONNX Runtime", "libtorch_cpu", "ort_dynamo's kernels", "other files")
+_MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s*(.*)$")
+
+
+def _group(path: str) -> str:
+    name = os.path.basename(path)
+    if not path or path.startswith("["):
+        return "allocations"  # [heap], anonymous mappings, [stack]
+    if "onnxruntime" in name:
+        return "ONNX Runtime"
+    if name.startswith("libtorch_cpu"):
+        return "libtorch_cpu"
+    if name.startswith(("pointwise_", "torch_blas", "torch_attention")) or "ort_dynamo" in path:
+        return "ort_dynamo's kernels"
+    return "other files"
+
+
+def _rss_by_group() -> dict[str, float]:
+    """This process's resident MB per ``GROUPS`` entry."""
+    sizes = dict.fromkeys(GROUPS, 0.0)
+    group = "allocations"
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            if (mapping := _MAPPING.match(line)) is not None:
+                group = _group(mapping.group(1).strip())
+            elif line.startswith("Rss:"):
+                sizes[group] += int(line.split()[1]) / 1024
+    return sizes
 
 
 def _one_ort_session() -> None:
@@ -65,27 +102,36 @@ def _warm_up(upto: str) -> None:
 
 
 def _child(model_name: str, backend: str, warm_up: str) -> None:
-    """``train_step.py --memory``'s own measurement, after ``warm_up``."""
+    """``train_step.py --memory``'s own measurement, after ``warm_up``; then a line of the RSS
+    growth per ``GROUPS`` entry (JSON)."""
     import gc
 
     _warm_up(warm_up)
     gc.collect()
+    seen = {}
     _child_memory(model_name, backend, argparse.Namespace(warm_backend=False, device="cpu", autocast=False,
-                                                          optimizer="adamw"))
+                                                          optimizer="adamw"),
+                  at=lambda when: seen.__setitem__(when, _rss_by_group()))
+    print("mappings", json.dumps({g: seen["end"][g] - seen["base"][g] for g in GROUPS}))
 
 
-def _peak(model_name: str, backend: str, warm_up: str) -> float:
+def _peak(model_name: str, backend: str, warm_up: str) -> tuple[float, dict[str, float]]:
+    """The child's peak and its RSS growth per group."""
     out = subprocess.run([sys.executable, __file__, "--child", backend, warm_up, "--model", model_name],
                          capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"first_memory.py: the {backend} process after warm-up {warm_up} failed:\n{out.stderr[-2000:]}")
-    return float(out.stdout.strip().splitlines()[-1].split()[0])  # the peak; then what torch.compile() took
+    lines = out.stdout.strip().splitlines()
+    grown = json.loads(lines[-1].removeprefix("mappings "))
+    return float(lines[-2].split()[0]), grown  # the peak; then what torch.compile() took
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="bert", choices=MODELS)
     parser.add_argument("--rounds", type=int, default=1, help="fresh processes per row; the median is printed")
+    parser.add_argument("--mappings", action="store_true",
+                        help="also split each row's RSS growth by what holds the pages (allocations, libraries)")
     parser.add_argument("--child", nargs=2, metavar=("BACKEND", "WARM_UP"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rounds < 1:
@@ -98,15 +144,24 @@ def main() -> None:
     print(f"{args.model}: peak RSS MB of steps 2-4 over the first step's start, "
           f"median of {args.rounds} fresh process(es) per row")
 
-    def median(backend: str, warm_up: str) -> float:
-        return statistics.median(_peak(args.model, backend, warm_up) for _ in range(args.rounds))
+    def median(backend: str, warm_up: str) -> tuple[float, str]:
+        """The median peak of ``--rounds`` processes, and the line of their median growth per group."""
+        runs = [_peak(args.model, backend, warm_up) for _ in range(args.rounds)]
+        grown = {g: statistics.median(run[1][g] for run in runs) for g in GROUPS}
+        split = "      RSS grown by step 4: " + ", ".join(f"{g} {mb:.1f}" for g, mb in grown.items())
+        return statistics.median(run[0] for run in runs), split
 
-    print(f"  eager, first in the process     {median('eager', 'none'):6.1f}")
+    peak, split = median("eager", "none")
+    print(f"  eager, first in the process     {peak:6.1f}")
+    if args.mappings:
+        print(split)
     above = None
     for warm_up in WARM_UPS:
-        peak = median("ort", warm_up)
+        peak, split = median("ort", warm_up)
         drop = "" if above is None else f"   ({peak - above:+.1f} against the row above)"
         print(f"  ort after warm-up {warm_up:13s} {peak:6.1f}{drop}")
+        if args.mappings:
+            print(split)
         above = peak
 
 

@@ -301,7 +301,10 @@ def warm_backend(backend: str, device: str) -> None:
     fn(torch.randn(2, 8, device=device, requires_grad=True)).sum().backward()
 
 
-def _child_memory(name, backend, args) -> None:
+def _child_memory(name, backend, args, at=None) -> None:
+    """Prints the peak RSS MB of steps 2-4 over the RSS before the first step, and what
+    ``torch.compile()`` took before it. ``at``, if given, is called with "base" when the base is
+    read and with "end" after the steps (first_memory.py's split of the growth by mapping)."""
     if args.warm_backend:
         warm_backend(backend, args.device)
     model, batch = build(name, args.device)
@@ -322,12 +325,17 @@ def _child_memory(name, backend, args) -> None:
     # Base before the first step, so memory an allocator keeps from then on (ORT's arenas,
     # AdamW state) counts; the peak is reset after it, so compile-time transients do not.
     base = _rss_mb()
+    if at is not None:
+        at("base")
     train_step(fn, opt, batch, "cpu", args.autocast)
     ort_dynamo.wait_for_kernels()
     _reset_peak_rss()
     for _ in range(3):
         train_step(fn, opt, batch, "cpu", args.autocast)
-    print(_peak_rss_mb() - base, compile_call)
+    peak = _peak_rss_mb() - base
+    if at is not None:
+        at("end")
+    print(peak, compile_call)
 
 
 def _device_used_mb() -> float:

@@ -105,3 +105,22 @@ def test_first_memory_needs_at_least_one_process_per_row():
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "--rounds must be at least 1, got 0" in result.stderr, \
         result.stderr[-1000:]
+
+
+def test_first_memory_splits_resident_pages_into_allocations_and_each_librarys_own():
+    import first_memory
+
+    assert first_memory._group("[heap]") == first_memory._group("") == "allocations"
+    assert first_memory._group("/v/onnxruntime/capi/onnxruntime_pybind11_state.cpython-311-x86_64-linux-gnu.so") \
+        == "ONNX Runtime"
+    assert first_memory._group("/v/torch/lib/libtorch_cpu.so") == "libtorch_cpu"
+    assert first_memory._group("/root/.cache/ort_dynamo/kernels/pointwise_55582f470ac2.so") == "ort_dynamo's kernels"
+    assert first_memory._group("/usr/lib/x86_64-linux-gnu/libm.so.6") == "other files"
+    before = first_memory._rss_by_group()
+    block = b"\x01" * (64 * 2**20)  # written, so resident
+    after = first_memory._rss_by_group()
+    assert after["allocations"] - before["allocations"] > 60, (before, after)
+    with open("/proc/self/status") as fh:
+        rss = next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmRSS:"))
+    assert abs(sum(after.values()) - rss) < 0.02 * rss, (after, rss)  # every mapping counted once
+    del block
