@@ -23,8 +23,8 @@ is the part of the first model's figure that start-up took, not training at that
 ``--mappings`` also splits each row's RSS growth (after step 4 against the base) by what holds
 the pages, from ``/proc/self/smaps``: allocations (heap and anonymous memory), and the pages of
 each shared library the steps touched first (ONNX Runtime's, libtorch_cpu's, ort_dynamo's
-kernels). A library's pages are its code and data read from its file: once per process, shared
-with other processes that load it, and not training memory at any batch.
+kernels). A library's pages are its code and data mapped from its file: once per process (the
+code shared with other processes that load it), and not training memory at any batch.
 """
 
 from __future__ import annotations
