@@ -118,7 +118,43 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         if exported.device == "cpu":  # ORT's CPU broadcasting only (its CUDA kernels: not measured)
             _op_kernels.one_element_operands_at_full_rank(model.graph)
             ir.passes.common.RemoveUnusedNodesPass()(model)  # the Constants replaced
+        # Last: the kernel passes above match Reshapes as the exporter wrote them.
+        if _collapse_reshape_chains(model.graph):
+            ir.passes.common.RemoveUnusedNodesPass()(model)
     return ir.serde.serialize_model(model).SerializeToString()
+
+
+def _collapse_reshape_chains(graph: ir.Graph) -> int:
+    """``Reshape(Reshape(x, a), b)`` -> ``Reshape(x, b)``, and a Reshape to its input's own
+    static shape (the constant itself, no -1) -> its input. AOTAutograd writes a view before and after each product, so a
+    product's result is often reshaped to [B, S, N] only to be reshaped back to [B*S, N] for
+    the next one. Each Reshape is a node ORT dispatches: little on CPU, about 13 µs of host
+    time each on CUDA, where the step is the host's (docs/performance.md, GPU). Only where ``b``
+    is a constant with no 0 (without ``allowzero`` a 0 copies a dimension of the inner
+    Reshape's result, not of x) and neither Reshape's result is a graph output (those are the
+    outputs PyTorch takes as views). Returns how many Reshapes went."""
+    count = 0
+    for node in list(graph):
+        if node.graph is None or not _fusions._op(node, "Reshape") or len(node.inputs) < 2:
+            continue
+        shape = _fusions._ints(node.inputs[1])
+        result = node.outputs[0]
+        if shape is None or result.is_graph_output():
+            continue
+        source = node.inputs[0]
+        inner = source.producer() if source is not None else None
+        copies_dims = 0 in shape and not node.attributes.get_int("allowzero", 0)
+        if _fusions._op(inner, "Reshape") and not copies_dims and not source.is_graph_output():
+            node.replace_input_with(0, inner.inputs[0])
+            if not source.uses():
+                graph.remove(inner, safe=True)
+                count += 1
+            source = node.inputs[0]
+        if source is not None and _static(source.shape) and list(source.shape.dims) == shape:  # to its own shape
+            result.replace_all_uses_with(source)
+            graph.remove(node, safe=True)
+            count += 1
+    return count
 
 
 def _drop_provenance(model: "ir.Model") -> None:

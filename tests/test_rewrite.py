@@ -553,3 +553,27 @@ def test_a_pooled_map_by_scalars_trains_as_eager_with_constants_of_its_rank(tmp_
                 assert all(len(shapes[i]) == len(result) for i in node.input), \
                     (path, node.op_type, [shapes[i] for i in node.input])
     assert checked >= 3
+
+
+def test_a_view_of_a_view_between_products_is_no_reshape_at_all():
+    """AOTAutograd views a product's result as [B, S, N] and back to [B*S, N] for the next
+    product: a Reshape of a Reshape to the shape it started from. Each Reshape is a node ORT
+    dispatches (host time on CUDA), so the rewrite collapses such chains and drops a Reshape to
+    its input's own shape; the values stay eager's."""
+    def partition(x, w1, w2):
+        h = (x.view(8, 16) @ w1).view(2, 4, 32)
+        h = h.view(8, 32) @ w2
+        return (h.view(2, 4, 8) + 1).tanh(), h.view(2, 4, 8).view(-1, 2)
+
+    x, w1, w2 = torch.randn(2, 4, 16), torch.randn(16, 32), torch.randn(32, 8)
+    exported, runner = partition_runner(partition, x, w1, w2)
+    graph = exported.model.graph
+    for node in graph:
+        if node.op_type == "Reshape":
+            source = node.inputs[0]
+            assert source.producer() is None or source.producer().op_type != "Reshape", node
+            assert list(source.shape.dims) != list(node.outputs[0].shape.dims), node
+    got, flat = runner(x, w1, w2)
+    want = partition(x, w1, w2)
+    torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(flat, want[1], rtol=1e-5, atol=1e-6)
