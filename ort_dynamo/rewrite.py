@@ -126,9 +126,9 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
 
 def _collapse_reshape_chains(graph: ir.Graph) -> int:
     """``Reshape(Reshape(x, a), b)`` -> ``Reshape(x, b)``, and a Reshape to its input's own
-    static shape (the constant itself, no -1) -> its input. AOTAutograd writes a view before and after each product, so a
-    product's result is often reshaped to [B, S, N] only to be reshaped back to [B*S, N] for
-    the next one. Each Reshape is a node ORT dispatches: little on CPU, about 13 µs of host
+    static shape (``b`` itself, no -1) -> its input. AOTAutograd writes a view before and after
+    each product, so a product's result is often reshaped to [B, S, N] only to be reshaped back
+    to [B*S, N] for the next one. Each Reshape is a node ORT dispatches: little on CPU, about 13 µs of host
     time each on CUDA, where the step is the host's (docs/performance.md, GPU). Only where ``b``
     is a constant with no 0 (without ``allowzero`` a 0 copies a dimension of the inner
     Reshape's result, not of x) and neither Reshape's result is a graph output (those are the
@@ -150,7 +150,7 @@ def _collapse_reshape_chains(graph: ir.Graph) -> int:
                 graph.remove(inner, safe=True)
                 count += 1
             source = node.inputs[0]
-        if source is not None and _static(source.shape) and list(source.shape.dims) == shape:  # to its own shape
+        if source is not None and _static(source.shape) and list(source.shape.dims) == shape:
             result.replace_all_uses_with(source)
             graph.remove(node, safe=True)
             count += 1
