@@ -992,6 +992,31 @@ def test_column_sums_of_any_row_count_including_none(keepdims):
         assert all(np.array_equal(r, total) for r in runs)  # the same sums every run
 
 
+def test_a_kernel_with_two_column_sums_keeps_each_in_its_own_partial_rows():
+    """A LayerNorm backward's kernel writes its weight's and its bias's gradients: two column sums
+    beside full outputs. Each column sum gets its own block of per-task partial rows."""
+    x = ir.Value(name="x", shape=ir.Shape(["rows", 256]), type=ir.TensorType(ir.DataType.FLOAT))
+    axes = ir.Value(name="axes", const_value=ir.tensor(np.array([0], dtype=np.int64)))
+    sums = ir.node("ReduceSum", [x, axes], attributes={"keepdims": 0})
+    scaled = ir.node("Mul", [x, x])
+    total = ir.node("ReduceSum", [scaled.outputs[0], axes], attributes={"keepdims": 0})
+    sums.outputs[0].name, scaled.outputs[0].name, total.outputs[0].name = "sums", "squares", "total"
+    graph = ir.Graph([x], [sums.outputs[0], scaled.outputs[0], total.outputs[0]], nodes=[sums, scaled, total],
+                     initializers=[axes], opset_imports={"": 18})
+    model = ir.Model(graph, ir_version=10)
+    kernels = _pointwise.fuse_pointwise(model)
+    assert [n.doc_string for n in model.graph] == ["ReduceSum|Mul|ReduceSum"]  # one kernel, three outputs
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(_kernels.library(kernels))
+    session = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so,
+                                   providers=["CPUExecutionProvider"])
+    x = np.random.randn(3000, 256).astype(np.float32)  # many tasks
+    got_sums, squares, got_total = session.run(None, {"x": x})
+    np.testing.assert_allclose(got_sums, x.astype(np.float64).sum(0), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(squares, x * x, rtol=1e-6)
+    np.testing.assert_allclose(got_total, (x.astype(np.float64) ** 2).sum(0), rtol=1e-5, atol=1e-4)
+
+
 def test_kernels_read_and_write_through_transposes(tmp_path):
     """Attention heads' transposes around elementwise work are strides of the kernel: read in
     place (keeping the last axis: strided rows; moving it: strided lanes), written in place

@@ -502,7 +502,7 @@ static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
     row_sum_dims[d] = d == a.rank - 1 ? 1 : a.dims[d];
     column_sum_dims[d] = d == a.rank - 1 ? a.dims[d] : 1;
   }
-  int has_row_sums = 0, has_column_sums = 0;
+  int has_row_sums = 0, column_sums = 0; /* column_sums: how many outputs are column sums */
   for (int j = 0; j < def->n_out; ++j) {
     OrtValue* value;
     void* data;
@@ -528,7 +528,7 @@ static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
     a.out[j] = data;
     a.partial[j] = (float*)data;
     has_row_sums |= kind == PW_OUT_ROW_SUM;
-    has_column_sums |= kind >= PW_OUT_COLUMN_SUM;
+    column_sums += kind >= PW_OUT_COLUMN_SUM;
   }
   if (def->merges) pw_merge_short_rows(&a, shapes, own, def->n_in);
   int fast = 1;
@@ -567,13 +567,13 @@ static OrtStatus* pw_compute(void* kernel, OrtKernelContext* ctx) {
   a.rows = (a.numel + a.inner - 1) / a.inner;
   a.rows_per_task = pw_per_task(a.inner);
   const int64_t tasks = pw_task_count(a.rows, a.rows_per_task);
-  if (!has_column_sums) return pw_run_tasks(api, ctx, pw_task, tasks, &a);
+  if (!column_sums) return pw_run_tasks(api, ctx, pw_task, tasks, &a);
   /* Column sums: each task adds its rows into its own row of partial sums; then the partial
    * rows are added in task order (which depends on the shapes only: the same sums each run). */
-  float* partials = (float*)calloc((size_t)(tasks * a.inner * def->n_out), sizeof(float));
+  float* partials = (float*)calloc((size_t)(tasks * a.inner * column_sums), sizeof(float));
   if (!partials) return ORTD_CALL(api, CreateStatus)(ORTD_FAIL, "ort_dynamo pointwise kernel: out of memory");
-  for (int j = 0; j < def->n_out; ++j)
-    if (def->out_kinds[j] >= PW_OUT_COLUMN_SUM) a.partial[j] = partials + j * tasks * a.inner;
+  for (int j = 0, block = 0; j < def->n_out; ++j)
+    if (def->out_kinds[j] >= PW_OUT_COLUMN_SUM) a.partial[j] = partials + (block++) * tasks * a.inner;
   OrtStatus* status = pw_run_tasks(api, ctx, pw_task, tasks, &a);
   for (int j = 0; j < def->n_out && !status; ++j) {
     if (def->out_kinds[j] < PW_OUT_COLUMN_SUM) continue;
