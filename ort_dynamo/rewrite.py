@@ -130,9 +130,9 @@ def _collapse_reshape_chains(graph: ir.Graph) -> int:
     each product, so a product's result is often reshaped to [B, S, N] only to be reshaped back
     to [B*S, N] for the next one. Each Reshape is a node ORT dispatches: little on CPU, about
     13 µs of host time each on CUDA, where the step is the host's (docs/performance.md, GPU).
-    Only where ``b`` is a constant with no 0 (without ``allowzero`` a 0 copies a dimension of the inner
-    Reshape's result, not of x) and neither Reshape's result is a graph output (those are the
-    outputs PyTorch takes as views). Returns how many Reshapes went."""
+    Only where ``b`` is a constant with no 0 (without ``allowzero`` a 0 copies a dimension of
+    the inner Reshape's result, not of x) and neither Reshape's result is a graph output (those
+    are the outputs PyTorch takes as views). Returns how many Reshapes went."""
     count = 0
     for node in list(graph):
         if node.graph is None or not _fusions._op(node, "Reshape") or len(node.inputs) < 2:
