@@ -5,7 +5,13 @@ and the rest (torch's profiler).
 
     .venv/bin/python benchmarks/profile_step.py --model llama
     .venv/bin/python benchmarks/profile_step.py --model bert --autocast   # under bfloat16 autocast
+    .venv/bin/python benchmarks/profile_step.py --model bert --floor     # ... and the step's lower bound
     python3 benchmarks/profile_step.py --device cuda --model gpt2-124m     # GPU machine (autocast)
+
+``--floor`` (CPU, float32) bounds what any change of ort's can reach: the step's products at
+the machine's product peak (``product_peak``: torch's GEMM on one thread, whose best is the
+core's FMA rate, times the threads), plus ort's attention and optimizer as measured, and
+nothing else, against eager's step.
 
 On CUDA ORT's node times are launch times (stock builds have no CUDA profiling), so there it
 says where ORT placed each node (the CPU provider's nodes, and the copies ORT added to reach
@@ -230,6 +236,37 @@ def gpu_kernel_profile(name: str, backend: str, steps: int) -> tuple[float, coll
     return wall, per_kernel, kinds
 
 
+def product_peak(threads: int, seconds: float = 0.3) -> tuple[float, float]:
+    """(GF/s of one thread, GF/s of ``threads``): the best float32 product rate torch reaches on
+    one thread over a few square sizes (MKL's comes within a few percent of a core's FMA
+    rate), times ``threads``, assuming perfect scaling: an upper bound for any product here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = 0.0
+        for n in (512, 1024, 2048):
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            a @ b
+            calls, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                a @ b
+                calls += 1
+            best = max(best, 2 * n**3 * calls / (time.perf_counter() - start) / 1e9)
+    finally:
+        torch.set_num_threads(before)
+    return best, best * threads
+
+
+def step_floor(product_gflop: float, peak_gflops: float, attention_ms: float, ort_phases: dict,
+               eager_phases: dict) -> dict:
+    """ort's step with its products at ``peak_gflops`` and nothing but them, its attention and
+    its optimizer: a lower bound, in ms and as a ratio of eager's step."""
+    products_ms = product_gflop / peak_gflops * 1e3
+    floor = products_ms + attention_ms + ort_phases["optimizer"]
+    return {"products_ms": products_ms, "floor_ms": floor, "eager_ms": sum(eager_phases.values()),
+            "ratio": floor / sum(eager_phases.values())}
+
+
 def _gemm_flop(args: dict) -> int:
     """2*M*N*K of a product from its profiled shapes (K: A's elements over the output rows)."""
     a = list(args["input_type_shape"][0].values())[0]
@@ -247,11 +284,18 @@ def main() -> None:
     parser.add_argument("--autocast", action="store_true", help="train under torch.autocast(bfloat16)")
     parser.add_argument("--phase-backends", default="eager,ort",
                         help="comma-separated backends whose phase times to measure, each in turn")
+    parser.add_argument("--floor", action="store_true",
+                        help="CPU, float32: ort's step with its products at the machine's peak and nothing "
+                             "else but attention and optimizer, against eager's (see above)")
     args = parser.parse_args()
     args.autocast = args.autocast or args.device == "cuda"
+    phase_backends = args.phase_backends.split(",")
+    if args.floor and (args.device != "cpu" or args.autocast or not {"eager", "ort"} <= set(phase_backends)):
+        parser.error("--floor is for float32 CPU steps and needs eager and ort among --phase-backends")
     _steady_malloc()  # as train_step.py: no backend pays page faults for another's frees
-    for backend in args.phase_backends.split(","):
-        t = phase_times(args.model, backend, args.steps, args.autocast, args.device)
+    phases = {}
+    for backend in phase_backends:
+        t = phases[backend] = phase_times(args.model, backend, args.steps, args.autocast, args.device)
         print(f"{backend:9s} forward {t['forward']:6.1f} ms  backward {t['backward']:6.1f} ms  "
               f"optimizer {t['optimizer']:5.1f} ms  total {sum(t.values()):6.1f} ms")
     kinds = eager_profile(args.model, args.steps, args.autocast, args.device)
@@ -278,6 +322,15 @@ def main() -> None:
             print(f"  {ms:7.2f} ms  {flop / ms / 1e6:4.0f} GF/s  {shapes}")
     for op, ms in per_op.most_common(args.top):
         print(f"  {op:30s} {ms:7.2f} ms  {calls[op]:5.0f} calls")
+    if args.floor:
+        one, peak = product_peak(torch.get_num_threads())
+        attention = sum(ms for op, ms in per_op.items() if "Attention" in op)
+        f = step_floor(session["gemm_flop"] / 1e9, peak, attention, phases["ort"], phases["eager"])
+        print(f"floor: products {session['gemm_flop'] / 1e9:.2f} GFLOP at {peak:.0f} GF/s ({one:.1f} on one "
+              f"thread x {torch.get_num_threads()}) {f['products_ms']:.1f} ms + attention {attention:.1f} ms + "
+              f"optimizer {phases['ort']['optimizer']:.1f} ms = {f['floor_ms']:.1f} ms, "
+              f"{f['ratio']:.2f} of eager's {f['eager_ms']:.1f} ms; ort's products now "
+              f"{session['gemm_flop'] / session['gemm_ms'] / 1e6 / peak:.0%} of that peak")
     print("heaviest nodes (op, output shape):")
     for node, ms in per_node.most_common(args.top):
         print(f"  {ms:7.2f} ms  {node}")

@@ -116,11 +116,44 @@ def test_first_memory_splits_resident_pages_into_allocations_and_each_librarys_o
     assert first_memory._group("/v/torch/lib/libtorch_cpu.so") == "libtorch_cpu"
     assert first_memory._group("/root/.cache/ort_dynamo/kernels/pointwise_55582f470ac2.so") == "ort_dynamo's kernels"
     assert first_memory._group("/usr/lib/x86_64-linux-gnu/libm.so.6") == "other files"
+    import mmap
+
     before = first_memory._rss_by_group()
-    block = b"\x01" * (64 * 2**20)  # written, so resident
+    # A mapping of its own, each page written: malloc could hand back pages already resident (a
+    # freed heap top that an earlier test's mallopt kept), and the growth would be less.
+    block = mmap.mmap(-1, 64 * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for page in range(0, len(block), mmap.PAGESIZE):
+        block[page] = 1
     after = first_memory._rss_by_group()
     assert after["allocations"] - before["allocations"] > 60, (before, after)
     with open("/proc/self/status") as fh:
         rss = next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmRSS:"))
     assert abs(sum(after.values()) - rss) < 0.02 * rss, (after, rss)  # every mapping counted once
-    del block
+    block.close()
+
+
+def test_the_step_floor_is_products_at_peak_plus_attention_and_optimizer_over_eagers_step():
+    from profile_step import step_floor
+
+    eager = {"forward": 60.0, "backward": 120.0, "optimizer": 20.0}
+    ort = {"forward": 50.0, "backward": 100.0, "optimizer": 18.0}
+    floor = step_floor(product_gflop=20.0, peak_gflops=200.0, attention_ms=12.0, ort_phases=ort, eager_phases=eager)
+    assert floor["products_ms"] == pytest.approx(100.0)
+    assert floor["floor_ms"] == pytest.approx(130.0)
+    assert floor["ratio"] == pytest.approx(130.0 / 200.0)
+
+
+def test_the_product_peak_scales_one_threads_best_rate_and_leaves_the_thread_count_as_it_was():
+    from profile_step import product_peak
+
+    before = torch.get_num_threads()
+    one, two = product_peak(threads=2, seconds=0.02)
+    assert one > 0 and two == pytest.approx(2 * one)
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("arguments", [["--floor", "--autocast"], ["--floor", "--phase-backends", "ort"]])
+def test_profile_step_refuses_a_floor_it_cannot_compute(arguments):
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "profile_step.py"), *arguments],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--floor is for float32 CPU steps" in result.stderr, result.stderr[-1000:]
