@@ -1,5 +1,5 @@
 """Where a training step's memory sits: RSS after forward, backward and optimizer, per step,
-for one backend in a fresh process (the numbers in docs/performance.md, "where ort's extra
+for one backend in a fresh process (the numbers in docs/performance-log.md, "where ort's extra
 megabytes sit").
 
     .venv/bin/python benchmarks/memory_phases.py --model bert --backend eager

@@ -7,7 +7,7 @@ the CUDA provider), runs each once on the main thread and once on a second threa
 runs backward graphs on a thread of its own, and ORT's CUDA provider keeps per-thread
 handles), and prints the device memory in use beyond PyTorch's pool after each count. GPT-2
 124M trains with about 59 sessions, and ort's peak was 2.6 GB over eager's on an H100
-(docs/performance.md); if each session holds tens of MB of CUDA library handles and
+(docs/performance-log.md); if each session holds tens of MB of CUDA library handles and
 workspaces, fewer sessions is the way to less memory.
 
 The product is there because cuBLAS makes a handle's workspace at its first product: its

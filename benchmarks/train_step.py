@@ -232,7 +232,7 @@ def bench_model(name, args) -> dict:
         if step == max(args.warmup, 1):
             ort_dynamo.wait_for_kernels()  # steady state: the background compiler is done
         # Each step in another order: in a fixed one, of two identical ort copies the later ran
-        # 1-2% faster (docs/performance.md, "Rotated order").
+        # 1-2% faster (docs/performance-log.md, "Rotated order").
         order = list(runners.items())
         order = order[step % len(order):] + order[:step % len(order)]
         for backend, (fn, opt) in order:

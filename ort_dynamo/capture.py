@@ -293,7 +293,7 @@ def collector_paused():
     one collection of the youngest generation: the compile's own garbage (left to a later
     collection, it held BERT's training 4 MB higher), not a walk of the whole process. A cold
     first step paid two full collections (0.25-0.35 s each, BERT); it now pays one
-    (docs/performance.md). Collections the application asks for (``gc.collect()``) still run;
+    (docs/performance-log.md). Collections the application asks for (``gc.collect()``) still run;
     a collector the application turned off stays off."""
     was_enabled = gc.isenabled()
     gc.disable()

@@ -142,7 +142,7 @@ class OrtOptions:
         "whole backward ends; 1 = one run. 0 = by device: on CPU one run per 8 MB the backward reads "
         "(saved activations, weights), up to 8, since a run costs host time and splits the chains "
         "pointwise kernels fuse; on CUDA 1, where each run costs host time the GPU waits for, and "
-        "GPT-2 held more memory in 8 runs than in one (docs/performance.md, GPU).", "")
+        "GPT-2 held more memory in 8 runs than in one (docs/performance-log.md, GPU).", "")
     pointwise_kernels: bool = _field(
         True, "On CPU, fuse chains of elementwise ops into C kernels generated and compiled (with the "
         "machine's C compiler, once, cached on disk) as an ORT custom-op library; without a compiler "
@@ -168,7 +168,7 @@ class OrtOptions:
         True, "On CUDA, `scaled_dot_product_attention` stays in PyTorch's fused kernels (flash, "
         "memory-efficient or cuDNN attention) between ORT partitions, listed in the report as kept "
         "in PyTorch by design, not as fallbacks: stock ONNX Runtime has no attention backward, and "
-        "its products and softmax written out were slower (docs/performance.md, GPU). False: "
+        "its products and softmax written out were slower (docs/performance-log.md, GPU). False: "
         "attention runs on ORT written out, as on CPU.", "")
     cpu_torch_attention: bool = _field(
         False, "On CPU, float32 `scaled_dot_product_attention` without dropout runs PyTorch's flash "
@@ -176,7 +176,7 @@ class OrtOptions:
         "torch's kernel through its C shim, instead of as ORT's products and softmax; no graph split. "
         "Needs a C compiler (built once, like the kernels); without one, attention runs on ORT "
         "written out, with a warning. Off by default: on the 2-core CPU measured, steps were 0-7% "
-        "slower with it, cold first steps 3-18% faster (docs/performance.md).", "")
+        "slower with it, cold first steps 3-18% faster (docs/performance-log.md).", "")
     cpu_attention_kernel: bool = _field(
         True, "On CPU, float32 `scaled_dot_product_attention` without dropout and with a head size "
         "that is a multiple of 16 runs as one kernel of ort_dynamo's own each way (forward, "
@@ -192,7 +192,7 @@ class OrtOptions:
         "it), called from inside the ORT session as a custom op (needs a C compiler, built once). "
         "`ort`: ORT's MLAS, and ort_dynamo's own products where they were faster "
         "(`pointwise_kernels`). `auto`: `torch_blas` on Intel CPUs when this torch uses MKL (on the "
-        "Xeon measured: steps 6-14% faster in float32, 42-49% under autocast; docs/performance.md), "
+        "Xeon measured: steps 6-14% faster in float32, 42-49% under autocast; docs/performance-log.md), "
         "else `ort` (on AMD Zen 4 MKL and MLAS were even).", "")
     cuda_memory_pattern: bool = _field(
         False, "On CUDA, ORT's memory pattern (`SessionOptions.enable_mem_pattern`): after a run, "
@@ -200,7 +200,7 @@ class OrtOptions:
         "planned peak. Off (the default): each intermediate is allocated and freed on its own, from "
         "PyTorch's caching allocator by default, as eager's are. On an H200 (GPT-2 124M, bf16) the "
         "pattern held 1090 MB more at the step's peak (7246 against 6156 MB; eager 6930) for steps "
-        "within 3% (docs/performance.md, GPU). On CPU the pattern is always off: its blocks fragment "
+        "within 3% (docs/performance-log.md, GPU). On CPU the pattern is always off: its blocks fragment "
         "the shared arena.", "")
     shared_cpu_arena: bool = _field(
         True, "All CPU sessions of the process allocate from one ORT arena, registered by ort_dynamo "

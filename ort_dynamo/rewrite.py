@@ -129,7 +129,7 @@ def _collapse_reshape_chains(graph: ir.Graph) -> int:
     static shape (``b`` itself, no -1) -> its input. AOTAutograd writes a view before and after
     each product, so a product's result is often reshaped to [B, S, N] only to be reshaped back
     to [B*S, N] for the next one. Each Reshape is a node ORT dispatches: little on CPU, about
-    13 µs of host time each on CUDA, where the step is the host's (docs/performance.md, GPU).
+    13 µs of host time each on CUDA, where the step is the host's (docs/performance-log.md, GPU).
     Only where ``b`` is a constant with no 0 (without ``allowzero`` a 0 copies a dimension of
     the inner Reshape's result, not of x) and neither Reshape's result is a graph output (those
     are the outputs PyTorch takes as views). Returns how many Reshapes went."""

@@ -92,7 +92,7 @@ _SHARED_ARENA_CONFIG = {"max_mem": 0, "arena_extend_strategy": 0, "initial_chunk
 def _register_shared_cpu_arena() -> None:
     """One CPU arena for all our sessions, registered once per process. Each session's own
     arena keeps its peak forever; forward and backward peak at different times, so sharing
-    one lowers a training process's memory (docs/performance.md) at no measured speed cost.
+    one lowers a training process's memory (docs/performance-log.md) at no measured speed cost.
     A registration replaces any earlier one for the same device, the application's included
     (hence ``shared_cpu_arena=False``)."""
     memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
@@ -324,7 +324,7 @@ class OrtRunner:
         and their numpy element types where the last run's still hold (else None)."""
         if self._plain_inputs and args:
             # The usual graph: tensors only, none permuted. One pass: this runs per partition
-            # and step, and on CUDA the host's time is the step's (docs/performance.md).
+            # and step, and on CUDA the host's time is the step's (docs/performance-log.md).
             device = args[0].device
             index = device.index if device.type == "cuda" else -1
             dtypes, np_types = self._types

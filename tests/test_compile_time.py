@@ -1,5 +1,5 @@
 """What compiling costs a first step, beside the ORT runs: Python's garbage collector waits
-until a graph has compiled (docs/performance.md, "The collector paused while graphs compile")."""
+until a graph has compiled (docs/performance-log.md, "The collector paused while graphs compile")."""
 
 import gc
 

@@ -630,7 +630,7 @@ def test_layers_of_dynamic_sizes_export_once_for_every_size(layer):
     the first, with eager's gradients. Before, bilinear upsampling's backward picked its path
     with a guard on the size (a recompile past 64), and 2-D adaptive pooling made its window a
     constant (a recompile at every size). Adaptive max pooling over windows that do not tile
-    the input still recompiles at each size (docs/performance.md). ``Tensor.unfold`` along a
+    the input still recompiles at each size (docs/performance-log.md). ``Tensor.unfold`` along a
     symbolic dim was torchlib's Gather and its backward torch's index scatter."""
     op, channels, sizes = _LAYERS_AT_THREE_SIZES[layer]
     ort_dynamo.reset()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of docs/performance.md "GPU", as one call on the lent GPU machine, in the
+# The GPU checks of docs/performance-log.md "GPU", as one call on the lent GPU machine, in the
 # order they matter: environment; the CUDA tests; training parity of a compiled copy alone in
 # its process and of a second copy beside another (second copies went wrong on an H100 on
 # 2026-11-26, right on an H200 on 2026-11-27 with ORT on PyTorch's stream);
@@ -72,12 +72,12 @@ step session-memory-cublas-4mb 60 env CUBLAS_WORKSPACE_CONFIG=:4096:1 python3 be
 step train-step 240 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,inductor,ort,ort_mem_pattern,aot_eager --steps 20 --warmup 3
 # eager and ort alone in a process: with other compiled copies beside it, each compiled step also
-# pays Dynamo's failed guard checks of the others (docs/performance.md, 2026-11-28).
+# pays Dynamo's failed guard checks of the others (docs/performance-log.md, 2026-11-28).
 step train-step-pair 120 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort --steps 20 --warmup 3
 # The same pair, waiting for the device after forward and backward too: profile_step.py's phase
 # times (sequential, with those waits) had ort at 0.90 of eager where the pair had 1.19
-# (docs/performance.md, "ORT's memory pattern off on CUDA").
+# (docs/performance-log.md, "ORT's memory pattern off on CUDA").
 step phase-waits 120 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \
   --backends eager,ort --steps 20 --warmup 3 --wait-phases
 step memory 200 python3 benchmarks/train_step.py --device cuda --models gpt2-124m \

@@ -8,7 +8,7 @@ Those ops take an index per element and run far slower than a copy. They are rig
 indices are data (gather, sort, topk, max); where the indices are fixed by the code (a
 selection, a strided slice) a Pad, Concat or Slice does the same work. This scan is how
 ``select_backward`` was found lowering to ScatterElements (43 ms of a nanoGPT-style step, see
-docs/performance.md, "A slow lowering the HF models never showed").
+docs/performance-log.md, "A slow lowering the HF models never showed").
 
     .venv/bin/python tools/idiom_scan.py            # all idioms
     .venv/bin/python tools/idiom_scan.py qkv_select  # some

@@ -3,7 +3,7 @@
  * Under torch.autocast("cpu", bfloat16) eager multiplies bfloat16 matrices with oneDNN's
  * AVX512-BF16 kernels (VDPBF16PS: pairs of bfloat16 products summed into float32). ORT's CPU
  * provider has float32 GEMMs only, so a bfloat16 graph's products ran at float32 speed, half
- * of eager's (docs/performance.md, "CPU autocast"). This op multiplies bfloat16 values with the
+ * of eager's (docs/performance-log.md, "CPU autocast"). This op multiplies bfloat16 values with the
  * same instruction: operands held as bfloat16, or as float32 that are bfloat16 values; the
  * result stored as bfloat16 (rounded to nearest even), as float32 holding those rounded values
  * (where only float32 ops read it), or as the float32 sums (where a bias is added before the
