@@ -11,7 +11,9 @@ and the rest (torch's profiler).
 ``--floor`` (CPU, float32) bounds what any change of ort's can reach: the step's products at
 the machine's product peak (``product_peak``: torch's GEMM on one thread, whose best is the
 core's FMA rate, times the threads), plus ort's attention and optimizer as measured, and
-nothing else, against eager's step.
+nothing else, against eager's step. Attention is ORT's nodes whose op names it (ort_dynamo's
+attention kernels); attention written out as separate ops counts as "nothing else", which only
+lowers the floor.
 
 On CUDA ORT's node times are launch times (stock builds have no CUDA profiling), so there it
 says where ORT placed each node (the CPU provider's nodes, and the copies ORT added to reach
