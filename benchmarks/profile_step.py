@@ -324,7 +324,9 @@ def main() -> None:
             print(f"  {ms:7.2f} ms  {flop / ms / 1e6:4.0f} GF/s  {shapes}")
     for op, ms in per_op.most_common(args.top):
         print(f"  {op:30s} {ms:7.2f} ms  {calls[op]:5.0f} calls")
-    if args.floor:
+    if args.floor and not session["gemm_ms"]:
+        print("floor: no products in ORT's profile, nothing to bound")
+    elif args.floor:
         one, peak = product_peak(torch.get_num_threads())
         attention = sum(ms for op, ms in per_op.items() if "Attention" in op)
         f = step_floor(session["gemm_flop"] / 1e9, peak, attention, phases["ort"], phases["eager"])
