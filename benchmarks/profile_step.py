@@ -259,14 +259,16 @@ def product_peak(threads: int, seconds: float = 0.3) -> tuple[float, float]:
     return best, best * threads
 
 
-def step_floor(product_gflop: float, peak_gflops: float, attention_ms: float, ort_phases: dict,
-               eager_phases: dict) -> dict:
-    """ort's step with its products at ``peak_gflops`` and nothing but them, its attention and
-    its optimizer: a lower bound, in ms and as a ratio of eager's step."""
+def step_floor(product_gflop: float, product_ms: float, peak_gflops: float, attention_ms: float,
+               ort_phases: dict, eager_phases: dict) -> dict:
+    """ort's step with its products (``product_gflop``, taking ``product_ms`` now) at
+    ``peak_gflops`` and nothing but them, its attention and its optimizer: a lower bound, in ms
+    and as a ratio of eager's step; and the share of that peak the products reach now."""
     products_ms = product_gflop / peak_gflops * 1e3
     floor = products_ms + attention_ms + ort_phases["optimizer"]
-    return {"products_ms": products_ms, "floor_ms": floor, "eager_ms": sum(eager_phases.values()),
-            "ratio": floor / sum(eager_phases.values())}
+    eager = sum(eager_phases.values())
+    return {"products_ms": products_ms, "floor_ms": floor, "eager_ms": eager, "ratio": floor / eager,
+            "share_of_peak": products_ms / product_ms}
 
 
 def _gemm_flop(args: dict) -> int:
@@ -327,14 +329,14 @@ def main() -> None:
     if args.floor and not session["gemm_ms"]:
         print("floor: no products in ORT's profile, nothing to bound")
     elif args.floor:
-        one, peak = product_peak(torch.get_num_threads())
+        threads, gflop = torch.get_num_threads(), session["gemm_flop"] / 1e9
+        one, peak = product_peak(threads)
         attention = sum(ms for op, ms in per_op.items() if "Attention" in op)
-        f = step_floor(session["gemm_flop"] / 1e9, peak, attention, phases["ort"], phases["eager"])
-        print(f"floor: products {session['gemm_flop'] / 1e9:.2f} GFLOP at {peak:.0f} GF/s ({one:.1f} on one "
-              f"thread x {torch.get_num_threads()}) {f['products_ms']:.1f} ms + attention {attention:.1f} ms + "
-              f"optimizer {phases['ort']['optimizer']:.1f} ms = {f['floor_ms']:.1f} ms, "
-              f"{f['ratio']:.2f} of eager's {f['eager_ms']:.1f} ms; ort's products now "
-              f"{session['gemm_flop'] / session['gemm_ms'] / 1e6 / peak:.0%} of that peak")
+        f = step_floor(gflop, session["gemm_ms"], peak, attention, phases["ort"], phases["eager"])
+        print(f"floor: products {gflop:.2f} GFLOP at {peak:.0f} GF/s ({one:.1f} on one thread x {threads}) "
+              f"{f['products_ms']:.1f} ms + attention {attention:.1f} ms + optimizer "
+              f"{phases['ort']['optimizer']:.1f} ms = {f['floor_ms']:.1f} ms, {f['ratio']:.2f} of eager's "
+              f"{f['eager_ms']:.1f} ms; ort's products now {f['share_of_peak']:.0%} of that peak")
     print("heaviest nodes (op, output shape):")
     for node, ms in per_node.most_common(args.top):
         print(f"  {ms:7.2f} ms  {node}")

@@ -1,5 +1,6 @@
 """The benchmark scripts' KEY=VALUE arguments: parsed alike, a malformed item named."""
 
+import mmap
 import os
 import subprocess
 import sys
@@ -116,8 +117,6 @@ def test_first_memory_splits_resident_pages_into_allocations_and_each_librarys_o
     assert first_memory._group("/v/torch/lib/libtorch_cpu.so") == "libtorch_cpu"
     assert first_memory._group("/root/.cache/ort_dynamo/kernels/pointwise_55582f470ac2.so") == "ort_dynamo's kernels"
     assert first_memory._group("/usr/lib/x86_64-linux-gnu/libm.so.6") == "other files"
-    import mmap
-
     before = first_memory._rss_by_group()
     # A mapping of its own, each page written: malloc could hand back pages already resident (a
     # freed heap top that an earlier test's mallopt kept), and the growth would be less.
@@ -137,10 +136,12 @@ def test_the_step_floor_is_products_at_peak_plus_attention_and_optimizer_over_ea
 
     eager = {"forward": 60.0, "backward": 120.0, "optimizer": 20.0}
     ort = {"forward": 50.0, "backward": 100.0, "optimizer": 18.0}
-    floor = step_floor(product_gflop=20.0, peak_gflops=200.0, attention_ms=12.0, ort_phases=ort, eager_phases=eager)
+    floor = step_floor(product_gflop=20.0, product_ms=125.0, peak_gflops=200.0, attention_ms=12.0, ort_phases=ort,
+                       eager_phases=eager)
     assert floor["products_ms"] == pytest.approx(100.0)
     assert floor["floor_ms"] == pytest.approx(130.0)
     assert floor["ratio"] == pytest.approx(130.0 / 200.0)
+    assert floor["share_of_peak"] == pytest.approx(0.8)  # 160 GF/s now, of 200
 
 
 def test_the_product_peak_scales_one_threads_best_rate_and_leaves_the_thread_count_as_it_was():
