@@ -244,6 +244,7 @@ def bench_model(name, args) -> dict:
                 times[backend].append(seconds)
                 mallocs[backend] += _device_allocs(args.device) - before
     result = {"model": name, "ms": {b: statistics.median(t) * 1e3 for b, t in times.items()},
+              "step_ratio_quartiles": step_ratio_quartiles(times),
               "device_allocs": dict(mallocs) if args.device == "cuda" else {},
               "first_s": first, "fallback_nodes": ort_dynamo.report().fallback_nodes,
               # Each backend trains its own copy on the same batch: the losses should stay together.
@@ -257,6 +258,19 @@ def bench_model(name, args) -> dict:
     if args.cache:
         result["warm_cache"] = warm_cache_first_step(name, args)
     return result
+
+
+def step_ratio_quartiles(times: dict) -> dict:
+    """{"ort/eager": (first quartile, third quartile), ...} of the ratios step by step: the backends'
+    steps of one round run back to back, so each step's ratio sees the same moment of a shared
+    VM, and their spread shows how far the median ratio can be trusted. Needs 4 steps or more."""
+    quartiles = {}
+    for base in ("eager", "inductor"):
+        if "ort" in times and base in times and len(times["ort"]) >= 4:
+            ratios = [o / b for o, b in zip(times["ort"], times[base])]
+            q1, _, q3 = statistics.quantiles(ratios, n=4)
+            quartiles[f"ort/{base}"] = (q1, q3)
+    return quartiles
 
 
 def _device_allocs(device: str) -> float:
@@ -526,6 +540,10 @@ def print_steps(name, r, args) -> None:
     if "inductor" in ms and "ort" in ms:
         line += f" ort/inductor {ms['ort'] / ms['inductor']:.2f}"
     print(line)
+    spread = r.get("step_ratio_quartiles")
+    if spread:
+        print(f"{'':10s} step by step, quartiles: "
+              + " ".join(f"{pair} {q1:.2f}-{q3:.2f}" for pair, (q1, q3) in spread.items()))
     f = r["first_s"]
     print(f"{'':10s} first step: " + " ".join(f"{b} {f[b]:.1f}s" for b in args.backends)
           + (f" | ort/aot_eager {f['ort'] / f['aot_eager']:.2f}" if "aot_eager" in f and "ort" in f else "")

@@ -11,13 +11,23 @@ import torch
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 sys.path.insert(0, BENCHMARKS)
 
-from train_step import key_values  # noqa: E402
+from train_step import key_values, step_ratio_quartiles  # noqa: E402
 
 
 def test_key_values_turn_integers_into_ints_and_keep_the_rest_as_text():
     assert key_values("memory_opt_level=1, max_mem=-1,providers=CPUExecutionProvider,") == {
         "memory_opt_level": 1, "max_mem": -1, "providers": "CPUExecutionProvider"}
     assert key_values("") == {}
+
+
+def test_step_ratios_pair_each_steps_backends_and_report_their_quartiles():
+    # ort is half of eager's step twice, equal once and 1.5x once: the median alone would hide it
+    times = {"eager": [0.2, 0.4, 0.2, 0.2], "inductor": [0.1, 0.1, 0.1, 0.1], "ort": [0.1, 0.2, 0.2, 0.3]}
+    spread = step_ratio_quartiles(times)
+    assert spread["ort/eager"] == pytest.approx((0.5, 1.375))
+    assert spread["ort/inductor"] == pytest.approx((1.25, 2.75))
+    assert step_ratio_quartiles({"eager": [0.1] * 3, "ort": [0.1] * 3}) == {}  # too few steps
+    assert step_ratio_quartiles({"eager": [0.1] * 5}) == {}  # no ort
 
 
 @pytest.mark.parametrize("text", ["memory_opt_level", "=1"])

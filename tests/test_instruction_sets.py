@@ -165,3 +165,46 @@ def test_avx512_without_bfloat16_builds_the_float32_products_and_convolutions(mo
     finally:
         for question in cached:
             question.cache_clear()
+
+
+@pytest.mark.parametrize("target", ["native", "scalar", *TARGETS])
+def test_pw_expf_is_within_one_ulp_flushes_below_flt_min_and_keeps_inf_and_nan(target, tmp_path):
+    """The kernels' exp (csrc/pointwise.h) on a sample of every float32 bit pattern, vectorized for
+    each instruction set this CPU runs and as scalar code: within 1 ulp of the true value where
+    that is a normal float, 0 below FLT_MIN (-inf too), inf above FLT_MAX (+inf too), NaN for NaN.
+    Its only select is the flush; NaN and overflow come out of the arithmetic itself."""
+    compiler = _kernels._compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    flags = [f for f in _kernels._FLAGS if f != "-w"]
+    if target == "scalar":
+        flags += ["-fno-tree-vectorize"]
+    elif target != "native":
+        march, _, needs = TARGETS[target]
+        if needs - _cpu_flags():
+            pytest.skip(f"this CPU lacks {sorted(needs - _cpu_flags())}")
+        flags = [f if f != "-march=native" else f"-march={march}" for f in flags]
+    source = tmp_path / "exp_entry.c"
+    source.write_text('#include "pointwise.h"\n'
+                      "__attribute__((visibility(\"default\")))\n"
+                      "void exp_all(const float* restrict x, float* restrict y, long n) {\n"
+                      "  for (long i = 0; i < n; ++i) y[i] = pw_expf(x[i]);\n}\n")
+    library = tmp_path / "exp_entry.so"
+    subprocess.run([compiler[0], *flags, "-shared", "-I", CSRC, str(source), "-o", str(library), "-lm"],
+                   check=True, capture_output=True)
+    x = np.arange(0, 1 << 32, 1021, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([x, np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 88.72283, 88.72284, -87.33654,
+                                     -87.33655, 89.0, 89.5, -104.0], np.float32)])
+    y = np.empty_like(x)
+    fn = ctypes.CDLL(str(library)).exp_all
+    fn(x.ctypes.data_as(ctypes.c_void_p), y.ctypes.data_as(ctypes.c_void_p), ctypes.c_long(x.size))
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = np.exp(x.astype(np.float64))
+    nan = np.isnan(x)
+    assert np.isnan(y[nan]).all()
+    tiny, huge = want < np.finfo(np.float32).tiny, want > np.finfo(np.float32).max
+    assert (y[tiny & ~nan] == 0).all(), x[tiny & ~nan & (y != 0)][:5]
+    assert np.isposinf(y[huge]).all(), x[huge & ~np.isposinf(y)][:5]
+    normal = ~(nan | tiny | huge)
+    ulps = np.abs(y[normal] - want[normal]) / np.spacing(want[normal].astype(np.float32)).astype(np.float64)
+    assert ulps.max() <= 1.0, (ulps.max(), x[normal][ulps.argmax()])
