@@ -8,6 +8,7 @@ shapes of the benchmark models' training steps, one process, same threads.
     .venv/bin/python benchmarks/gemm.py --blas [--cold]   # torch's BLAS inside ORT (cpu_matmul)
     .venv/bin/python benchmarks/gemm.py --blas --chain 20   # ... 20 products in one run, as in a step
     .venv/bin/python benchmarks/gemm.py --ours --skinny [--chain 64]   # products of few rows (an LSTM's)
+    .venv/bin/python benchmarks/gemm.py --transpose-first --cold   # weight gradients: A transposed first?
 
 ``--bfloat16``: bfloat16 operands and result, as under CPU autocast: ort_dynamo's bfloat16
 product (csrc/bf16_gemm.h, AVX512-BF16) against torch.mm on bfloat16 tensors (oneDNN), and
@@ -32,6 +33,11 @@ comparison).
 weight, B transposed, then the result by the weight in rows, a Tanh after) N times in one run,
 ours against ORT's: a one-op session's call costs more than such a product (the figures above
 are mostly that), a step's run does not.
+
+``--transpose-first``: the weight gradients' products (X^T dY, the tokens the inner dimension)
+as FusedMatMul with transA, as ORT runs them, against a Transpose of X then a MatMul in one
+session, and against the MatMul alone on an X transposed beforehand (what the product would cost
+if the transpose were free), with the Transpose alone beside them; the calls interleaved.
 
 ``--cold``: each call gets operands from a rotation of 6 copies and, before it (not timed), a
 32 MB write evicts the caches. In a training step most operands come from memory: saved
@@ -187,6 +193,8 @@ def main() -> None:
                         help="with --ours: attention's batched products (see above)")
     parser.add_argument("--skinny", action="store_true",
                         help="with --ours: products of few rows, an LSTM step's (see above)")
+    parser.add_argument("--transpose-first", action="store_true",
+                        help="float32: weight gradients as FusedMatMul transA against Transpose then MatMul (see above)")
     parser.add_argument("--chain", type=int, default=0,
                         help="with --blas: this many products in one ORT run against as many torch.mm calls")
     args = parser.parse_args()
@@ -197,6 +205,10 @@ def main() -> None:
         parser.error("--skinny chooses the products --ours measures: add --ours")
     if args.chain < 0:
         parser.error(f"--chain must be a count of products, got {args.chain}")
+    if args.transpose_first:
+        if args.bfloat16 or args.ours or args.blas:
+            parser.error("--transpose-first compares ORT's own float32 products: no --bfloat16, --ours or --blas")
+        return transpose_first(args)
     if args.bfloat16:
         return bfloat16_products(args)
     if args.ours:
@@ -386,6 +398,53 @@ def _blas_chain(args) -> None:
               f"ORT/torch {ort_ms / torch_ms:.3f}  ({(ort_ms - torch_ms) / args.chain * 1e3:+.0f} us a product)  "
               f"error {error:.1e}")
     print(f"geometric mean ORT/torch: {statistics.geometric_mean(ratios):.3f}")
+
+
+#: (M, K, N) of the weight gradients X^T dY: X [K tokens, M inputs], dY [K, N outputs].
+WEIGHT_GRADIENTS = [(1024, 1024, 256), (256, 1024, 1024), (256, 1024, 768), (256, 1024, 256)]
+
+
+def _plain_session(nodes, inputs, output) -> ort.InferenceSession:
+    """ONNX ``nodes`` as ORT runs them without its graph optimizations (which would fold a
+    Transpose into the MatMul after it): ``inputs`` and ``output`` (name, shape) float32."""
+    graph = helper.make_graph(nodes, "plain", [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
+                                               for n, shape in inputs],
+                              [helper.make_tensor_value_info(output[0], TensorProto.FLOAT, output[1])])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)])
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def transpose_first(args) -> None:
+    copies = _header(args, ", weight gradients: FusedMatMul transA against Transpose then MatMul, interleaved")
+    ratios = []
+    for m, k, n in WEIGHT_GRADIENTS:
+        x = [np.random.randn(k, m).astype(np.float32) for _ in range(copies)]
+        dy = [np.random.randn(k, n).astype(np.float32) for _ in range(copies)]
+        xt = [np.ascontiguousarray(a.T) for a in x]
+        fused = _session([k, m], [k, n], 1, 0)
+        both = _plain_session([helper.make_node("Transpose", ["a"], ["at"], perm=[1, 0]),
+                               helper.make_node("MatMul", ["at", "b"], ["y"])], [("a", [k, m]), ("b", [k, n])],
+                              ("y", [m, n]))
+        product = _plain_session([helper.make_node("MatMul", ["a", "b"], ["y"])], [("a", [m, k]), ("b", [k, n])],
+                                 ("y", [m, n]))
+        transpose = _plain_session([helper.make_node("Transpose", ["a"], ["y"], perm=[1, 0])], [("a", [k, m])],
+                                   ("y", [m, k]))
+        difference = float(np.abs(fused.run(None, {"a": x[0], "b": dy[0]})[0]
+                                  - both.run(None, {"a": x[0], "b": dy[0]})[0]).max())
+        fused_ms, both_ms, product_ms, transpose_ms = _interleaved_ms(
+            [lambda i: fused.run(None, {"a": x[i % copies], "b": dy[i % copies]}),
+             lambda i: both.run(None, {"a": x[i % copies], "b": dy[i % copies]}),
+             lambda i: product.run(None, {"a": xt[i % copies], "b": dy[i % copies]}),
+             lambda i: transpose.run(None, {"a": x[i % copies]})], args.repeats, args.cold)
+        ratios.append(both_ms / fused_ms)
+        _row((m, k, n, 1, 0), {"transA": fused_ms, "Transpose+MatMul": both_ms, "MatMul alone": product_ms},
+             f"Transpose alone {transpose_ms:.2f} ms  (Transpose+MatMul)/transA {both_ms / fused_ms:.3f}  "
+             f"difference {difference:.0e}")
+    print(f"geometric mean (Transpose+MatMul)/transA: {statistics.geometric_mean(ratios):.3f}")
 
 
 def bfloat16_products(args) -> None:

@@ -63,6 +63,13 @@ def test_gemm_refuses_a_chain_of_no_products_it_chains():
         "rows (add --ours --skinny)" in result.stderr, result.stderr[-1000:]
 
 
+def test_gemm_refuses_transposing_first_with_another_products_library():
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "gemm.py"), "--transpose-first", "--blas"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--transpose-first compares ORT's own float32 products" in result.stderr, \
+        result.stderr[-1000:]
+
+
 def test_train_step_refuses_waits_between_phases_without_a_gpu():
     result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "train_step.py"), "--wait-phases"],
                             capture_output=True, text=True, timeout=300)
