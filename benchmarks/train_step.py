@@ -19,6 +19,13 @@ on-disk cache the cold run left), so no backend inherits another's one-time star
 --first-step-rounds rounds (default 3) whose median ratios are printed; --cache-only measures
 only those (each process's figure is printed as it ends).
 
+OpenMP: PyTorch's worker threads (libgomp) keep spinning for a while after each parallel op
+unless OMP_WAIT_POLICY=PASSIVE. Stepped one by one, a backend that follows eager's or Inductor's
+step shares the cores with those spinning threads, and ORT's threads, which sleep, do not help
+the next one in turn: without PASSIVE that costs ort and not the others. PASSIVE makes eager's
+own ops wake sleeping threads instead. Neither setting is neutral for one-by-one steps; --block N
+runs N steps of a backend in a row, as a training loop does, and times all but the first.
+
 The timing process fixes glibc malloc's thresholds (``--malloc default`` leaves them): by
 default, freeing a large block raises glibc's mmap threshold and trims the heap, so one
 backend's frees decide whether the next one's large tensors come from the heap or from fresh
@@ -236,13 +243,17 @@ def bench_model(name, args) -> dict:
         order = list(runners.items())
         order = order[step % len(order):] + order[:step % len(order)]
         for backend, (fn, opt) in order:
-            before = _device_allocs(args.device)
-            seconds = train_step(fn, opt, batch, args.device, autocast, losses[backend], args.wait_phases)
-            if step == 0:
-                first[backend] = seconds
-            elif step >= args.warmup:
-                times[backend].append(seconds)
-                mallocs[backend] += _device_allocs(args.device) - before
+            # --block: consecutive steps of one backend, as a training loop runs them; the first
+            # of a block follows another backend's step (its idle OpenMP threads may still spin)
+            # and is not timed.
+            for in_block in range(args.block):
+                before = _device_allocs(args.device)
+                seconds = train_step(fn, opt, batch, args.device, autocast, losses[backend], args.wait_phases)
+                if step == 0 and in_block == 0:
+                    first[backend] = seconds
+                elif step >= args.warmup and (in_block > 0 or args.block == 1):
+                    times[backend].append(seconds)
+                    mallocs[backend] += _device_allocs(args.device) - before
     result = {"model": name, "ms": {b: statistics.median(t) * 1e3 for b, t in times.items()},
               "step_ratio_quartiles": step_ratio_quartiles(times),
               "device_allocs": dict(mallocs) if args.device == "cuda" else {},
@@ -470,6 +481,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--block", type=int, default=1,
+                        help="steps of one backend in a row (default 1: steps interleaved one by one); from 2, "
+                             "the first of each block is not timed (see the OpenMP note above)")
     parser.add_argument("--memory", action="store_true")
     parser.add_argument("--memory-cold-only", action="store_true",
                         help="with --memory: skip the second measurement, after a warm-up on another model "
@@ -497,6 +511,8 @@ def main() -> None:
     args.backends = args.backends.split(",")
     args.cache = args.cache or args.cache_only
     args.autocast = args.autocast or args.device == "cuda"
+    if args.block < 1:
+        parser.error(f"--block must be at least 1 step, got {args.block}")
     if args.first_step_rounds < 1:
         parser.error(f"--first-step-rounds must be at least 1, got {args.first_step_rounds}")
     if args.wait_phases and args.device != "cuda":
@@ -509,7 +525,9 @@ def main() -> None:
     steady = args.malloc == "steady" and _steady_malloc()
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     print(f"device: {args.device} ({device_name}), {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"malloc thresholds {'fixed' if steady else 'glibc default'}, optimizer {args.optimizer}"
+          f"malloc thresholds {'fixed' if steady else 'glibc default'}, optimizer {args.optimizer}, "
+          f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+          f"{f', blocks of {args.block} steps' if args.block > 1 else ''}"
           f"{', bfloat16 autocast' if args.autocast else ''}")
     print(f"command: {' '.join([os.path.basename(sys.executable)] + sys.argv)}")
     results = []
