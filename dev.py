@@ -97,11 +97,10 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     ensure_venv()
+    # The user's environment as it is: OMP_WAIT_POLICY=PASSIVE, set here before, slowed eager's
+    # small ops far more than ort's (main job: eager 22 -> 40 ms, ort 23 -> 26-30 ms on a 2-core
+    # VM), so the speed line flattered ort (docs/performance.md, "OpenMP's wait policy").
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if argv[0] in ("train", "bench"):
-        # Idle OpenMP threads of PyTorch otherwise spin against ORT's on few cores, which
-        # slows eager down too: speed comparisons would not be fair.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return subprocess.call(tasks[argv[0]](argv[1:]), cwd=ROOT, env=env)
 
 
