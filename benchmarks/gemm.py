@@ -72,15 +72,28 @@ ATTENTION = [("q kT", 128, 64, 128, 0, 1), ("P v", 128, 128, 64, 0, 0), ("dO vT"
 HEADS = 32
 
 
-def _cpu_session(model: bytes, library: str = "") -> ort.InferenceSession:
+def _cpu_session(model: bytes, library: str = "", optimize: bool = True) -> ort.InferenceSession:
     """A CPU session of ``model`` on torch's thread count, not spinning (as ort_dynamo's own);
-    ``library``: a custom-op library it registers."""
+    ``library``: a custom-op library it registers; ``optimize=False``: without ORT's graph
+    optimizations (which would fold a Transpose into the MatMul after it)."""
     so = ort.SessionOptions()
     so.intra_op_num_threads = torch.get_num_threads()
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if library:
         so.register_custom_ops_library(library)
     return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+
+
+def _float32_model(nodes, inputs, output, domain: str = "") -> bytes:
+    """ONNX ``nodes`` as a model: ``inputs`` and ``output`` (name, shape) float32; ``domain``: the
+    custom ops' domain, if any."""
+    graph = helper.make_graph(nodes, "products", [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
+                                                  for n, shape in inputs],
+                              [helper.make_tensor_value_info(output[0], TensorProto.FLOAT, output[1])])
+    opsets = [helper.make_opsetid("", 18)] + ([helper.make_opsetid(domain, 1)] if domain else [])
+    return helper.make_model(graph, ir_version=10, opset_imports=opsets).SerializeToString()
 
 
 def _session(a_shape, b_shape, trans_a: int, trans_b: int) -> ort.InferenceSession:
@@ -88,12 +101,8 @@ def _session(a_shape, b_shape, trans_a: int, trans_b: int) -> ort.InferenceSessi
     n = b_shape[-2] if trans_b else b_shape[-1]
     node = helper.make_node("FusedMatMul", ["a", "b"], ["y"], domain="com.microsoft",
                             transA=trans_a, transB=trans_b, alpha=1.0)
-    graph = helper.make_graph([node], "gemm", [helper.make_tensor_value_info("a", TensorProto.FLOAT, a_shape),
-                                                helper.make_tensor_value_info("b", TensorProto.FLOAT, b_shape)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [*a_shape[:-2], m, n])])
-    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18),
-                                                                    helper.make_opsetid("com.microsoft", 1)])
-    return _cpu_session(model.SerializeToString())
+    return _cpu_session(_float32_model([node], [("a", a_shape), ("b", b_shape)], ("y", [*a_shape[:-2], m, n]),
+                                       "com.microsoft"))
 
 
 def _our_session(trans_a: int, trans_b: int, float32: bool = False, rank: int = 2) -> ort.InferenceSession:
@@ -345,12 +354,7 @@ def _blas_products_session(products, inputs, output) -> ort.InferenceSession:
 
     nodes = [helper.make_node("MatMul", [a, b], [y], domain=_torch_blas.DOMAIN, trans_a=ta, trans_b=tb)
              for a, b, y, ta, tb in products]
-    graph = helper.make_graph(nodes, "blas", [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
-                                              for n, shape in inputs],
-                              [helper.make_tensor_value_info(output[0], TensorProto.FLOAT, output[1])])
-    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18),
-                                                                    helper.make_opsetid(_torch_blas.DOMAIN, 1)])
-    return _cpu_session(model.SerializeToString(), _torch_blas.library())
+    return _cpu_session(_float32_model(nodes, inputs, output, _torch_blas.DOMAIN), _torch_blas.library())
 
 
 def blas_products(args) -> None:
@@ -405,17 +409,8 @@ WEIGHT_GRADIENTS = [(1024, 1024, 256), (256, 1024, 1024), (256, 1024, 768), (256
 
 
 def _plain_session(nodes, inputs, output) -> ort.InferenceSession:
-    """ONNX ``nodes`` as ORT runs them without its graph optimizations (which would fold a
-    Transpose into the MatMul after it): ``inputs`` and ``output`` (name, shape) float32."""
-    graph = helper.make_graph(nodes, "plain", [helper.make_tensor_value_info(n, TensorProto.FLOAT, shape)
-                                               for n, shape in inputs],
-                              [helper.make_tensor_value_info(output[0], TensorProto.FLOAT, output[1])])
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = torch.get_num_threads()
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 18)])
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    """ONNX ``nodes`` as ORT runs them without its graph optimizations."""
+    return _cpu_session(_float32_model(nodes, inputs, output), optimize=False)
 
 
 def transpose_first(args) -> None:

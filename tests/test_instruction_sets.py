@@ -197,7 +197,7 @@ def test_pw_expf_is_within_one_ulp_flushes_below_flt_min_and_keeps_inf_and_nan(t
                                      -87.33655, 89.0, 89.5, -104.0], np.float32)])
     y = np.empty_like(x)
     fn = ctypes.CDLL(str(library)).exp_all
-    fn(x.ctypes.data_as(ctypes.c_void_p), y.ctypes.data_as(ctypes.c_void_p), ctypes.c_long(x.size))
+    fn(_pointer(x), _pointer(y), ctypes.c_long(x.size))
     with np.errstate(over="ignore", invalid="ignore"):
         want = np.exp(x.astype(np.float64))
     nan = np.isnan(x)

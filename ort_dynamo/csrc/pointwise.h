@@ -42,7 +42,6 @@ __attribute__((simd("notinbranch"))) float powf(float, float);
  * lane is -inf (5x slower), and every masked attention row holds -inf. Cody-Waite reduction by
  * ln 2 in two parts, then the degree-6 minimax polynomial of Cephes' expf. */
 /* Its constants, which the attention kernels' vector exps share (attention.h, attention_avx2.h). */
-#define PW_EXP_LN_FLT_MAX 88.72283172607421875f
 #define PW_EXP_LN_FLT_MIN (-87.33654022216796875f)
 #define PW_EXP_LOG2E 1.44269504088896341f
 #define PW_EXP_LN2_HI 0.693359375f /* ln 2 = HI + LO */
