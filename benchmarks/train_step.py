@@ -61,6 +61,7 @@ ORT_VARIANTS = {
     "ort_segmented": {"backward_segments": 8}, "ort_mem_pattern": {"cuda_memory_pattern": True},
     "ort_torch_attention": {"cpu_torch_attention": True}, "ort_written_attention": {"cpu_attention_kernel": False},
     "ort_mlas": {"cpu_matmul": "ort"}, "ort_torch_blas": {"cpu_matmul": "torch_blas"},
+    "ort_threads": {"cpu_thread_pool": "ort"}, "ort_torch_threads": {"cpu_thread_pool": "torch"},
 }
 CPU_SIZE = dict(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=1024)
 
@@ -171,7 +172,9 @@ def compiled_copy(model, backend: str, cache_dir: str = "", copy_model: bool = T
     ``cpu_attention_kernel=False``: on CPU, attention as ORT's products and softmax kernels instead
     of ort_dynamo's attention kernels; on CUDA the same as ort) or "ort_mlas" / "ort_torch_blas" (ort
     with ``cpu_matmul="ort"`` / ``"torch_blas"``: on CPU, float32 products by ORT's MLAS (and
-    ort_dynamo's own) / by torch's BLAS, whatever "auto" picks here; on CUDA the same as ort).
+    ort_dynamo's own) / by torch's BLAS, whatever "auto" picks here; on CUDA the same as ort) or
+    "ort_threads" / "ort_torch_threads" (ort with ``cpu_thread_pool="ort"`` / ``"torch"``: on CPU,
+    sessions on ORT's threads / on PyTorch's OpenMP threads, whatever "auto" picks; on CUDA the same as ort).
     ``copy_model=False`` compiles ``model`` itself."""
     clone = copy.deepcopy(model) if copy_model else model
     if backend == "eager":

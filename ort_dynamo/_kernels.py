@@ -139,9 +139,11 @@ def _target() -> str:
 
 
 @functools.lru_cache(None)
-def _runtime_source() -> str:
+def _runtime_source(openmp: bool = False) -> str:
+    """The kernels' runtime; ``openmp``: its flavor whose tasks run on PyTorch's OpenMP threads
+    (``_openmp``), for sessions that run on one thread."""
     with open(os.path.join(_CSRC, "pointwise_runtime.c")) as fh:
-        return fh.read()
+        return ("#define PW_OPENMP 1\n" if openmp else "") + fh.read()
 
 
 @functools.lru_cache(None)
@@ -174,25 +176,29 @@ def _run(command: list[str], cwd: str) -> None:
         raise KernelBuildError(f"{command[0]} failed on the generated kernels:\n{output[-2000:]}")
 
 
-def library(kernels: list[str], cache_dir: str = "") -> str:
+def library(kernels: list[str], cache_dir: str = "", openmp: bool = False) -> str:
     """Path of the library of ``kernels`` (as ``_pointwise.fuse_pointwise`` emits them).
     Each kernel is compiled once into an object file kept on disk by its hash, so a kernel
     shared by several partitions, graphs or processes costs one compiler run; a library only
-    links them. CUDA kernels make a library for ORT's CUDA provider (``_cuda_library``)."""
+    links them. CUDA kernels make a library for ORT's CUDA provider (``_cuda_library``).
+    ``openmp``: the CPU library whose kernels split their work over PyTorch's OpenMP threads
+    (the same objects, another runtime: ``_runtime_source``)."""
     if kernels and all(_pointwise.is_cuda(k) for k in kernels):
         return _cuda_library(kernels, cache_dir)
-    setup, table, folder, path = _library_path(kernels, cache_dir)
+    setup, table, folder, path = _library_path(kernels, cache_dir, openmp)
     if os.path.exists(path):
         return path
     try:
-        return _build(kernels, setup, table, folder, path)
+        return _build(kernels, setup, table, folder, path, openmp)
     except OSError as exc:  # read-only or full: the partition runs without kernels, and says why
         raise KernelBuildError(f"cannot write the kernels' files under {folder}: {exc}") from exc
 
 
-def _build(kernels: list[str], setup: str, table: str, folder: str, path: str) -> str:
+def _build(kernels: list[str], setup: str, table: str, folder: str, path: str, openmp: bool = False) -> str:
     compiler, version, flags, libs = _toolchain()
-    units = [_runtime_source(), *kernels]
+    units = [_runtime_source(openmp), *kernels]
+    if openmp:
+        libs = (*libs, "-ldl")  # dlopen and dlsym: in libc only from glibc 2.34 on
     objects = [os.path.join(folder, "objects", hashlib.sha256((setup + unit).encode()).hexdigest()[:24] + ".o")
                for unit in units]
     os.makedirs(os.path.dirname(objects[0]), exist_ok=True)
@@ -219,13 +225,13 @@ def _build(kernels: list[str], setup: str, table: str, folder: str, path: str) -
     return path
 
 
-def _library_path(kernels: list[str], cache_dir: str) -> tuple[str, str, str, str]:
+def _library_path(kernels: list[str], cache_dir: str, openmp: bool = False) -> tuple[str, str, str, str]:
     """(toolchain digest, table source, folder, path) of the library of ``kernels``."""
     compiler, version, flags, libs = _toolchain()
     setup = "\n".join([_header_digest(), compiler, version, *flags, *libs, _target()])
     table = _pointwise.table_source(kernels)
     folder = _folder(cache_dir)
-    key = hashlib.sha256("\n".join([setup, table]).encode()).hexdigest()
+    key = hashlib.sha256("\n".join([setup, table, *(["openmp"] if openmp else [])]).encode()).hexdigest()
     return setup, table, folder, os.path.join(folder, f"pointwise_{key[:24]}.so")
 
 
@@ -357,12 +363,12 @@ def cuda_available() -> bool:
     return True
 
 
-def built(kernels: list[str], cache_dir: str = "") -> str | None:
+def built(kernels: list[str], cache_dir: str = "", openmp: bool = False) -> str | None:
     """The library of ``kernels`` if an earlier build left it on disk, else None (no build)."""
     if kernels and all(_pointwise.is_cuda(k) for k in kernels):
         path = _cuda_library_path(kernels, cache_dir)[2]
         return path if os.path.exists(path) else None
-    path = _library_path(kernels, cache_dir)[3]
+    path = _library_path(kernels, cache_dir, openmp)[3]
     return path if os.path.exists(path) else None
 
 
@@ -377,9 +383,9 @@ def _builder() -> concurrent.futures.ThreadPoolExecutor:
 os.register_at_fork(after_in_child=_builder.cache_clear)
 
 
-def build(kernels: list[str], cache_dir: str = "") -> concurrent.futures.Future:
-    """``library(kernels, cache_dir)`` in the background: a future of the library's path."""
-    future = _builder().submit(library, kernels, cache_dir)
+def build(kernels: list[str], cache_dir: str = "", openmp: bool = False) -> concurrent.futures.Future:
+    """``library(kernels, cache_dir, openmp)`` in the background: a future of the library's path."""
+    future = _builder().submit(library, kernels, cache_dir, openmp)
     _building.add(future)
     return future
 

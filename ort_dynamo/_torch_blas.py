@@ -35,17 +35,21 @@ def problem() -> str:
 
 
 @functools.lru_cache(None)
-def _intel_with_mkl() -> bool:
+def _mkl_first() -> bool:
+    """Whether MKL's products are this CPU's fastest: torch has MKL, and the CPU is Intel's, or
+    has no AVX-512 (MKL's AVX2 kernels then, as MLAS's; AMD's AVX-512 CPUs get MKL's AVX2 ones
+    only, where MLAS uses AVX-512)."""
     import torch
 
-    return torch.backends.mkl.is_available() and "GenuineIntel" in _kernels._target()
+    target = _kernels._target()
+    return torch.backends.mkl.is_available() and ("GenuineIntel" in target or " avx512f" not in target)
 
 
 def applies(options: OrtOptions, device: str) -> bool:
     """Whether a graph on ``device`` gets torch's BLAS for its products."""
     if device != "cpu" or options.cpu_matmul == "ort" or options.deterministic_compute:
         return False
-    if options.cpu_matmul == "auto" and not _intel_with_mkl():
+    if options.cpu_matmul == "auto" and not _mkl_first() and options.cpu_thread_pool != "torch":
         return False
     if problem():
         if options.cpu_matmul == "torch_blas":
@@ -81,9 +85,10 @@ def describe() -> str:
     """One line for ``python -m ort_dynamo info``: who multiplies matrices by default."""
     if problem():
         return f"ORT's (torch's BLAS cannot run inside ORT: {problem()})"
-    if _intel_with_mkl():
-        return "torch's BLAS (MKL, an Intel CPU" + ("; bfloat16 ones too)" if bfloat16_products() else ")")
-    return "ORT's (torch's BLAS is taken by default only on Intel CPUs with MKL; cpu_matmul=torch_blas forces it)"
+    if _mkl_first():
+        return "torch's BLAS (MKL" + ("; bfloat16 ones too)" if bfloat16_products() else ")")
+    return ("ORT's (torch's BLAS is taken by default where torch has MKL and the CPU is Intel's or has no "
+            "AVX-512; cpu_matmul=torch_blas forces it)")
 
 
 def _usable_cpus() -> int:

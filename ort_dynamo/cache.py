@@ -23,7 +23,7 @@ import torch
 from torch.fx._lazy_graph_module import _LazyGraphModule
 import torch.fx
 
-from . import _torch_blas
+from . import _openmp, _torch_blas
 from .export import ExportedGraph, OutputSlot
 from .options import OrtOptions
 
@@ -70,7 +70,8 @@ def cache_key(gm: torch.fx.GraphModule, options: OrtOptions) -> str:
     # save_onnx keeps provenance; the others pick ops the traced graph does not show.
     relevant = (options.opset, options.enable_compute_optimizer, options.deterministic_compute,
                 options.pointwise_kernels, options.save_onnx, options.cpu_torch_attention,
-                _torch_blas.applies(options, "cpu"))
+                _torch_blas.applies(options, "cpu"), options.cpu_thread_pool, options.intra_op_num_threads,
+                _openmp.applies(options, "cpu"))
     text = "\n".join([_versions(), repr(relevant), ";".join(inputs), _source(gm)])
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -119,6 +120,7 @@ def load(cache_dir: str, key: str) -> tuple[ExportedGraph, bytes] | None:
             device=meta["device"],
             input_permutations=meta["input_permutations"],
             kernels=meta["kernels"],
+            torch_threads=meta.get("torch_threads", False),
         )
         return exported, model_bytes
     except FileNotFoundError:
@@ -148,6 +150,7 @@ def store(cache_dir: str, key: str, exported: ExportedGraph, model_bytes: bytes)
         "device": exported.device,
         "input_permutations": exported.input_permutations,
         "kernels": exported.kernels,
+        "torch_threads": exported.torch_threads,
     }
     if _write(cache_dir, model_path, model_bytes):  # the metadata last: it makes the entry
         _write(cache_dir, meta_path, json.dumps(meta).encode())

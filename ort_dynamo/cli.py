@@ -143,9 +143,10 @@ def _info(args: argparse.Namespace) -> int:
 
     problem = torch_attention_problem()
     print("PyTorch's CPU attention inside ORT (cpu_torch_attention): " + (problem or "available"))
-    from . import _torch_blas
+    from . import _openmp, _torch_blas
 
     print("CPU matrix products (cpu_matmul=auto): " + _torch_blas.describe())
+    print("CPU sessions' threads (cpu_thread_pool=auto): " + _openmp.describe())
 
     usable, lines = _cuda_verdict(torch, providers, ort_wheels, os.path.dirname(os.path.dirname(onnxruntime.__file__)))
     print(f"CUDA GPU usable: {'yes' if usable else 'no'}")

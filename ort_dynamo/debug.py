@@ -249,7 +249,8 @@ def _first_bad_node(runner, args: tuple, atol: float, rtol: float) -> NodeDiverg
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     library = runner.kernel_library.result() if runner.kernel_library else ""  # the model's custom ops
     session = ort.InferenceSession(model_bytes, run_stage.session_options(runner.options, device.type, library,
-                                                                           model=model_bytes),
+                                                                           model=model_bytes,
+                                                                           torch_threads=runner.exported.torch_threads),
                                    providers=run_stage.providers_for(device, runner.options))
     feeds = {}
     exported = runner.exported

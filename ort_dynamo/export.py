@@ -172,6 +172,9 @@ class ExportedGraph:
     #: tensor, each dense over all of it: a saved ``out`` and its heads merged into rows), or
     #: None. Read by ``rewrite``: such outputs may come back as views of one ORT output.
     output_storages: list = dataclasses.field(default_factory=list)
+    #: CPU: the session runs on one thread, its work on PyTorch's OpenMP threads (``_openmp``):
+    #: the kernels' library of that flavor, torch's BLAS threading each product itself.
+    torch_threads: bool = False
 
     def ort_layout(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """Input ``index`` as the ONNX graph takes it: a permuted view (see
@@ -648,7 +651,8 @@ def save_debug_files(exported: ExportedGraph, gm, model_bytes: bytes, options, s
             with open(base + ".pointwise.c", "w") as fh:
                 fh.write("\n".join([*exported.kernels, _pointwise.table_source(exported.kernels)]))
         try:
-            shutil.copyfile(_kernels.library(exported.kernels, options.cache_dir), base + ".pointwise.so")
+            shutil.copyfile(_kernels.library(exported.kernels, options.cache_dir, exported.torch_threads),
+                            base + ".pointwise.so")
         except _kernels.KernelBuildError as exc:  # the partition runs without them (run.py warns)
             log.warning("ort_dynamo: %s.pointwise.so not written: %s", base, str(exc)[:300])
     with open(base + ".fx.txt", "w") as fh:

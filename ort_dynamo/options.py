@@ -88,6 +88,7 @@ class LogLevel(str, enum.Enum):
 _GRAPH_OPT_LEVELS = ("disable", "basic", "extended", "all")
 _CUDA_ALLOCATORS = ("pytorch", "shared_arena", "per_session")
 _CPU_MATMULS = ("auto", "ort", "torch_blas")
+_CPU_THREAD_POOLS = ("auto", "torch", "ort")
 _MIN_OPSET, _MAX_OPSET = 18, 23
 
 
@@ -191,9 +192,21 @@ class OrtOptions:
         "products run on (MKL in PyTorch's x86 builds, its bfloat16 product on AMX where the CPU has "
         "it), called from inside the ORT session as a custom op (needs a C compiler, built once). "
         "`ort`: ORT's MLAS, and ort_dynamo's own products where they were faster "
-        "(`pointwise_kernels`). `auto`: `torch_blas` on Intel CPUs when this torch uses MKL (on the "
-        "Xeon measured: steps 6-14% faster in float32, 42-49% under autocast; docs/performance-log.md), "
-        "else `ort` (on AMD Zen 4 MKL and MLAS were even).", "")
+        "(`pointwise_kernels`). `auto`: `torch_blas` when this torch uses MKL on an Intel CPU (on the "
+        "Xeon measured: steps 6-14% faster in float32, 42-49% under autocast; docs/performance-log.md) "
+        "or on a CPU without AVX-512 (on AMD Zen 3 MKL's products took 131 ms of BERT's step against "
+        "MLAS's 141), else `ort` (on AMD Zen 4 MKL and MLAS were even, on Zen 5 MLAS twice as fast).", "")
+    cpu_thread_pool: str = _field(
+        "auto", "Whose threads run a CPU session's work. `torch`: the session runs on one thread and "
+        "its heavy work, torch's BLAS products and ort_dynamo's kernels, splits over PyTorch's OpenMP "
+        "threads, the ones eager's ops use; by default they spin a while after each op, so the next "
+        "op finds them awake, where ORT's own threads sleep between runs and ops and must be woken "
+        "(on a 2-core AMD Zen 3, the benchmark models' steps 7-12% faster). Needs GNU OpenMP in torch "
+        "(its Linux builds), torch's BLAS (`cpu_matmul`) and the pointwise kernels; without them ORT's "
+        "threads, with a warning. `ort`: ORT's intra-op threads (`intra_op_num_threads`). `auto`: "
+        "`torch` where all of that holds, `intra_op_num_threads` is 0, OMP_WAIT_POLICY is not PASSIVE "
+        "(then PyTorch's threads sleep too), and no op of ORT's own that threads its work "
+        "(a convolution, an RNN, a product left to MLAS) remains in the graph; else `ort`.", "")
     cuda_memory_pattern: bool = _field(
         False, "On CUDA, ORT's memory pattern (`SessionOptions.enable_mem_pattern`): after a run, "
         "each later run of the same shapes allocates its intermediates as one block of the run's "
@@ -232,6 +245,14 @@ class OrtOptions:
             raise OptionsError(f"cpu_matmul must be one of {_CPU_MATMULS}, got {self.cpu_matmul!r}")
         if self.intra_op_num_threads < 0:
             raise OptionsError(f"intra_op_num_threads must be >= 0, got {self.intra_op_num_threads}")
+        if self.cpu_thread_pool not in _CPU_THREAD_POOLS:
+            raise OptionsError(f"cpu_thread_pool must be one of {_CPU_THREAD_POOLS}, got {self.cpu_thread_pool!r}")
+        if self.cpu_thread_pool == "torch" and self.cpu_matmul == "ort":
+            raise OptionsError("cpu_thread_pool='torch' runs products on torch's BLAS, which "
+                               "cpu_matmul='ort' rules out; set one of them otherwise")
+        if self.cpu_thread_pool == "torch" and self.intra_op_num_threads > 1:
+            raise OptionsError(f"cpu_thread_pool='torch' runs each session on one thread; "
+                               f"intra_op_num_threads={self.intra_op_num_threads} asks for ORT's threads")
         if self.backward_segments < 0:
             raise OptionsError(f"backward_segments must be >= 0 (0: by device), got {self.backward_segments}")
         if self.memory_opt_level not in (0, 1):

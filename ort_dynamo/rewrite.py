@@ -8,7 +8,7 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from . import _fusions, _kernels, _op_kernels, _pointwise, _torch_blas
+from . import _fusions, _kernels, _op_kernels, _openmp, _pointwise, _torch_blas
 from .export import ExportedGraph, OutputSlot
 from .options import OrtOptions
 
@@ -38,6 +38,19 @@ _TYPE_OF_FIRST_INPUT = {
     "Pad", "Slice", "Reshape", "Transpose", "Concat", "Split", "Expand", "Tile", "Squeeze", "Unsqueeze",
     "Identity", "Flatten", "Gather", "GatherElements", "GatherND",
 }
+
+
+def _on_torch_threads(exported: ExportedGraph, model: ir.Model, options: OrtOptions) -> None:
+    """Decide whether the graph's session runs on PyTorch's OpenMP threads (``_openmp``); if so,
+    its products on torch's BLAS are threaded by the BLAS itself there."""
+    nodes = [*model.graph, *(node for function in model.functions.values() for node in function)]
+    op_types = {(node.domain, node.op_type) for node in nodes}
+    exported.torch_threads = _openmp.applies(options, exported.device, op_types,
+                                             pointwise_kernels_apply(options, exported.device))
+    if exported.torch_threads:
+        for node in nodes:
+            if node.domain == _torch_blas.DOMAIN:
+                node.attributes["torch_threads"] = ir.AttrInt64("torch_threads", 1)
 
 
 def pointwise_kernels_apply(options: OrtOptions, device: str) -> bool:
@@ -90,6 +103,7 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
     if _torch_blas.applies(options, exported.device) and _op_kernels.blas_products(
             model.graph, _torch_blas.DOMAIN, _torch_blas.bfloat16_products()):
         model.opset_imports[_torch_blas.DOMAIN] = 1
+    _on_torch_threads(exported, model, options)
     _reshaped_outputs_as_views(exported)
     if not options.save_onnx:
         _drop_provenance(model)

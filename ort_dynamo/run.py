@@ -47,10 +47,11 @@ _OPT_LEVELS = {
 
 
 def session_options(options: OrtOptions, device_type: str = "cpu", kernel_library: str = "",
-                    device_index: int = 0, model: bytes = b"") -> ort.SessionOptions:
+                    device_index: int = 0, model: bytes = b"", torch_threads: bool = False) -> ort.SessionOptions:
     """``kernel_library``: a compiled ``_kernels`` library the model's custom ops come from;
     ``model``: the model, whose ops of torch's kernels (``_torch_attention``'s flash attention,
-    ``_torch_blas``'s products) get their libraries."""
+    ``_torch_blas``'s products) get their libraries; ``torch_threads``: the session runs on one
+    thread, its heavy work on PyTorch's OpenMP threads (``_openmp``)."""
     so = ort.SessionOptions()
     if kernel_library:
         so.register_custom_ops_library(kernel_library)
@@ -64,7 +65,9 @@ def session_options(options: OrtOptions, device_type: str = "cpu", kernel_librar
     so.graph_optimization_level = _OPT_LEVELS[level]
     if options.deterministic_compute:
         so.use_deterministic_compute = True
-    if options.intra_op_num_threads:
+    if torch_threads:
+        so.intra_op_num_threads = 1
+    elif options.intra_op_num_threads:
         so.intra_op_num_threads = options.intra_op_num_threads
     so.log_severity_level = options.log_level.to_onnxruntime()
     if device_type == "cpu" or not options.cuda_memory_pattern:
@@ -234,7 +237,7 @@ class OrtRunner:
         #: one: ``exported.unfused``), so the compiler's time never holds up a step.
         self.kernel_library = None
         if exported.kernels:
-            self.kernel_library = _kernels.build(exported.kernels, options.cache_dir)
+            self.kernel_library = _kernels.build(exported.kernels, options.cache_dir, exported.torch_threads)
             graph_report.kernels += len(exported.kernels)
 
     # -- sessions ---------------------------------------------------------------------------------
@@ -254,14 +257,16 @@ class OrtRunner:
             with self.report.stage("session"):
                 try:
                     sess = ort.InferenceSession(model, session_options(self.options, device.type, library,
-                                                                       device.index or 0, model),
+                                                                       device.index or 0, model,
+                                                                       self.exported.torch_threads),
                                                 providers=providers_for(device, self.options))
                 except Exception as exc:  # noqa: BLE001 - a library ORT refuses: run without it
                     if not library or not self.exported.unfused:
                         raise
                     model, library = self._without_kernels(exc), ""
                     sess = ort.InferenceSession(model, session_options(self.options, device.type, "",
-                                                                       device.index or 0, model),
+                                                                       device.index or 0, model,
+                                                                       self.exported.torch_threads),
                                                 providers=providers_for(device, self.options))
             if library:
                 # The kernels loaded: the model without them (MBs per partition) is done with.

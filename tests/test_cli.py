@@ -48,6 +48,11 @@ def test_info_prints_versions_real_providers_and_gpu_verdict():
     verdict = products_line.split(": ", 1)[1]
     assert verdict.startswith("torch's BLAS") == _torch_blas.applies(ort_dynamo.OrtOptions(), "cpu")
     assert verdict.startswith(("torch's BLAS", "ORT's"))
+    from ort_dynamo import _openmp
+
+    threads_line = next(line for line in out.splitlines() if line.startswith("CPU sessions' threads"))
+    verdict = threads_line.split(": ", 1)[1]
+    assert verdict.startswith("PyTorch's OpenMP threads") == _openmp.applies(ort_dynamo.OrtOptions(), "cpu")
 
 
 def test_info_tells_two_onnxruntime_wheels_in_one_folder_from_two_in_different_folders():

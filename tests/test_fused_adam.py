@@ -363,9 +363,9 @@ def test_optimizer_kernels_that_cannot_be_built_or_loaded_leave_the_plain_graph_
     else:  # built, but not a library ORT can load
         library.set_result(str(bad_library))
     monkeypatch.setattr(_kernels, "available", lambda: True)
-    monkeypatch.setattr(_kernels, "build", lambda kernels, cache_dir="": library)
+    monkeypatch.setattr(_kernels, "build", lambda kernels, cache_dir="", openmp=False: library)
     earlier = str(bad_library) if failure == "load one built earlier" else None
-    monkeypatch.setattr(_kernels, "built", lambda kernels, cache_dir="": earlier)
+    monkeypatch.setattr(_kernels, "built", lambda kernels, cache_dir="", openmp=False: earlier)
     p = torch.nn.Parameter(torch.randn(4096))
     q = torch.nn.Parameter(p.detach().clone())
     opt = FusedAdam([p], lr=1e-2, eps=1e-8, weight_decay=0.1, adam_w_mode=AdamWMode.ADAMW_TORCH)

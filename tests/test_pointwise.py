@@ -481,9 +481,11 @@ def _pending_builds(monkeypatch):
 
     builds = []
 
-    def build(kernels, cache_dir=""):
-        builds.append((kernels, concurrent.futures.Future()))
-        return builds[-1][1]
+    def build(kernels, cache_dir="", openmp=False):
+        future = concurrent.futures.Future()
+        future.openmp = openmp  # the library's flavor the session waits for
+        builds.append((kernels, future))
+        return future
 
     monkeypatch.setattr(_kernels, "build", build)
     return builds
@@ -500,7 +502,7 @@ def test_steps_run_without_the_kernels_until_the_compiler_is_done(monkeypatch):
     assert builds and not any(future.done() for _, future in builds)
     sessions = ort_dynamo.report().sessions
     for kernels, future in builds:
-        future.set_result(_kernels.library(kernels))
+        future.set_result(_kernels.library(kernels, "", future.openmp))
     compiled = torch.compile(model, backend="ort")
     model.zero_grad()
     out = compiled(x)

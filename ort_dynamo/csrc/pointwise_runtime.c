@@ -21,8 +21,59 @@ OrtStatus* pw_error(const PwKernel* k, const char* what) {
   return ORTD_CALL(k->api, CreateStatus)(ORTD_INVALID_ARGUMENT, message);
 }
 
+#ifdef PW_OPENMP
+/* The library's flavor for sessions that run on one thread while PyTorch's OpenMP threads do the
+ * work (option cpu_thread_pool, ort_dynamo/_openmp.py): tasks go to the team of the libgomp torch
+ * loaded, the threads eager's ops use, which spin a while after each op instead of sleeping as
+ * ORT's do, so the next op finds them awake. Found by its soname, never loaded here; where it is
+ * not loaded, ORT's (one-thread) pool runs the tasks. */
+#include <dlfcn.h>
+
+typedef void (*pw_gomp_parallel_fn)(void (*body)(void*), void* data, unsigned threads, unsigned flags);
+typedef int (*pw_omp_int_fn)(void);
+static pw_gomp_parallel_fn pw_gomp_parallel;
+static pw_omp_int_fn pw_omp_max_threads;
+static int pw_openmp_largest_team; /* for tests: the most threads one run of tasks was given */
+
+typedef struct PwOpenmpJob {
+  void (*task)(void*, size_t);
+  void* user;
+  int64_t tasks, next;
+} PwOpenmpJob;
+
+static void pw_openmp_body(void* data) {
+  PwOpenmpJob* job = (PwOpenmpJob*)data;
+  for (int64_t t; (t = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->tasks;) job->task(job->user, (size_t)t);
+}
+
+static int pw_openmp_found(void) {
+  static int state; /* 0: not looked, 1: found, 2: absent (a benign race: every thread finds the same) */
+  if (!state) {
+    void* gomp = dlopen("libgomp.so.1", RTLD_NOLOAD | RTLD_LAZY);
+    if (gomp) {
+      pw_gomp_parallel = (pw_gomp_parallel_fn)dlsym(gomp, "GOMP_parallel");
+      pw_omp_max_threads = (pw_omp_int_fn)dlsym(gomp, "omp_get_max_threads");
+    }
+    state = pw_gomp_parallel && pw_omp_max_threads ? 1 : 2;
+  }
+  return state == 1;
+}
+
+__attribute__((visibility("default"))) int ortd_pw_openmp_largest_team(void) { return pw_openmp_largest_team; }
+#endif
+
 OrtStatus* pw_run_tasks(const OrtApiTable* api, OrtKernelContext* ctx, void (*task)(void*, size_t), int64_t tasks,
                         void* user) {
+#ifdef PW_OPENMP
+  if (tasks > 1 && pw_openmp_found()) {
+    int threads = pw_omp_max_threads(); /* the calling thread's count: torch.set_num_threads's */
+    if (threads > tasks) threads = (int)tasks;
+    if (threads > pw_openmp_largest_team) pw_openmp_largest_team = threads;
+    PwOpenmpJob job = {task, user, tasks, 0};
+    pw_gomp_parallel(pw_openmp_body, &job, (unsigned)threads, 0);
+    return NULL;
+  }
+#endif
   if (tasks > 1) return ORTD_CALL(api, KernelContext_ParallelFor)(ctx, task, (size_t)tasks, 0, user);
   if (tasks == 1) task(user, 0);
   return NULL;

@@ -9,7 +9,10 @@
  *   MatMul(a, b[, bias]) -> y    y[..., M, N] = op(a)[..., M, K] op(b)[K, N] (+ bias[N])
  *   Bf16MatMul(a, b[, bias]) -> y    the same of bfloat16 a and b (CPU autocast's operands), y
  *                                    float32: MKL's gemm_bf16bf16f32 (AMX where the CPU has it)
- * Attributes trans_a, trans_b (int): a held as [..., K, M], b as [..., N, K]. a's leading axes
+ * Attributes trans_a, trans_b (int): a held as [..., K, M], b as [..., N, K]. torch_threads (int,
+ * optional): 1 where the session runs on one thread and PyTorch's OpenMP threads do the work
+ * (option cpu_thread_pool, ort_dynamo/_openmp.py): each product is the BLAS's whole, threaded
+ * by it on those threads, never cut into pieces for ORT's. a's leading axes
  * are a batch (rows of one product where a is not transposed and b one matrix); b is one matrix
  * or, for Bf16MatMul, a batch of a's leading axes (attention's products). y and bias are
  * float32. */
@@ -51,7 +54,7 @@ ORTD_EXPORT_C void ortd_torch_blas_init(void* sgemm, void* bf16_gemm, void* thre
 
 typedef struct Kernel {
   const OrtApiTable* api;
-  int64_t trans_a, trans_b;
+  int64_t trans_a, trans_b, torch_threads;
   int bf16;
 } Kernel;
 
@@ -175,7 +178,7 @@ static OrtStatus* compute(void* state, OrtKernelContext* ctx) {
   if (ka == 0) return NULL;
   Product g = {a, b, y, rows, n, ka, k->trans_a, k->trans_b, k->bf16, b_rank > 2 ? n * ka : 0, bias ? 1.0f : 0.0f,
                1, 0, 0};
-  if (blas_threads_local == NULL) { /* not MKL: the BLAS threads the product itself */
+  if (blas_threads_local == NULL || k->torch_threads) { /* the BLAS threads each product itself */
     for (int64_t p = 0; p < products; p++) multiply(&g, p, 0, rows, 0, n);
     return NULL;
   }
@@ -206,6 +209,13 @@ static OrtStatus* create(const OrtCustomOp* op, const OrtApiTable* api, const Or
   k->bf16 = op == &bf16_matmul_op;
   OrtStatus* status = ORTD_CALL(api, KernelInfoGetAttribute_int64)(info, "trans_a", &k->trans_a);
   if (!status) status = ORTD_CALL(api, KernelInfoGetAttribute_int64)(info, "trans_b", &k->trans_b);
+  if (!status) {
+    OrtStatus* absent = ORTD_CALL(api, KernelInfoGetAttribute_int64)(info, "torch_threads", &k->torch_threads);
+    if (absent) { /* optional: models made before it have none */
+      ORTD_CALL(api, ReleaseStatus)(absent);
+      k->torch_threads = 0;
+    }
+  }
   if (status) {
     free(k);
     return status;

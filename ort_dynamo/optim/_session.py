@@ -21,7 +21,7 @@ import onnxruntime as ort
 import torch
 from onnxruntime.capi import _pybind_state as C
 
-from .. import _kernels, _pointwise
+from .. import _kernels, _openmp, _pointwise
 from ..errors import OrtRuntimeError
 from ..options import resolve_options
 from ..run import ort_device, providers_for, run_options, session_options
@@ -97,6 +97,9 @@ class BoundSession:
         self._pending = None
         #: Distinct pointwise kernels of the graph now running.
         self.kernels = 0
+        #: The session with the kernels runs on PyTorch's OpenMP threads (``_openmp``): as the
+        #: model's sessions do, so that neither pool's threads spin against the other's.
+        self._torch_threads = False
         self.session = self._binding = None
         built = None
         if (pointwise_kernels and device.type == "cpu" and options.pointwise_kernels
@@ -109,12 +112,13 @@ class BoundSession:
                             "failed: %s: %s", type(exc).__name__, exc)
                 kernels = []
             if kernels:
-                built = _kernels.built(kernels, options.cache_dir)
+                self._torch_threads = _openmp.applies(options, "cpu", products=False)
+                built = _kernels.built(kernels, options.cache_dir, self._torch_threads)
                 if built:
                     library = concurrent.futures.Future()
                     library.set_result(built)
                 else:
-                    library = _kernels.build(kernels, options.cache_dir)
+                    library = _kernels.build(kernels, options.cache_dir, self._torch_threads)
                 self._pending = (fused, library, len(kernels))
         if built:
             # An earlier process built them (an update's kernel is the same for any model): no
@@ -125,7 +129,8 @@ class BoundSession:
 
     def _open(self, model_bytes: bytes, library: str) -> None:
         options = self._options
-        so = session_options(options, self.device.type, library, self.device.index or 0)
+        so = session_options(options, self.device.type, library, self.device.index or 0,
+                             torch_threads=self._torch_threads and bool(library))
         # Basic level: constant folding and Identity removal; the graph is already minimal.
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         try:
