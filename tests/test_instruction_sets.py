@@ -35,6 +35,12 @@ TARGETS = {
 }
 
 
+def _flags_for(march: str, flags=None) -> list[str]:
+    """The kernels' compiler flags (``flags``, default ``_kernels._FLAGS``) for ``-march=march``
+    instead of the machine's own."""
+    return [f if f != "-march=native" else f"-march={march}" for f in (_kernels._FLAGS if flags is None else flags)]
+
+
 @pytest.fixture(scope="module")
 def attention_library(tmp_path_factory):
     """attention_library(target): tests/csrc/attention_entry.c built for that target, once per module."""
@@ -47,7 +53,7 @@ def attention_library(tmp_path_factory):
                 pytest.skip("no C compiler")
             march = TARGETS[target][0]
             out = tmp_path_factory.mktemp("attention") / f"attention_{march}.so"
-            flags = [f if f != "-march=native" else f"-march={march}" for f in _kernels._FLAGS]
+            flags = _flags_for(march)
             subprocess.run([compiler[0], *flags, "-shared", "-I", CSRC, ENTRY, "-o", str(out), "-lm"], check=True,
                            capture_output=True, text=True)
             built[target] = ctypes.CDLL(str(out))
@@ -110,7 +116,7 @@ def test_a_kernel_loop_with_an_exp_vectorizes_for_avx2(tmp_path):
                       "void f(const float* restrict x, float* restrict y, long n) {\n"
                       "#pragma omp simd\n"
                       "  for (long i = 0; i < n; ++i) y[i] = pw_expf(x[i]) * 0.5f;\n}\n")
-    flags = [f if f != "-march=native" else "-march=x86-64-v3" for f in _kernels._FLAGS if f != "-w"]
+    flags = [f for f in _flags_for("x86-64-v3") if f != "-w"]
     result = subprocess.run([compiler[0], *flags, "-fopt-info-vec-optimized", "-c", "-I", CSRC, str(source),
                              "-o", str(tmp_path / "exp_loop.o")], capture_output=True, text=True, check=True)
     assert "exp_loop.c:4" in result.stderr and "loop vectorized" in result.stderr, result.stderr
@@ -131,7 +137,7 @@ def test_avx512_without_bfloat16_builds_the_float32_products_and_convolutions(mo
     if missing or _kernels._compiler() is None:
         pytest.skip(f"this CPU lacks {sorted(missing)}" if missing else "no C compiler")
     compiler, version, flags, libs = _kernels._toolchain()
-    v4 = tuple(f if f != "-march=native" else "-march=x86-64-v4" for f in flags)
+    v4 = tuple(_flags_for("x86-64-v4", flags))
     cached = (_kernels.float32_products, _kernels.bfloat16_products)
     monkeypatch.setattr(_kernels, "_toolchain", lambda: (compiler, version, v4, libs))
     for question in cached:
@@ -183,7 +189,7 @@ def test_pw_expf_is_within_one_ulp_flushes_below_flt_min_and_keeps_inf_and_nan(t
         march, _, needs = TARGETS[target]
         if needs - _cpu_flags():
             pytest.skip(f"this CPU lacks {sorted(needs - _cpu_flags())}")
-        flags = [f if f != "-march=native" else f"-march={march}" for f in flags]
+        flags = _flags_for(march, flags)
     source = tmp_path / "exp_entry.c"
     source.write_text('#include "pointwise.h"\n'
                       "__attribute__((visibility(\"default\")))\n"
