@@ -140,3 +140,13 @@ def test_auto_takes_pytorchs_threads_for_a_graph_of_products_and_kernels(monkeyp
 def test_contradicting_thread_options_are_refused_by_name(options, message):
     with pytest.raises(OptionsError, match=message):
         OrtOptions.from_mapping(options)
+
+
+def test_an_explicit_torch_pool_that_cannot_apply_says_why_and_keeps_orts_threads(monkeypatch):
+    from ort_dynamo import partition
+
+    monkeypatch.setattr(_openmp, "problem", lambda: "this torch's OpenMP is not GNU OpenMP")
+    monkeypatch.setattr(partition, "_WARNED", set())
+    with pytest.warns(UserWarning, match="cpu_thread_pool='torch' cannot apply.*not GNU OpenMP"):
+        assert not _openmp.applies(OrtOptions(cpu_thread_pool="torch"), "cpu", {(_torch_blas.DOMAIN, "MatMul")})
+    assert not _openmp.applies(OrtOptions(), "cpu", {(_torch_blas.DOMAIN, "MatMul")})  # auto: quietly
