@@ -12,6 +12,7 @@ and its kernels come from the library flavor whose tasks go to the same threads
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 from . import _kernels, _torch_blas
@@ -21,10 +22,19 @@ __all__ = ["applies", "describe", "problem"]
 
 _LIBGOMP = "libgomp.so.1"
 #: ORT's own ops that thread their work and would run on one thread here (ORT's domain; the
-#: Microsoft one's products). Left in a graph, ``auto`` keeps ORT's threads.
+#: Microsoft one's products and attention).
 THREADED_ORT_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "FusedMatMul", "FusedGemm", "Einsum",
                               "LSTM", "GRU", "RNN", "MaxPool", "AveragePool", "MatMulInteger", "ConvInteger",
                               "QLinearConv", "QLinearMatMul", "Attention", "MultiHeadAttention"})
+#: ``auto`` takes PyTorch's threads while ORT's threaded ops do at most this share of the graph's
+#: multiply-adds (theirs and torch's BLAS products'). A ViT's patch convolution is a few percent:
+#: on one thread it costs less than the wake-ups the pool saves (the tiny ViT of
+#: benchmarks/hf_models.py: 0.77 of the step on ORT's threads); a ResNet's convolutions are all of it.
+MAX_THREADED_ORT_SHARE = 0.2
+#: A symbolic dimension's size in that estimate (a batch or a sequence: both sides have them).
+_SYMBOLIC_SIZE = 8
+_CONVOLUTIONS = frozenset({"Conv", "ConvInteger", "QLinearConv"})
+_PRODUCTS = frozenset({"MatMul", "Gemm", "FusedMatMul", "FusedGemm", "MatMulInteger"})
 
 
 @functools.lru_cache(None)
@@ -50,11 +60,61 @@ def _passive() -> bool:
     return os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
 
 
-def applies(options: OrtOptions, device: str, op_types: set[tuple[str, str]] = frozenset(),
-            kernels: bool = True, products: bool = True) -> bool:
-    """Whether a graph on ``device`` runs on PyTorch's OpenMP threads. ``op_types``: its nodes'
-    (domain, op type) after the products went to torch's BLAS; ``auto`` asks that none of ORT's
-    threaded ops is left, and that the graph gets its pointwise kernels (``kernels``).
+def _numel(value) -> float:
+    if value is None or value.shape is None:
+        return math.inf
+    return math.prod(d if isinstance(d, int) else _SYMBOLIC_SIZE for d in value.shape)
+
+
+def _inner(value, axis: int) -> float:
+    """The size of ``value``'s ``axis`` (a product's summed axis), inf where unknown."""
+    if value is None or value.shape is None or len(value.shape) < -axis:
+        return math.inf
+    d = value.shape[axis]
+    return d if isinstance(d, int) else _SYMBOLIC_SIZE
+
+
+def _multiply_adds(node) -> float:
+    """About how many multiply-adds ``node`` (a product, a convolution, a pooling of ORT's or a
+    product of torch's BLAS) does; inf where its shapes or its kind do not say (an RNN, an
+    Einsum, attention): ``auto`` then keeps ORT's threads."""
+    out = node.outputs[0] if node.outputs else None
+    if node.op_type in _CONVOLUTIONS:
+        weight = node.inputs[3 if node.op_type == "QLinearConv" else 1]
+        return _numel(out) * (_numel(weight) / _inner(weight, -len(weight.shape)) if weight is not None
+                              and weight.shape is not None and len(weight.shape) > 1 else math.inf)
+    if node.op_type == "ConvTranspose":
+        weight = node.inputs[1]
+        return _numel(node.inputs[0]) * (_numel(weight) / _inner(weight, -len(weight.shape)) if weight is not None
+                                         and weight.shape is not None and len(weight.shape) > 1 else math.inf)
+    if node.op_type in ("MaxPool", "AveragePool"):
+        kernel = node.attributes.get_ints("kernel_shape", None)
+        return _numel(out) * (math.prod(kernel) if kernel else math.inf)
+    if node.op_type in _PRODUCTS or node.op_type == "Bf16MatMul":
+        a = node.inputs[0]
+        trans = node.attributes.get_int("transA", node.attributes.get_int("trans_a", 0))
+        return _numel(out) * _inner(a, -2 if trans else -1)
+    return math.inf
+
+
+def threaded_ort_share(nodes, products_domain: str) -> float:
+    """The share of the multiply-adds of ``nodes`` (a graph's, after the rewrites) that ORT's
+    own threaded ops do, against those of the products of ``products_domain`` (torch's BLAS)."""
+    own = sum(_multiply_adds(n) for n in nodes if n.domain in ("", "ai.onnx", "com.microsoft")
+              and n.op_type in THREADED_ORT_OPS)
+    if own == 0:
+        return 0.0
+    theirs = sum(_multiply_adds(n) for n in nodes if n.domain == products_domain)
+    if math.isinf(own) or math.isnan(theirs):
+        return 1.0
+    return own / (own + theirs) if not math.isinf(theirs) else 0.0
+
+
+def applies(options: OrtOptions, device: str, threaded_share: float = 0.0, kernels: bool = True,
+            products: bool = True) -> bool:
+    """Whether a graph on ``device`` runs on PyTorch's OpenMP threads. ``threaded_share``: the
+    share of its multiply-adds left to ORT's own threaded ops (``threaded_ort_share``); ``auto``
+    asks that it be small, and that the graph gets its pointwise kernels (``kernels``).
     ``products``: the graph may multiply matrices, so torch's BLAS must apply (an optimizer's
     graph does not). Says once why an explicit ``torch`` cannot apply."""
     if device != "cpu" or options.cpu_thread_pool == "ort":
@@ -70,7 +130,7 @@ def applies(options: OrtOptions, device: str, op_types: set[tuple[str, str]] = f
         return True
     if options.intra_op_num_threads or _passive() or not kernels:
         return False
-    return not any(domain in ("", "ai.onnx", "com.microsoft") and op in THREADED_ORT_OPS for domain, op in op_types)
+    return threaded_share <= MAX_THREADED_ORT_SHARE
 
 
 def describe() -> str:
@@ -81,4 +141,5 @@ def describe() -> str:
         return "ORT's (OMP_WAIT_POLICY=PASSIVE: PyTorch's threads sleep between ops too)"
     if not _torch_blas.applies(OrtOptions(), "cpu"):
         return "ORT's (products stay on MLAS here: cpu_matmul)"
-    return "PyTorch's OpenMP threads, for graphs without ORT's threaded ops (convolutions, RNNs)"
+    return (f"PyTorch's OpenMP threads, for graphs whose convolutions and other ops ORT threads itself do at "
+            f"most {MAX_THREADED_ORT_SHARE:.0%} of the multiply-adds")

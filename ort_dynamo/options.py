@@ -205,8 +205,10 @@ class OrtOptions:
         "(its Linux builds), torch's BLAS (`cpu_matmul`) and the pointwise kernels; without them ORT's "
         "threads, with a warning. `ort`: ORT's intra-op threads (`intra_op_num_threads`). `auto`: "
         "`torch` where all of that holds, `intra_op_num_threads` is 0, OMP_WAIT_POLICY is not PASSIVE "
-        "(then PyTorch's threads sleep too), and no op of ORT's own that threads its work "
-        "(a convolution, an RNN, a product left to MLAS) remains in the graph; else `ort`.", "")
+        "(then PyTorch's threads sleep too), and ORT's own ops that thread their work (convolutions, "
+        "products left to MLAS) do at most a fifth of the graph's multiply-adds, and no RNN or other op "
+        "of unknown work is left (a ViT's patch convolution is a few percent, a ResNet's are all); "
+        "else `ort`.", "")
     cuda_memory_pattern: bool = _field(
         False, "On CUDA, ORT's memory pattern (`SessionOptions.enable_mem_pattern`): after a run, "
         "each later run of the same shapes allocates its intermediates as one block of the run's "

@@ -43,9 +43,11 @@ _TYPE_OF_FIRST_INPUT = {
 def _on_torch_threads(exported: ExportedGraph, model: ir.Model, options: OrtOptions) -> None:
     """Decide whether the graph's session runs on PyTorch's OpenMP threads (``_openmp``); if so,
     its products on torch's BLAS are threaded by the BLAS itself there."""
+    if exported.device != "cpu":
+        return
     nodes = [*model.graph, *(node for function in model.functions.values() for node in function)]
-    op_types = {(node.domain, node.op_type) for node in nodes}
-    exported.torch_threads = _openmp.applies(options, exported.device, op_types,
+    exported.torch_threads = _openmp.applies(options, exported.device,
+                                             _openmp.threaded_ort_share(nodes, _torch_blas.DOMAIN),
                                              pointwise_kernels_apply(options, exported.device))
     if exported.torch_threads:
         for node in nodes:

@@ -3,6 +3,7 @@ split their work over PyTorch's OpenMP threads, the ones eager's ops use; "auto"
 graphs without ORT's own threaded ops, "ort" keeps ORT's intra-op threads."""
 
 import ctypes
+import os
 
 import pytest
 import torch
@@ -112,24 +113,66 @@ def test_products_on_pytorchs_threads_are_marked_for_the_blas_to_thread(tmp_path
     assert products and all(onnx.helper.get_node_attr_value(n, "torch_threads") == 1 for n in products)
 
 
-def test_auto_keeps_orts_threads_where_ort_threads_an_op_itself_or_the_user_asked_for_them(monkeypatch):
-    blas = {(_torch_blas.DOMAIN, "MatMul"), ("ort_dynamo.pointwise", "pw_0")}
-    assert not _openmp.applies(OrtOptions(), "cpu", blas | {("", "Conv")})
-    assert not _openmp.applies(OrtOptions(), "cpu", blas | {("com.microsoft", "FusedMatMul")})
-    assert not _openmp.applies(OrtOptions(), "cpu", blas, kernels=False)
-    assert not _openmp.applies(OrtOptions(intra_op_num_threads=2), "cpu", blas)
-    assert not _openmp.applies(OrtOptions(cpu_thread_pool="ort"), "cpu", blas)
-    assert not _openmp.applies(OrtOptions(), "cuda", blas)
+def _value(name, shape):
+    import onnx_ir as ir
+
+    return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
+
+
+def _product(domain, a, b, out, **attributes):
+    import onnx_ir as ir
+
+    node = ir.node("MatMul", [_value("a", a), _value("b", b)], attributes=attributes, domain=domain)
+    node.outputs[0].shape = ir.Shape(out)
+    return node
+
+
+def _conv(x, w, out):
+    import onnx_ir as ir
+
+    node = ir.node("Conv", [_value("x", x), _value("w", w)])
+    node.outputs[0].shape = ir.Shape(out)
+    return node
+
+
+def test_the_share_of_work_left_to_orts_threaded_ops_counts_multiply_adds():
+    blas = _torch_blas.DOMAIN
+    products = [_product(blas, ["batch", 64, 256], [256, 256], ["batch", 64, 256]) for _ in range(10)]
+    # A ViT's patch embedding: 64 patches of 3 x 4 x 4 values into 256 channels, next to 10 products
+    # of 64 x 256 x 256 each (per sample): 786 432 against 41 943 040 multiply-adds.
+    patches = _conv(["batch", 3, 32, 32], [256, 3, 4, 4], ["batch", 256, 8, 8])
+    share = _openmp.threaded_ort_share([*products, patches], blas)
+    assert share == pytest.approx(786432 / (786432 + 41943040))
+    assert _openmp.applies(OrtOptions(), "cpu", share) == (not _openmp.problem() and _torch_blas.applies(
+        OrtOptions(), "cpu") and os.environ.get("OMP_WAIT_POLICY", "").lower() != "passive")
+    # A ResNet's convolutions are nearly all of it.
+    convs = [_conv(["batch", 64, 32, 32], [64, 64, 3, 3], ["batch", 64, 32, 32]) for _ in range(8)]
+    assert _openmp.threaded_ort_share([*convs, products[0]], blas) > 0.9
+    # A product MLAS keeps weighs as much as one on torch's BLAS (transA reads the other axis).
+    mlas = _product("com.microsoft", [256, 1024], [256, 64], [1024, 64], transA=1)
+    assert _openmp.threaded_ort_share([mlas, _product(blas, [1024, 256], [256, 64], [1024, 64])], blas) == 0.5
+    # An op whose work the shapes do not tell (an RNN) or a shape not known: ORT's threads keep it.
+    import onnx_ir as ir
+
+    assert _openmp.threaded_ort_share([ir.node("LSTM", [_value("x", [5, 2, 8])]), *products], blas) == 1.0
+    assert _openmp.threaded_ort_share(products, blas) == 0.0
+
+
+def test_auto_keeps_orts_threads_where_they_do_much_or_the_user_asked_for_them(monkeypatch):
+    assert not _openmp.applies(OrtOptions(), "cpu", 0.5)
+    assert not _openmp.applies(OrtOptions(), "cpu", 0.0, kernels=False)
+    assert not _openmp.applies(OrtOptions(intra_op_num_threads=2), "cpu")
+    assert not _openmp.applies(OrtOptions(cpu_thread_pool="ort"), "cpu")
+    assert not _openmp.applies(OrtOptions(), "cuda")
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # PyTorch's threads sleep between ops too
-    assert not _openmp.applies(OrtOptions(), "cpu", blas)
+    assert not _openmp.applies(OrtOptions(), "cpu")
 
 
 @needs_openmp
 def test_auto_takes_pytorchs_threads_for_a_graph_of_products_and_kernels(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    blas = {(_torch_blas.DOMAIN, "MatMul"), ("", "LayerNormalization"), ("", "Reshape")}
-    assert _openmp.applies(OrtOptions(cpu_matmul="torch_blas"), "cpu", blas)
-    assert _openmp.applies(OrtOptions(cpu_matmul="auto"), "cpu", blas) == _torch_blas.applies(OrtOptions(), "cpu")
+    assert _openmp.applies(OrtOptions(cpu_matmul="torch_blas"), "cpu", 0.1)
+    assert _openmp.applies(OrtOptions(cpu_matmul="auto"), "cpu") == _torch_blas.applies(OrtOptions(), "cpu")
 
 
 @pytest.mark.parametrize("options, message", [
@@ -148,5 +191,5 @@ def test_an_explicit_torch_pool_that_cannot_apply_says_why_and_keeps_orts_thread
     monkeypatch.setattr(_openmp, "problem", lambda: "this torch's OpenMP is not GNU OpenMP")
     monkeypatch.setattr(partition, "_WARNED", set())
     with pytest.warns(UserWarning, match="cpu_thread_pool='torch' cannot apply.*not GNU OpenMP"):
-        assert not _openmp.applies(OrtOptions(cpu_thread_pool="torch"), "cpu", {(_torch_blas.DOMAIN, "MatMul")})
-    assert not _openmp.applies(OrtOptions(), "cpu", {(_torch_blas.DOMAIN, "MatMul")})  # auto: quietly
+        assert not _openmp.applies(OrtOptions(cpu_thread_pool="torch"), "cpu")
+    assert not _openmp.applies(OrtOptions(), "cpu")  # auto: quietly
