@@ -17,8 +17,9 @@ import os
 
 from . import _kernels, _torch_blas
 from .options import OrtOptions
+from .partition import warn_once
 
-__all__ = ["applies", "describe", "problem"]
+__all__ = ["applies", "describe", "problem", "threaded_ort_share"]
 
 _LIBGOMP = "libgomp.so.1"
 #: ORT's own ops that thread their work and would run on one thread here (ORT's domain; the
@@ -74,19 +75,23 @@ def _inner(value, axis: int) -> float:
     return d if isinstance(d, int) else _SYMBOLIC_SIZE
 
 
+def _per_output(weight) -> float:
+    """Multiply-adds per output value of a convolution with ``weight`` (out or in channels first,
+    then the rest: its other axes' sizes), inf where unknown."""
+    if weight is None or weight.shape is None or len(weight.shape) < 2:
+        return math.inf
+    return math.prod(d if isinstance(d, int) else _SYMBOLIC_SIZE for d in weight.shape[1:])
+
+
 def _multiply_adds(node) -> float:
     """About how many multiply-adds ``node`` (a product, a convolution, a pooling of ORT's or a
     product of torch's BLAS) does; inf where its shapes or its kind do not say (an RNN, an
     Einsum, attention): ``auto`` then keeps ORT's threads."""
     out = node.outputs[0] if node.outputs else None
     if node.op_type in _CONVOLUTIONS:
-        weight = node.inputs[3 if node.op_type == "QLinearConv" else 1]
-        return _numel(out) * (_numel(weight) / _inner(weight, -len(weight.shape)) if weight is not None
-                              and weight.shape is not None and len(weight.shape) > 1 else math.inf)
-    if node.op_type == "ConvTranspose":
-        weight = node.inputs[1]
-        return _numel(node.inputs[0]) * (_numel(weight) / _inner(weight, -len(weight.shape)) if weight is not None
-                                         and weight.shape is not None and len(weight.shape) > 1 else math.inf)
+        return _numel(out) * _per_output(node.inputs[3 if node.op_type == "QLinearConv" else 1])
+    if node.op_type == "ConvTranspose":  # per input value: its weight is [in, out / groups, ...]
+        return _numel(node.inputs[0]) * _per_output(node.inputs[1])
     if node.op_type in ("MaxPool", "AveragePool"):
         kernel = node.attributes.get_ints("kernel_shape", None)
         return _numel(out) * (math.prod(kernel) if kernel else math.inf)
@@ -123,8 +128,8 @@ def applies(options: OrtOptions, device: str, threaded_share: float = 0.0, kerne
     if reason := problem() or ("torch's BLAS does not apply" if products and not _torch_blas.applies(options, device)
                                else ""):
         if asked:
-            _torch_blas._warn_once(f"ort_dynamo: cpu_thread_pool='torch' cannot apply, ORT's threads run "
-                                   f"the sessions: {reason}")
+            warn_once(f"ort_dynamo: cpu_thread_pool='torch' cannot apply, ORT's threads run the sessions: "
+                      f"{reason}", stacklevel=2)
         return False
     if asked:
         return True

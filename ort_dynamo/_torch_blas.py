@@ -11,10 +11,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import warnings
 
 from . import _kernels
 from .options import OrtOptions
+from .partition import warn_once
 
 __all__ = ["DOMAIN", "applies", "bfloat16_products", "describe", "library", "problem"]
 
@@ -53,12 +53,12 @@ def applies(options: OrtOptions, device: str) -> bool:
         return False
     if problem():
         if options.cpu_matmul == "torch_blas":
-            _warn_once(f"ort_dynamo: cpu_matmul='torch_blas' cannot apply, ORT multiplies instead: {problem()}")
+            warn_once(f"ort_dynamo: cpu_matmul='torch_blas' cannot apply, ORT multiplies instead: {problem()}")
         return False
     try:
         library(options.cache_dir)  # built once per machine: a model must not name ops nothing registers
     except _kernels.KernelBuildError as exc:
-        _warn_once(f"ort_dynamo: torch's BLAS products could not be built, ORT multiplies instead: {exc}")
+        warn_once(f"ort_dynamo: torch's BLAS products could not be built, ORT multiplies instead: {exc}")
         return False
     return True
 
@@ -71,14 +71,6 @@ def bfloat16_products() -> bool:
     except (OSError, AttributeError):
         return False
     return True
-
-
-def _warn_once(message: str) -> None:
-    from .partition import _WARNED  # the package's once-per-cause record, cleared by ort_dynamo.reset()
-
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, stacklevel=3)
 
 
 def describe() -> str:

@@ -124,10 +124,9 @@ def _cpu_flash(options: OrtOptions, device: str) -> str:
         return ""
     problem = _torch_attention.problem()
     if options.cpu_torch_attention:
-        if problem and problem not in partition_stage._WARNED:  # once per cause, until ort_dynamo.reset()
-            partition_stage._WARNED.add(problem)
-            warnings.warn(f"ort_dynamo: cpu_torch_attention: attention runs on ORT written out instead: {problem}",
-                          stacklevel=3)
+        if problem:
+            partition_stage.warn_once(f"ort_dynamo: cpu_torch_attention: attention runs on ORT written out "
+                                      f"instead: {problem}", cause=problem, stacklevel=3)
         return "" if problem else "torch"
     own = options.cpu_attention_kernel and not problem and rewrite_stage.pointwise_kernels_apply(options, device)
     return "own" if own else ""

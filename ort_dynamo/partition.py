@@ -314,12 +314,18 @@ def refuse_or_warn(unsupported: list[FallbackNode], policy: FallbackPolicy, why:
             f"PyTorch.\n  op: {first.op}\n  source: {first.source or '(unknown)'}\n  reason: {first.reason}"
             + (f"\n  ({len(unsupported) - 1} more unsupported node(s))" if len(unsupported) > 1 else ""))
     for fallback in unsupported:
-        cause = (fallback.op, fallback.reason)
-        if cause not in _WARNED:
-            _WARNED.add(cause)
-            warnings.warn(f"ort_dynamo: {fallback.op} runs in PyTorch: {fallback.reason}"
-                          f"{' (first at ' + fallback.source + ')' if fallback.source else ''}. "
-                          "See ort_dynamo.report().", stacklevel=3)
+        warn_once(f"ort_dynamo: {fallback.op} runs in PyTorch: {fallback.reason}"
+                  f"{' (first at ' + fallback.source + ')' if fallback.source else ''}. "
+                  "See ort_dynamo.report().", cause=(fallback.op, fallback.reason), stacklevel=3)
+
+
+def warn_once(message: str, cause=None, stacklevel: int = 2) -> None:
+    """``warnings.warn(message)`` unless ``cause`` (default: the message) was warned of since
+    ``ort_dynamo.reset()``; ``stacklevel`` counts from the caller, as ``warnings.warn``'s."""
+    cause = message if cause is None else cause
+    if cause not in _WARNED:
+        _WARNED.add(cause)
+        warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 _KEPT_REASON = ("PyTorch's fused CUDA attention, kept by design (option cuda_torch_attention): "

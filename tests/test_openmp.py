@@ -3,8 +3,11 @@ split their work over PyTorch's OpenMP threads, the ones eager's ops use; "auto"
 graphs without ORT's own threaded ops, "ort" keeps ORT's intra-op threads."""
 
 import ctypes
+import glob
 import os
 
+import onnx
+import onnx_ir as ir
 import pytest
 import torch
 
@@ -104,32 +107,22 @@ def test_products_on_pytorchs_threads_are_marked_for_the_blas_to_thread(tmp_path
     x.grad = None
     layer(x).sum().backward()
     torch.testing.assert_close(want, x.grad)
-    import glob
-
-    import onnx
-
     products = [node for path in glob.glob(f"{tmp_path}/*.onnx") for node in onnx.load(path).graph.node
                 if node.domain == _torch_blas.DOMAIN]
     assert products and all(onnx.helper.get_node_attr_value(n, "torch_threads") == 1 for n in products)
 
 
 def _value(name, shape):
-    import onnx_ir as ir
-
     return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(ir.DataType.FLOAT))
 
 
 def _product(domain, a, b, out, **attributes):
-    import onnx_ir as ir
-
     node = ir.node("MatMul", [_value("a", a), _value("b", b)], attributes=attributes, domain=domain)
     node.outputs[0].shape = ir.Shape(out)
     return node
 
 
 def _conv(x, w, out):
-    import onnx_ir as ir
-
     node = ir.node("Conv", [_value("x", x), _value("w", w)])
     node.outputs[0].shape = ir.Shape(out)
     return node
@@ -152,8 +145,6 @@ def test_the_share_of_work_left_to_orts_threaded_ops_counts_multiply_adds():
     mlas = _product("com.microsoft", [256, 1024], [256, 64], [1024, 64], transA=1)
     assert _openmp.threaded_ort_share([mlas, _product(blas, [1024, 256], [256, 64], [1024, 64])], blas) == 0.5
     # An op whose work the shapes do not tell (an RNN) or a shape not known: ORT's threads keep it.
-    import onnx_ir as ir
-
     assert _openmp.threaded_ort_share([ir.node("LSTM", [_value("x", [5, 2, 8])]), *products], blas) == 1.0
     assert _openmp.threaded_ort_share(products, blas) == 0.0
 
