@@ -1550,11 +1550,12 @@ def f32_matmuls_as_kernels(graph: ir.Graph, supported) -> list[str]:
 
 
 def blas_products(graph: ir.Graph, domain: str, bfloat16: bool) -> int:
-    """Each MatMul whose second operand is one matrix, and each Gemm (alpha 1, a bias of one
-    value per output column if any), of float32 values -> ``domain``'s MatMul (csrc/torch_blas.c:
-    torch's BLAS); of two bfloat16 values widened (CPU autocast's products), where ``bfloat16``,
-    -> its Bf16MatMul, which reads them as bfloat16 and writes the float32 sums the MatMul did,
-    also where both are batches of the same shape (attention's products written out).
+    """Each MatMul whose second operand is one matrix or a batch of the first's batch shape
+    (attention's products written out: XLNet's einsums, T5's, GPT-J's), and each Gemm (alpha 1, a
+    bias of one value per output column if any), of float32 values -> ``domain``'s MatMul
+    (csrc/torch_blas.c: torch's BLAS); of two bfloat16 values widened (CPU autocast's products),
+    where ``bfloat16``, -> its Bf16MatMul, which reads them as bfloat16 and writes the float32
+    sums the MatMul did. Batches that broadcast stay ORT's.
     Transposes of the operands' last two axes are folded in, and a Transpose of the result's (a
     weight gradient's) done by multiplying the operands the other way round. Returns the count."""
     count = 0
@@ -1571,7 +1572,7 @@ def blas_products(graph: ir.Graph, domain: str, bfloat16: bool) -> int:
                 continue
         else:
             continue
-        batched = (_rank(b) or 0) > 2  # attention's products: bfloat16 ones only (below)
+        batched = (_rank(b) or 0) > 2
         if alpha != 1.0 or not all(_is_float32(v) for v in (a, b, bias) if v is not None) \
                 or _rank(a) is None or _rank(a) < 2 or (_rank(b) or 0) < 2 \
                 or (batched and (_rank(a) != _rank(b) or list(a.shape.dims[:-2]) != list(b.shape.dims[:-2]))):
@@ -1586,8 +1587,8 @@ def blas_products(graph: ir.Graph, domain: str, bfloat16: bool) -> int:
             operands.append(operand)
             transposed.append(flag != swapped)
             sources.append(source)
-        if (any(sources) or batched) and not (bfloat16 and all(sources)):
-            continue  # one bfloat16 operand: the bfloat16 kernels' case; float32 batches: ORT's
+        if any(sources) and not (bfloat16 and all(sources)):
+            continue  # one bfloat16 operand: the bfloat16 kernels' case
         if all(sources):
             operands = [_in_bfloat16(graph, source, node) for source in sources]
         target = node.outputs[0]

@@ -26,6 +26,8 @@ _SGEMM = "sgemm_"
 _BF16_GEMM = "gemm_bf16bf16f32_"
 #: MKL's: a product kept to the calling thread, so it runs on ORT's threads (absent: OpenMP's).
 _THREADS_LOCAL = "MKL_Set_Num_Threads_Local"  # by value (the lowercase names are Fortran's)
+#: MKL's batch of products in one call, spread over its threads (eager's bmm on CPU).
+_SGEMM_BATCH = "sgemm_batch_"
 
 
 @functools.lru_cache(None)
@@ -110,6 +112,6 @@ def hand_in(path: str, pieces: int) -> None:
     loaded = ctypes.CDLL(path)
     torch_cpu = _kernels.torch_library("libtorch_cpu.so")
     sgemm = ctypes.cast(getattr(torch_cpu, _SGEMM), ctypes.c_void_p)
-    optional = [ctypes.cast(getattr(torch_cpu, name, None) or 0, ctypes.c_void_p) for name in (_BF16_GEMM, _THREADS_LOCAL)]
-    loaded.ortd_torch_blas_init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    optional = [ctypes.cast(getattr(torch_cpu, name, None) or 0, ctypes.c_void_p) for name in (_BF16_GEMM, _THREADS_LOCAL, _SGEMM_BATCH)]
+    loaded.ortd_torch_blas_init.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
     loaded.ortd_torch_blas_init(sgemm, *optional, pieces)

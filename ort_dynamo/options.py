@@ -188,7 +188,8 @@ class OrtOptions:
         "`cpu_torch_attention` takes precedence.", "")
     cpu_matmul: str = _field(
         "auto", "Who multiplies matrices on CPU (float32 MatMul and Gemm, their folded transposes, a "
-        "Gemm's bias; and CPU autocast's bfloat16 products). `torch_blas`: the BLAS eager's own "
+        "Gemm's bias, batches of products such as attention's written out; and CPU autocast's "
+        "bfloat16 products). `torch_blas`: the BLAS eager's own "
         "products run on (MKL in PyTorch's x86 builds, its bfloat16 product on AMX where the CPU has "
         "it), called from inside the ORT session as a custom op (needs a C compiler, built once). "
         "`ort`: ORT's MLAS, and ort_dynamo's own products where they were faster "

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ort_dynamo
-from ort_dynamo import _kernels, _torch_blas
+from ort_dynamo import _kernels, _openmp, _torch_blas
 from ort_dynamo.errors import OptionsError
 
 pytestmark = pytest.mark.skipif(bool(_torch_blas.problem()), reason="needs a C compiler and torch's sgemm_")
@@ -21,15 +21,15 @@ def _products(save_path) -> list[tuple[str, str]]:
             for node in onnx.load(path).graph.node if node.op_type in ("MatMul", "Gemm", "FusedMatMul", "Bf16MatMul")]
 
 
-def _train_step(fn, inputs, tmp_path=None, matmul="torch_blas"):
+def _train_step(fn, inputs, tmp_path=None, matmul="torch_blas", **options):
     """Output and every input's gradient, eager without ``tmp_path``, else compiled with
-    ``cpu_matmul=matmul`` and its models saved under ``tmp_path``."""
+    ``cpu_matmul=matmul`` and ``options``, its models saved under ``tmp_path``."""
     args = [t.clone().requires_grad_() for t in inputs]
     if tmp_path is not None:
         ort_dynamo.reset()
         torch._dynamo.reset()
         fn = torch.compile(fn, backend="ort", options={"cpu_matmul": matmul, "fallback_policy": "DISABLE",
-                                                       "save_onnx": True, "save_path": str(tmp_path)})
+                                                       "save_onnx": True, "save_path": str(tmp_path), **options})
     out = fn(*args)
     (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
     return [out.detach(), *(a.grad for a in args)]
@@ -84,8 +84,47 @@ def test_a_transformer_trains_like_eager_with_every_product_on_torchs_blas(tmp_p
     for a, b in zip(got, eager, strict=True):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-4, atol=1e-5)
     products = _products(tmp_path)
-    # Attention's batched products (both operands batched) stay ORT's.
     assert products.count((_torch_blas.DOMAIN, "MatMul")) >= 8 and ("", "Gemm") not in products
+
+
+#: Products of two batches of the same shape: attention written out (XLNet's einsums, a
+#: hand-written softmax(q k^T) v), in forward and in each gradient.
+BATCHED = {
+    "scores, k transposed": (lambda q, k: q @ k.transpose(-1, -2), [(2, 3, 10, 8), (2, 3, 12, 8)]),
+    "weighted values": (lambda p, v: p @ v, [(2, 3, 10, 12), (2, 3, 12, 8)]),
+    "first operand transposed": (lambda a, b: a.transpose(-1, -2) @ b, [(4, 9, 5), (4, 9, 7)]),
+    "einsum": (lambda q, k: torch.einsum("bind,bjnd->bnij", q, k), [(2, 6, 3, 8), (2, 7, 3, 8)]),
+}
+
+
+@pytest.mark.parametrize("pool", ["torch", "ort"])
+@pytest.mark.parametrize("case", BATCHED)
+def test_batched_products_run_on_torchs_blas_on_either_threads(case, pool, tmp_path):
+    """On PyTorch's threads a batch is one MKL batch call (sgemm_batch_, as eager's bmm); on
+    ORT's it is cut into single-threaded products. Either way every product is torch's BLAS."""
+    if pool == "torch" and _openmp.problem():
+        pytest.skip(f"needs torch's GNU OpenMP: {_openmp.problem()}")
+    fn, shapes = BATCHED[case]
+    torch.manual_seed(0)
+    inputs = [torch.randn(s) for s in shapes]
+    got = _train_step(fn, inputs, tmp_path, cpu_thread_pool=pool)
+    _assert_like_eager(got, _train_step(fn, inputs))
+    nodes = [node for path in glob.glob(f"{tmp_path}/*.onnx") for node in onnx.load(path).graph.node
+             if node.op_type in ("MatMul", "Gemm", "FusedMatMul", "Einsum")]
+    assert nodes and all(node.domain == _torch_blas.DOMAIN for node in nodes), [n.op_type for n in nodes]
+    on_pool = [onnx.helper.get_node_attr_value(n, "torch_threads") if any(a.name == "torch_threads" for a in n.attribute)
+               else 0 for n in nodes]
+    assert on_pool == [int(pool == "torch")] * len(nodes)
+
+
+def test_batches_that_broadcast_multiply_right(tmp_path):
+    """One operand's batch broadcast against the other's (a [1, n, k, k] bias shared by a batch):
+    the product sees both batches at full size, and gives eager's values."""
+    torch.manual_seed(0)
+    inputs = [torch.randn(2, 3, 6, 5), torch.randn(1, 3, 5, 4)]
+    fn = lambda a, b: a @ b  # noqa: E731
+    _assert_like_eager(_train_step(fn, inputs, tmp_path), _train_step(fn, inputs))
+    assert _products(tmp_path)
 
 
 @pytest.mark.skipif(not _torch_blas.bfloat16_products(), reason="this torch's BLAS has no bfloat16 product")
@@ -160,6 +199,19 @@ def test_batches_of_any_size_none_included_multiply_right_under_dynamic_shapes()
     for rows in (3, 11, 0):
         x = torch.randn(rows, 5, 16)
         torch.testing.assert_close(fn(x, w), x @ w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pool", ["torch", "ort"])
+def test_batches_of_products_of_any_count_none_included_multiply_right(pool):
+    if pool == "torch" and _openmp.problem():
+        pytest.skip(f"needs torch's GNU OpenMP: {_openmp.problem()}")
+    ort_dynamo.reset()
+    torch._dynamo.reset()
+    fn = torch.compile(lambda a, b: a @ b, backend="ort", dynamic=True,
+                       options={"cpu_matmul": "torch_blas", "cpu_thread_pool": pool, "fallback_policy": "DISABLE"})
+    for batch in (1, 7, 0):
+        a, b = torch.randn(batch, 9, 16), torch.randn(batch, 16, 5)
+        torch.testing.assert_close(fn(a, b), a @ b, rtol=1e-5, atol=1e-5)
 
 
 def test_a_library_that_does_not_build_leaves_the_products_to_ort(monkeypatch, tmp_path):

@@ -14,8 +14,8 @@
  * (option cpu_thread_pool, ort_dynamo/_openmp.py): each product is the BLAS's whole, threaded
  * by it on those threads, never cut into pieces for ORT's. a's leading axes
  * are a batch (rows of one product where a is not transposed and b one matrix); b is one matrix
- * or, for Bf16MatMul, a batch of a's leading axes (attention's products). y and bias are
- * float32. */
+ * or a batch of a's leading axes (attention's products written out, one product per matrix: on
+ * PyTorch's threads one MKL sgemm_batch call, as eager's bmm). y and bias are float32. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,6 +27,12 @@ typedef void (*sgemm_fn)(const char* transa, const char* transb, const int* m, c
                          const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                          const float* beta, float* c, const int* ldc);
 
+/* MKL's sgemm_batch (Fortran's interface): groups of products of one geometry, here one group of
+ * a batch's products, which MKL spreads over its threads as eager's bmm does. */
+typedef void (*sgemm_batch_fn)(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                               const float* alpha, const float** a, const int* lda, const float** b, const int* ldb,
+                               const float* beta, float** c, const int* ldc, const int* groups, const int* group_size);
+
 /* MKL's mkl_set_num_threads_local: this thread's products on n threads (0: the global count);
  * returns the count it replaces. */
 typedef int (*threads_local_fn)(int n);
@@ -37,14 +43,17 @@ typedef void (*bf16_gemm_fn)(const char* transa, const char* transb, const int* 
                              const float* beta, float* c, const int* ldc);
 
 static sgemm_fn blas_sgemm;
+static sgemm_batch_fn blas_sgemm_batch;
 static bf16_gemm_fn blas_bf16_gemm;
 static threads_local_fn blas_threads_local;
 static int64_t blas_parts; /* how many pieces a product is cut into for ORT's threads */
 
 #define ORTD_EXPORT_C __attribute__((visibility("default")))
 
-ORTD_EXPORT_C void ortd_torch_blas_init(void* sgemm, void* bf16_gemm, void* threads_local, int64_t parts) {
+ORTD_EXPORT_C void ortd_torch_blas_init(void* sgemm, void* bf16_gemm, void* threads_local, void* sgemm_batch,
+                                        int64_t parts) {
   blas_sgemm = (sgemm_fn)sgemm;
+  blas_sgemm_batch = (sgemm_batch_fn)sgemm_batch;
   blas_bf16_gemm = (bf16_gemm_fn)bf16_gemm;
   blas_threads_local = (threads_local_fn)threads_local;
   blas_parts = parts;
@@ -114,6 +123,28 @@ static void multiply(const Product* g, int64_t p, int64_t r0, int64_t r1, int64_
                &g->beta, y, &ldc);
 }
 
+/* All of a float32 batch's products in one call, MKL spreading them over its threads: one
+ * threaded call per small product (attention's, 64 x 64) would wake the threads each time. */
+static OrtStatus* multiply_batch(const OrtApiTable* api, const Product* g, int64_t products) {
+  if (!fits(products)) return fail(api, "ort_dynamo.blas MatMul: a batch past 2^31");
+  const void** pointers = (const void**)malloc(sizeof(void*) * 3 * (size_t)products);
+  if (pointers == NULL) return fail(api, "ort_dynamo.blas MatMul: out of memory");
+  const float **as = (const float**)pointers, **bs = as + products;
+  float** ys = (float**)(bs + products);
+  for (int64_t p = 0; p < products; p++) { /* column-major, as multiply(): b first */
+    as[p] = (const float*)g->b + p * g->b_step;
+    bs[p] = (const float*)g->a + p * g->rows * g->k;
+    ys[p] = g->y + p * g->rows * g->n;
+  }
+  const int im = (int)g->n, in = (int)g->rows, ik = (int)g->k, groups = 1, size = (int)products;
+  const int lda = (int)(g->trans_b ? g->k : g->n), ldb = (int)(g->trans_a ? g->rows : g->k), ldc = (int)g->n;
+  const char ta = g->trans_b ? 'T' : 'N', tb = g->trans_a ? 'T' : 'N';
+  const float one = 1.0f;
+  blas_sgemm_batch(&ta, &tb, &im, &in, &ik, &one, as, &lda, bs, &ldb, &g->beta, ys, &ldc, &groups, &size);
+  free(pointers);
+  return NULL;
+}
+
 /* One piece on one of ORT's threads, the BLAS kept to that thread: its own threads (OpenMP's)
  * would spin, once done, against ORT's next op on the same cores. */
 static void part_task(void* user, size_t t) {
@@ -143,8 +174,8 @@ static OrtStatus* compute(void* state, OrtKernelContext* ctx) {
   if (!status) status = tensor(api, ctx, 1, b_dims, &b_rank, &b);
   if (!status && count > 2) status = tensor(api, ctx, 2, bias_dims, &bias_rank, &bias);
   if (status) return status;
-  if (a_rank < 2 || b_rank < 2 || (b_rank > 2 && (b_rank != a_rank || !k->bf16)))
-    return fail(api, "ort_dynamo.blas MatMul: a needs 2 or more axes, b 2 (Bf16MatMul: or a's)");
+  if (a_rank < 2 || b_rank < 2 || (b_rank > 2 && b_rank != a_rank))
+    return fail(api, "ort_dynamo.blas MatMul: a needs 2 or more axes, b 2 or a's");
   for (size_t i = 0; i + 2 < b_rank; i++)
     if (b_dims[i] != a_dims[i]) return fail(api, "ort_dynamo.blas MatMul: a's and b's batches differ");
   int64_t m = a_dims[a_rank - (k->trans_a ? 1 : 2)], ka = a_dims[a_rank - (k->trans_a ? 2 : 1)];
@@ -179,6 +210,7 @@ static OrtStatus* compute(void* state, OrtKernelContext* ctx) {
   Product g = {a, b, y, rows, n, ka, k->trans_a, k->trans_b, k->bf16, b_rank > 2 ? n * ka : 0, bias ? 1.0f : 0.0f,
                1, 0, 0};
   if (blas_threads_local == NULL || k->torch_threads) { /* the BLAS threads each product itself */
+    if (products > 1 && !k->bf16 && blas_sgemm_batch != NULL) return multiply_batch(api, &g, products);
     for (int64_t p = 0; p < products; p++) multiply(&g, p, 0, rows, 0, n);
     return NULL;
   }
