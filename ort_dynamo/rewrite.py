@@ -131,6 +131,8 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
         # After the kernels, whose passes match Transposes by their perm. On CUDA only where a
         # Reshape replaces the Transpose: more nodes cost host time there (not measured).
         _op_kernels.transposes_without_unit_axes(model.graph, add_nodes=exported.device == "cpu")
+        if _index_runs_as_slices(model.graph):  # after the kernels: pooling's match Gathers by their tables
+            ir.passes.common.RemoveUnusedNodesPass()(model)  # the indices
         if exported.device == "cpu":  # ORT's CPU broadcasting only (its CUDA kernels: not measured)
             _op_kernels.one_element_operands_at_full_rank(model.graph)
             ir.passes.common.RemoveUnusedNodesPass()(model)  # the Constants replaced
@@ -279,6 +281,38 @@ def _normalize_reduce_axes(graph: ir.Graph) -> None:
         fixed.outputs[0].dtype, fixed.outputs[0].shape = ir.DataType.INT64, ir.Shape([len(values)])
         graph.insert_before(node, fixed)
         node.replace_input_with(1, fixed.outputs[0])
+
+
+def _index_runs_as_slices(graph: ir.Graph) -> int:
+    """A Gather whose indices are a constant run ``s, s+1, ..., s+n-1`` inside the axis (XLNet's
+    ``index_select(x, 3, arange(klen))`` after its relative shift) -> a Slice: ORT gathers
+    element by element (0.5 ms for XLNet's [4, 4, 64, 64] on Zen 3) where a Slice copies rows.
+    Only where the axis's length is known: a Slice clamps what a Gather would refuse. Returns
+    the count."""
+    count = 0
+    for node in list(graph):
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+            continue
+        data, indices = node.inputs
+        tensor = ir.convenience.get_const_tensor(indices) if indices is not None else None
+        if tensor is None or data is None or data.shape is None or len(tensor.shape) != 1 or tensor.shape[0] == 0:
+            continue
+        axis = node.attributes.get_int("axis", 0)
+        axis = axis + len(data.shape) if axis < 0 else axis
+        values = tensor.numpy().astype(np.int64)
+        length = data.shape[axis] if 0 <= axis < len(data.shape) else None
+        if not isinstance(length, int) or values[0] < 0 or values[-1] >= length \
+                or not np.array_equal(values, np.arange(values[0], values[0] + len(values))):
+            continue
+        bounds = [_fusions._int64_constant(graph, f"{node.outputs[0].name}_{what}", [int(value)])
+                  for what, value in (("starts", values[0]), ("ends", values[-1] + 1), ("axes", axis))]
+        sliced = ir.node("Slice", [data, *bounds])
+        sliced.metadata_props.update(node.metadata_props)
+        graph.insert_before(node, sliced)
+        _fusions._take_over(node.outputs[0], sliced.outputs[0], "gathered")
+        graph.remove(node, safe=True)
+        count += 1
+    return count
 
 
 _FLOAT_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}

@@ -272,6 +272,32 @@ def test_slices_of_slices_along_other_axes_are_one_slice(tmp_path):
     assert collections.Counter(n.op_type for n in onnx.load(plain).graph.node)["Slice"] > 1
 
 
+class _IndexSelect(nn.Module):
+    """``index_select`` along the last axis by ``torch.arange(*run)`` (XLNet's relative shift keeps
+    ``arange(klen)`` of a longer axis), after a product so there is something to train."""
+
+    def __init__(self, run):
+        super().__init__()
+        self.run = run
+        self.proj = nn.Linear(10, 10)
+
+    def forward(self, x):
+        return torch.index_select(self.proj(x), -1, torch.arange(*self.run)).exp()
+
+
+@pytest.mark.parametrize("run, gathers", [
+    ((2, 8), 0),  # a run inside the axis: a Slice
+    ((0, 10), 0),  # the whole axis
+    ((0, 6, 2), 1),  # every other index: not a run
+    ((3, 0, -1), 1),  # a run backwards
+])
+def test_an_index_select_of_a_run_of_indices_is_a_slice(tmp_path, run, gathers):
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 10, requires_grad=True)
+    _, ops = _train_fused_and_plain(_IndexSelect(run), x, tmp_path)
+    assert ops["forward"]["Gather"] == gathers, ops["forward"]
+
+
 def test_reshaped_outputs_come_back_as_views_not_copies():
     """ORT copies a Reshape that is a graph output (inside a partition: e.g. a value handed from
     one backward segment to the next); the rewrite outputs its input and PyTorch takes a
