@@ -61,18 +61,22 @@ def _passive() -> bool:
     return os.environ.get("OMP_WAIT_POLICY", "").strip().lower() == "passive"
 
 
+def _size(dims) -> float:
+    """The product of ``dims``, a symbolic one counted as ``_SYMBOLIC_SIZE``."""
+    return math.prod(d if isinstance(d, int) else _SYMBOLIC_SIZE for d in dims)
+
+
 def _numel(value) -> float:
     if value is None or value.shape is None:
         return math.inf
-    return math.prod(d if isinstance(d, int) else _SYMBOLIC_SIZE for d in value.shape)
+    return _size(value.shape)
 
 
 def _inner(value, axis: int) -> float:
     """The size of ``value``'s ``axis`` (a product's summed axis), inf where unknown."""
     if value is None or value.shape is None or len(value.shape) < -axis:
         return math.inf
-    d = value.shape[axis]
-    return d if isinstance(d, int) else _SYMBOLIC_SIZE
+    return _size([value.shape[axis]])
 
 
 def _per_output(weight) -> float:
@@ -80,7 +84,7 @@ def _per_output(weight) -> float:
     then the rest: its other axes' sizes), inf where unknown."""
     if weight is None or weight.shape is None or len(weight.shape) < 2:
         return math.inf
-    return math.prod(d if isinstance(d, int) else _SYMBOLIC_SIZE for d in weight.shape[1:])
+    return _size(weight.shape[1:])
 
 
 def _multiply_adds(node) -> float:

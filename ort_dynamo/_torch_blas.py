@@ -112,6 +112,7 @@ def hand_in(path: str, pieces: int) -> None:
     loaded = ctypes.CDLL(path)
     torch_cpu = _kernels.torch_library("libtorch_cpu.so")
     sgemm = ctypes.cast(getattr(torch_cpu, _SGEMM), ctypes.c_void_p)
-    optional = [ctypes.cast(getattr(torch_cpu, name, None) or 0, ctypes.c_void_p) for name in (_BF16_GEMM, _THREADS_LOCAL, _SGEMM_BATCH)]
+    optional = [ctypes.cast(getattr(torch_cpu, name, None) or 0, ctypes.c_void_p)
+                for name in (_BF16_GEMM, _THREADS_LOCAL, _SGEMM_BATCH)]
     loaded.ortd_torch_blas_init.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64]
     loaded.ortd_torch_blas_init(sgemm, *optional, pieces)

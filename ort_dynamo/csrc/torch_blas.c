@@ -105,22 +105,33 @@ typedef struct Product {
   int64_t parts, per, by_columns; /* pieces of per rows, or (by_columns) of per columns */
 } Product;
 
-/* Rows [r0, r1) and columns [c0, c1) of product p. Row-major y = op(a) op(b) is column-major
- * y^T = op(b)^T op(a)^T: b first; its columns c0.. are op(b)^T's rows c0... */
+/* Row-major y = op(a) op(b) is column-major y^T = op(b)^T op(a)^T: the BLAS gets b first. Its
+ * operands' transposes and leading dimensions, the same for every product and piece of g. */
+typedef struct Layout {
+  char ta, tb;
+  int lda, ldb, ldc;
+} Layout;
+
+static Layout layout(const Product* g) {
+  Layout l = {g->trans_b ? 'T' : 'N', g->trans_a ? 'T' : 'N', (int)(g->trans_b ? g->k : g->n),
+              (int)(g->trans_a ? g->rows : g->k), (int)g->n};
+  return l;
+}
+
+/* Rows [r0, r1) and columns [c0, c1) of product p: op(b)^T's rows c0.. (see Layout). */
 static void multiply(const Product* g, int64_t p, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
   const int im = (int)(c1 - c0), in = (int)(r1 - r0), ik = (int)g->k;
-  const int lda = (int)(g->trans_b ? g->k : g->n), ldb = (int)(g->trans_a ? g->rows : g->k), ldc = (int)g->n;
-  const char ta = g->trans_b ? 'T' : 'N', tb = g->trans_a ? 'T' : 'N';
+  const Layout l = layout(g);
   const float one = 1.0f;
   const int64_t a_at = p * g->rows * g->k + r0 * (g->trans_a ? 1 : g->k);
   const int64_t b_at = p * g->b_step + c0 * (g->trans_b ? g->k : 1);
   float* y = g->y + (p * g->rows + r0) * g->n + c0;
   if (g->bf16)
-    blas_bf16_gemm(&ta, &tb, &im, &in, &ik, &one, (const uint16_t*)g->b + b_at, &lda, (const uint16_t*)g->a + a_at,
-                   &ldb, &g->beta, y, &ldc);
+    blas_bf16_gemm(&l.ta, &l.tb, &im, &in, &ik, &one, (const uint16_t*)g->b + b_at, &l.lda,
+                   (const uint16_t*)g->a + a_at, &l.ldb, &g->beta, y, &l.ldc);
   else
-    blas_sgemm(&ta, &tb, &im, &in, &ik, &one, (const float*)g->b + b_at, &lda, (const float*)g->a + a_at, &ldb,
-               &g->beta, y, &ldc);
+    blas_sgemm(&l.ta, &l.tb, &im, &in, &ik, &one, (const float*)g->b + b_at, &l.lda, (const float*)g->a + a_at,
+               &l.ldb, &g->beta, y, &l.ldc);
 }
 
 /* All of a float32 batch's products in one call, MKL spreading them over its threads: one
@@ -131,16 +142,15 @@ static OrtStatus* multiply_batch(const OrtApiTable* api, const Product* g, int64
   if (pointers == NULL) return fail(api, "ort_dynamo.blas MatMul: out of memory");
   const float **as = (const float**)pointers, **bs = as + products;
   float** ys = (float**)(bs + products);
-  for (int64_t p = 0; p < products; p++) { /* column-major, as multiply(): b first */
+  for (int64_t p = 0; p < products; p++) { /* b first, as in multiply() */
     as[p] = (const float*)g->b + p * g->b_step;
     bs[p] = (const float*)g->a + p * g->rows * g->k;
     ys[p] = g->y + p * g->rows * g->n;
   }
   const int im = (int)g->n, in = (int)g->rows, ik = (int)g->k, groups = 1, size = (int)products;
-  const int lda = (int)(g->trans_b ? g->k : g->n), ldb = (int)(g->trans_a ? g->rows : g->k), ldc = (int)g->n;
-  const char ta = g->trans_b ? 'T' : 'N', tb = g->trans_a ? 'T' : 'N';
+  const Layout l = layout(g);
   const float one = 1.0f;
-  blas_sgemm_batch(&ta, &tb, &im, &in, &ik, &one, as, &lda, bs, &ldb, &g->beta, ys, &ldc, &groups, &size);
+  blas_sgemm_batch(&l.ta, &l.tb, &im, &in, &ik, &one, as, &l.lda, bs, &l.ldb, &g->beta, ys, &l.ldc, &groups, &size);
   free(pointers);
   return NULL;
 }
