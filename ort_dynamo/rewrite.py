@@ -137,7 +137,7 @@ def rewrite(exported: ExportedGraph, options: OrtOptions) -> bytes:
             _op_kernels.one_element_operands_at_full_rank(model.graph)
             ir.passes.common.RemoveUnusedNodesPass()(model)  # the Constants replaced
         # Last: the kernel passes above match Reshapes as the exporter wrote them.
-        if _collapse_reshape_chains(model.graph):
+        if _collapse_reshape_chains(model.graph) + _collapse_unsqueeze_chains(model.graph):
             ir.passes.common.RemoveUnusedNodesPass()(model)
     return ir.serde.serialize_model(model).SerializeToString()
 
@@ -173,6 +173,60 @@ def _collapse_reshape_chains(graph: ir.Graph) -> int:
             graph.remove(node, safe=True)
             count += 1
     return count
+
+
+def _collapse_unsqueeze_chains(graph: ir.Graph) -> int:
+    """``Unsqueeze(Unsqueeze(x, a), b)`` -> ``Unsqueeze(x, a')``, and ``Unsqueeze(Squeeze(x, a),
+    a)`` -> ``x``. Batch norm's decompositions broadcast each per-channel vector to [C, 1, 1] or
+    [1, C, 1, 1] one axis at a time, and its backward squeezes a [1, C, 1, 1] statistic to [C]
+    only to unsqueeze it back: ResNet's backward had 291 Unsqueezes, each a node ORT dispatches.
+    Rank arithmetic only, so symbolic shapes are fine; axes must be constants. Not where the
+    inner result or the outer result is a graph output. Returns how many steps it took (0: the
+    graph is as it was)."""
+    count = 0
+    for node in list(graph):
+        while node.graph is not None and _fusions._op(node, "Unsqueeze"):
+            went = _unsqueeze_of_a_view(graph, node)
+            if not went:
+                break
+            count += went
+    return count
+
+
+def _unsqueeze_of_a_view(graph: ir.Graph, node: ir.Node) -> int:
+    """One step of ``_collapse_unsqueeze_chains`` at ``node``: 0 if it changed nothing, else 1
+    plus the inner node if that went too."""
+    if len(node.inputs) != 2:
+        return 0
+    source, result = node.inputs[0], node.outputs[0]
+    inner = source.producer() if source is not None else None
+    axes = _fusions._ints(node.inputs[1])
+    rank = result.shape.rank() if result.shape is not None else None
+    if (axes is None or rank is None or result.is_graph_output() or source.is_graph_output() or inner is None
+            or len(inner.inputs) != 2 or not (_fusions._op(inner, "Unsqueeze") or _fusions._op(inner, "Squeeze"))):
+        return 0
+    inner_axes = _fusions._ints(inner.inputs[1])
+    if inner_axes is None:
+        return 0
+    axes = sorted(a % rank for a in axes)
+    if _fusions._op(inner, "Squeeze"):
+        # Squeeze's axes count in its input's rank, which is the result's when they cancel.
+        if sorted(a % rank for a in inner_axes) != axes:
+            return 0
+        result.replace_all_uses_with(inner.inputs[0])
+        graph.remove(node, safe=True)
+    else:
+        # The inner result's axes, in order, fill the positions the outer Unsqueeze leaves.
+        kept = [p for p in range(rank) if p not in axes]
+        composed = sorted(axes + [kept[a % len(kept)] for a in inner_axes])
+        node.replace_input_with(0, inner.inputs[0])
+        name = f"{result.name}_axes_{'_'.join(map(str, composed))}"  # names its values: one per chain step
+        node.replace_input_with(1, graph.initializers.get(name) or _fusions._int64_constant(graph, name, composed))
+    went = 1
+    if not source.uses():
+        graph.remove(inner, safe=True)
+        went += 1
+    return went
 
 
 def _drop_provenance(model: "ir.Model") -> None:

@@ -1,6 +1,7 @@
 """Rewrites: ORT's fused kernels appear in the optimized graphs, and results do not change."""
 
 import collections
+import copy
 import math
 import glob
 import os
@@ -603,3 +604,36 @@ def test_a_view_of_a_view_between_products_is_no_reshape_at_all():
     want = partition(x, w1, w2)
     torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(flat, want[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_batch_norm_broadcasts_each_channel_vector_with_one_unsqueeze(tmp_path, dynamic):
+    """Batch norm's decompositions unsqueeze each per-channel vector one axis at a time, and its
+    backward squeezes a [1, C, 1, 1] statistic to [C] only to unsqueeze it back. The rewrite
+    composes the chains (rank arithmetic, so symbolic shapes too) and drops the round trips;
+    training stays eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4))
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 3, 10, 10)
+    compiled = torch.compile(model, backend="ort", dynamic=dynamic,
+                             options={"save_onnx": True, "save_path": str(tmp_path)})
+    got = compiled(x)
+    got.square().mean().backward()
+    want = twin(x)
+    want.square().mean().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for mine, eager in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(mine.grad, eager.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model[1].running_var, twin[1].running_var)
+    unsqueezes = 0
+    for path in glob.glob(str(tmp_path / "*.onnx")):
+        graph = onnx.load(path).graph
+        producer = {out: node for node in graph.node for out in node.output}
+        for node in graph.node:
+            if node.op_type != "Unsqueeze":
+                continue
+            unsqueezes += 1
+            inner = producer.get(node.input[0])
+            assert inner is None or inner.op_type not in ("Unsqueeze", "Squeeze"), (path, node.name, inner.op_type)
+    assert unsqueezes >= 4  # the per-channel broadcasts themselves stay
