@@ -220,8 +220,9 @@ def _unsqueeze_of_a_view(graph: ir.Graph, node: ir.Node) -> int:
         kept = [p for p in range(rank) if p not in axes]
         composed = sorted(axes + [kept[a % len(kept)] for a in inner_axes])
         node.replace_input_with(0, inner.inputs[0])
-        name = f"{result.name}_axes_{'_'.join(map(str, composed))}"  # names its values: one per chain step
-        node.replace_input_with(1, graph.initializers.get(name) or _fusions._int64_constant(graph, name, composed))
+        # Each step at a node adds axes, so the name is new: one constant per step.
+        name = f"{result.name}_axes_{'_'.join(map(str, composed))}"
+        node.replace_input_with(1, _fusions._int64_constant(graph, name, composed))
     went = 1
     if not source.uses():
         graph.remove(inner, safe=True)
@@ -345,7 +346,7 @@ def _index_runs_as_slices(graph: ir.Graph) -> int:
     the count."""
     count = 0
     for node in list(graph):
-        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        if not _fusions._op(node, "Gather") or len(node.inputs) != 2:
             continue
         data, indices = node.inputs
         tensor = ir.convenience.get_const_tensor(indices) if indices is not None else None
