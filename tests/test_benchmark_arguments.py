@@ -175,3 +175,13 @@ def test_profile_step_refuses_a_floor_it_cannot_compute(arguments):
     result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "profile_step.py"), *arguments],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "--floor is for float32 CPU steps" in result.stderr, result.stderr[-1000:]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--models", "resnet,resnt"], "--models: unknown 'resnt': one of gpt2, bert"),
+    (["--models", "resnet", "--attention-dropout", "0.1"], "--attention-dropout applies to gpt2, bert"),
+])
+def test_compare_revision_refuses_unknown_models_before_training(arguments, message):
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "compare_revision.py"), *arguments],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-1000:]
